@@ -1,0 +1,101 @@
+"""Shared fixtures: virtual clock, stores, speech made with espeak-ng, a live
+server on loopback."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from turn.clock import VirtualClock
+from turn.sqlite_store import SqliteStore
+
+ALSA_SOUNDS = Path("/usr/share/sounds/alsa")
+
+#: Phrases the tests say; the grammar makes pocketsphinx exact on them.
+TEST_PHRASES = [
+    "tell me a story",
+    "what is the weather like today",
+    "count to twenty",
+    "front center",
+    "front left",
+    "front right",
+    "rear center",
+    "hello there",
+]
+
+GRAMMAR = "#JSGF V1.0;\ngrammar turnkeeper_test;\npublic <utt> = " + " | ".join(TEST_PHRASES) + ";\n"
+
+
+def have(cmd: str) -> bool:
+    return shutil.which(cmd) is not None
+
+
+requires_espeak = pytest.mark.skipif(not have("espeak-ng"), reason="espeak-ng is not installed")
+
+
+@pytest.fixture
+def clock() -> VirtualClock:
+    return VirtualClock()
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
+    s = SqliteStore(tmp_path / "var" / "turns.db")
+    await s.open()
+    yield s
+    await s.close()
+
+
+@pytest.fixture(scope="session")
+def speech_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("speech")
+
+
+@pytest.fixture(scope="session")
+def say(speech_dir: Path) -> Callable[..., Path]:
+    """``say(text, voice="en-us", wpm=140) -> Path`` of a WAV spoken by espeak-ng
+    (22.05 kHz mono), cached per session."""
+
+    def _say(text: str, voice: str = "en-us", wpm: int = 140) -> Path:
+        if not have("espeak-ng"):
+            pytest.skip("espeak-ng is not installed")
+        name = f"{voice}-{wpm}-" + "".join(c if c.isalnum() else "_" for c in text)[:60] + ".wav"
+        path = speech_dir / name
+        if not path.exists():
+            subprocess.run(["espeak-ng", "-v", voice, "-s", str(wpm), "-w", str(path), text], check=True)
+        return path
+
+    return _say
+
+
+@pytest.fixture(scope="session")
+def grammar_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("grammar") / "test.gram"
+    path.write_text(GRAMMAR)
+    return path
+
+
+@pytest.fixture
+def alsa_wav() -> Callable[[str], Path]:
+    def _get(name: str) -> Path:
+        path = ALSA_SOUNDS / name
+        if not path.exists():
+            pytest.skip(f"{path} missing (Debian package alsa-utils)")
+        return path
+
+    return _get
+
+
+async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Run ``app`` on a free loopback port; returns (runner, base URL)."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"

@@ -1,0 +1,1 @@
+"""turnkeeper: turn layer (see DESIGN.md)."""

@@ -1,0 +1,106 @@
+"""Injected time.
+
+Every component that waits or stamps time takes a :class:`Clock`, so races and
+pacing can be tested deterministically with :class:`VirtualClock`.
+
+Units: ``monotonic()`` is seconds (float) on an arbitrary origin, only
+differences are meaningful; ``now()`` is a timezone-aware UTC ``datetime`` for
+records that humans and other processes read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Protocol
+
+
+class Clock(Protocol):
+    """The time source every component is given."""
+
+    def monotonic(self) -> float:
+        """Seconds on a monotonic scale (never goes back)."""
+        ...
+
+    def now(self) -> datetime:
+        """Wall-clock time, timezone-aware UTC."""
+        ...
+
+    async def sleep(self, seconds: float) -> None:
+        """Suspend for ``seconds`` (<= 0 yields once). Cancellable."""
+        ...
+
+
+class SystemClock:
+    """The real clock: ``time.monotonic`` and ``asyncio.sleep``."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def now(self) -> datetime:
+        return datetime.now(timezone.utc)
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(0.0, seconds))
+
+
+class VirtualClock:
+    """A clock that only moves when a test calls :meth:`advance`.
+
+    Sleepers wake in deadline order; ``advance`` lets each woken task run before
+    moving time further, so "what happens at t=0.04 s" is exact and repeatable.
+    """
+
+    def __init__(self, start: float = 1000.0, wall: datetime | None = None) -> None:
+        self._t = start
+        self._origin = start
+        self._wall0 = wall or datetime(2026, 1, 1, tzinfo=timezone.utc)
+        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+
+    def monotonic(self) -> float:
+        return self._t
+
+    def now(self) -> datetime:
+        return self._wall0 + timedelta(seconds=self._t - self._origin)
+
+    async def sleep(self, seconds: float) -> None:
+        if seconds <= 0:
+            await asyncio.sleep(0)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._sleepers, (self._t + seconds, next(self._seq), fut))
+        await fut
+
+    async def advance(self, seconds: float) -> None:
+        """Move time forward by ``seconds``, waking every sleeper due on the way.
+
+        Raises:
+            ValueError: if ``seconds`` is negative.
+        """
+        if seconds < 0:
+            raise ValueError("a clock never goes back")
+        target = self._t + seconds
+        await _settle()
+        while self._sleepers and self._sleepers[0][0] <= target:
+            due, _, fut = heapq.heappop(self._sleepers)
+            self._t = max(self._t, due)
+            if not fut.done():
+                fut.set_result(None)
+            await _settle()
+        self._t = target
+        await _settle()
+
+    @property
+    def pending_sleepers(self) -> int:
+        """How many sleeps are waiting (cancelled ones included until due)."""
+        return sum(1 for _, _, f in self._sleepers if not f.done())
+
+
+async def _settle(rounds: int = 20) -> None:
+    """Let ready callbacks run a few loop iterations."""
+    for _ in range(rounds):
+        await asyncio.sleep(0)
