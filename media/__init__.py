@@ -1,0 +1,1 @@
+"""turnkeeper: media layer (see DESIGN.md)."""

@@ -1,0 +1,106 @@
+"""Inbound audio: decoded track frames -> 16 kHz mono 20 ms frames -> VAD.
+
+aiortc decodes Opus/PCMU to ``av.AudioFrame`` (Opus: 48 kHz stereo s16, 960
+samples). :class:`InboundAudio` resamples each to 16 kHz mono with PyAV,
+reframes to exact 20 ms and runs the stream's own VAD, yielding
+:class:`InboundFrame` items stamped with the injected clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aiortc.jitterbuffer import JitterBuffer
+from aiortc.mediastreams import MediaStreamError
+
+from media.frames import VAD_RATE, PcmResampler, Reframer
+from media.vad import VadConfig, VadEvent, VoiceActivityDetector
+from turn.clock import Clock
+
+
+class AudioSource(Protocol):
+    """What :class:`InboundAudio` reads: an aiortc ``MediaStreamTrack`` of
+    kind audio, or anything with the same ``recv``."""
+
+    async def recv(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class InboundFrame:
+    """One 20 ms frame of user audio.
+
+    Attributes:
+        pcm: 640 bytes, 16 kHz mono s16.
+        at: clock seconds when it was taken off the track.
+        voiced: webrtcvad's verdict on this frame.
+        event: speech_started / speech_stopped when hysteresis decided here.
+    """
+
+    pcm: bytes
+    at: float
+    voiced: bool
+    event: VadEvent | None = None
+
+
+class InboundAudio:
+    """Reads a track until it ends and yields analysed 20 ms frames.
+
+    Args:
+        track: the remote audio track.
+        clock: time source for frame stamps.
+        vad: VAD settings (one webrtcvad instance per InboundAudio).
+    """
+
+    def __init__(self, track: AudioSource, clock: Clock, vad: VadConfig | None = None) -> None:
+        self.track = track
+        self.clock = clock
+        self.vad = VoiceActivityDetector(vad)
+        self._resampler = PcmResampler(VAD_RATE)
+        self._reframer = Reframer(VAD_RATE)
+
+    async def frames(self) -> AsyncIterator[InboundFrame]:
+        """Yield frames until the track ends (``MediaStreamError``)."""
+        while True:
+            try:
+                frame = await self.track.recv()
+            except MediaStreamError:
+                return
+            at = self.clock.monotonic()
+            for pcm in self._reframer.push(self._resampler.frame(frame)):
+                voiced, event = self.vad.feed(pcm, at)
+                yield InboundFrame(pcm=pcm, at=at, voiced=voiced, event=event)
+
+
+def set_jitter_prefetch(receiver: Any, packets: int) -> None:
+    """Set how many 20 ms packets aiortc's inbound jitter buffer holds back
+    before releasing audio (aiortc's default is 4, i.e. 80 ms of latency).
+
+    Trade-off: each packet of prefetch adds 20 ms between the user's speech and
+    our VAD (so to the barge-in), but rides out that much network jitter
+    without gaps. On a LAN or loopback 1 is enough; on lossy, jittery links
+    (mobile, long-haul) use 3 to 5. The buffer always needs the next packet to
+    know a frame is complete, so 0 behaves like 1.
+
+    aiortc (1.x) offers no public setting for this; the receiver's buffer is
+    replaced before any packet arrives, so call this right after
+    ``setRemoteDescription``. The capacity (16 packets) is aiortc's.
+
+    Raises:
+        ValueError: ``packets`` outside 0..8.
+        RuntimeError: this aiortc keeps its jitter buffer elsewhere (an
+            upgrade changed it; a test catches this).
+    """
+    if not 0 <= packets <= 8:
+        raise ValueError("jitter prefetch must be 0..8 packets")
+    attr = "_RTCRtpReceiver__jitter_buffer"
+    current = getattr(receiver, attr, None)
+    if not isinstance(current, JitterBuffer):
+        raise RuntimeError("aiortc's RTCRtpReceiver no longer has the expected jitter buffer")
+    setattr(receiver, attr, JitterBuffer(capacity=current.capacity, prefetch=packets))
+
+
+def jitter_prefetch(receiver: Any) -> int:
+    """The receiver's current jitter-buffer prefetch, in packets."""
+    return getattr(receiver, "_RTCRtpReceiver__jitter_buffer")._prefetch

@@ -1,0 +1,142 @@
+"""The paced outbound track and the delivery gate.
+
+:class:`PacedAudioTrack` is an aiortc audio track that hands the RTP sender a
+20 ms frame every 20 ms of the injected clock. Each tick it takes the next
+playout frame whose generation passes the gate; frames of any other
+generation are dropped there (counted as fenced), however late they were
+queued. With nothing to send it sends silence, so the wire never stalls and a
+cleared buffer is silent on the very next tick.
+"""
+
+from __future__ import annotations
+
+import fractions
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from av.audio.frame import AudioFrame
+
+from media.frames import FRAME_MS, PLAYOUT_RATE, pcm_to_frame, samples_per_frame
+from media.playout import PlayoutBuffer, PlayoutFrame
+from turn.clock import Clock
+
+#: If the loop stalls longer than this (s), restart pacing instead of bursting.
+MAX_LAG_S = 0.1
+
+
+class Gate(Protocol):
+    """The delivery gate's rule: may output of ``generation`` reach the client?
+    (:class:`turn.generation.GenerationFence` is one.)"""
+
+    def passes(self, generation: int) -> bool: ...
+
+
+@dataclass
+class GenerationAudit:
+    """What left the server for one generation.
+
+    Attributes:
+        frames: frames sent.
+        samples: samples sent (48 kHz), i.e. how much of it was played.
+        first_sent_at / last_sent_at: clock seconds of the first/last send.
+    """
+
+    frames: int = 0
+    samples: int = 0
+    first_sent_at: float | None = None
+    last_sent_at: float | None = None
+
+
+@dataclass
+class DeliveryAudit:
+    """Counters for the delivery gate, for tests, metrics and audits."""
+
+    per_generation: dict[int, GenerationAudit] = field(default_factory=dict)
+    fenced_frames: int = 0
+    silence_frames: int = 0
+    resyncs: int = 0
+
+
+SentHook = Callable[[PlayoutFrame | None, float], None]
+
+
+class PacedAudioTrack(MediaStreamTrack):
+    """Outbound audio, 48 kHz mono s16, 20 ms per ``recv()``.
+
+    Args:
+        buffer: where frames wait.
+        gate: delivery gate (only its active generation passes).
+        clock: pacing time source.
+        on_sent: optional hook called with (frame or None for silence, clock
+            seconds) right before each frame is handed to the sender.
+    """
+
+    kind = "audio"
+
+    def __init__(self, buffer: PlayoutBuffer, gate: Gate, clock: Clock, on_sent: SentHook | None = None) -> None:
+        super().__init__()
+        self.buffer = buffer
+        self.gate = gate
+        self.clock = clock
+        self.on_sent = on_sent
+        self.audit = DeliveryAudit()
+        self.paused = False
+        self._samples = samples_per_frame(PLAYOUT_RATE)
+        self._silence = bytes(self._samples * 2)
+        self._start: float | None = None
+        self._tick = 0
+        self._pts = 0
+
+    async def recv(self) -> AudioFrame:
+        """Wait for the next 20 ms tick and return its frame.
+
+        Raises:
+            MediaStreamError: the track was stopped.
+        """
+        if self.readyState != "live":
+            raise MediaStreamError
+        now = self.clock.monotonic()
+        if self._start is None:
+            self._start = now
+        else:
+            self._tick += 1
+            due = self._start + self._tick * FRAME_MS / 1000
+            if now - due > MAX_LAG_S:
+                # The loop stalled: restart pacing rather than burst frames out.
+                self._start, self._tick = now, 0
+                self.audit.resyncs += 1
+            else:
+                await self.clock.sleep(due - now)
+        if self.readyState != "live":
+            raise MediaStreamError
+        at = self.clock.monotonic()
+        frame = self._next_deliverable()
+        if frame is None:
+            self.audit.silence_frames += 1
+            pcm = self._silence
+        else:
+            pcm = frame.pcm
+            audit = self.audit.per_generation.setdefault(frame.generation, GenerationAudit())
+            audit.frames += 1
+            audit.samples += self._samples
+            audit.last_sent_at = at
+            if audit.first_sent_at is None:
+                audit.first_sent_at = at
+        if self.on_sent is not None:
+            self.on_sent(frame, at)
+        out = pcm_to_frame(pcm, PLAYOUT_RATE, pts=self._pts)
+        self._pts += self._samples
+        return out
+
+    def _next_deliverable(self) -> PlayoutFrame | None:
+        """The delivery gate: the next frame of the active generation, dropping
+        (and counting) any of another generation on the way."""
+        if self.paused:
+            return None
+        while (frame := self.buffer.pop()) is not None:
+            if self.gate.passes(frame.generation):
+                return frame
+            self.audit.fenced_frames += 1
+        return None

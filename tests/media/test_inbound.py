@@ -1,0 +1,63 @@
+"""InboundAudio on decoded frames like aiortc's, and the jitter prefetch setting."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiortc import RTCPeerConnection
+from aiortc.mediastreams import MediaStreamError
+from av.audio.frame import AudioFrame
+
+from media.frames import PLAYOUT_RATE, load_pcm
+from media.inbound import InboundAudio, jitter_prefetch, set_jitter_prefetch
+from media.vad import VadEventKind
+from turn.clock import VirtualClock
+
+
+class FakeOpusTrack:
+    """Yields what aiortc's Opus decoder yields: 48 kHz stereo s16, 960 samples."""
+
+    def __init__(self, mono48k: bytes) -> None:
+        x = np.frombuffer(mono48k, dtype="<i2")
+        x = x[: len(x) // 960 * 960]
+        self._chunks = [x[i : i + 960] for i in range(0, len(x), 960)]
+
+    async def recv(self) -> AudioFrame:
+        if not self._chunks:
+            raise MediaStreamError
+        mono = self._chunks.pop(0)
+        stereo = np.repeat(mono, 2).reshape(1, -1)
+        frame = AudioFrame.from_ndarray(stereo, format="s16", layout="stereo")
+        frame.sample_rate = PLAYOUT_RATE
+        return frame
+
+
+async def test_inbound_resamples_and_detects_speech(say: Callable[..., Path], clock: VirtualClock) -> None:
+    speech = load_pcm(say("what is the weather like today"), PLAYOUT_RATE)
+    pcm = bytes(1920 * 20) + speech + bytes(1920 * 40)
+    inbound = InboundAudio(FakeOpusTrack(pcm), clock)
+    frames = [f async for f in inbound.frames()]
+    assert all(len(f.pcm) == 640 for f in frames)
+    # 48 kHz in -> 16 kHz out, same duration (within resampler delay)
+    assert abs(len(frames) - len(pcm) // 1920) <= 2
+    kinds = [f.event.kind for f in frames if f.event]
+    assert kinds == [VadEventKind.SPEECH_STARTED, VadEventKind.SPEECH_STOPPED]
+    assert not any(f.voiced for f in frames[:15])
+
+
+async def test_jitter_prefetch_is_set_on_a_real_receiver() -> None:
+    pc = RTCPeerConnection()
+    try:
+        t = pc.addTransceiver("audio")
+        assert jitter_prefetch(t.receiver) == 4  # aiortc's default
+        set_jitter_prefetch(t.receiver, 1)
+        assert jitter_prefetch(t.receiver) == 1
+        with pytest.raises(ValueError):
+            set_jitter_prefetch(t.receiver, 9)
+        with pytest.raises(RuntimeError):
+            set_jitter_prefetch(object(), 1)
+    finally:
+        await pc.close()
