@@ -1,0 +1,129 @@
+"""espeak-ng TTS and pocketsphinx STT, for real."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from media.frames import VAD_RATE, load_pcm, rms_dbfs
+from voice.stt import PocketsphinxConfig, PocketsphinxSTT
+from voice.tts import EspeakConfig, EspeakTTS, TtsError, _read_wav_header
+
+from conftest import requires_espeak
+
+
+@requires_espeak
+async def test_tts_streams_48k_pcm() -> None:
+    tts = EspeakTTS()
+    chunks: list[bytes] = []
+    await tts.synthesize("Hello there. This is a test.", chunks.append)
+    pcm = b"".join(chunks)
+    seconds = len(pcm) / 2 / tts.sample_rate
+    assert 1.0 < seconds < 5.0
+    assert rms_dbfs(pcm) > -40
+    assert len(chunks) > 1  # streamed, not one blob
+    assert not tts.running
+
+
+@requires_espeak
+async def test_tts_empty_text_is_silent() -> None:
+    chunks: list[bytes] = []
+    await EspeakTTS().synthesize("   ", chunks.append)
+    assert chunks == []
+
+
+@requires_espeak
+async def test_tts_cancel_kills_the_subprocess() -> None:
+    tts = EspeakTTS(EspeakConfig(words_per_minute=80))
+    first = asyncio.Event()
+    procs = []
+
+    def sink(pcm: bytes) -> None:
+        if not first.is_set():
+            procs.extend(tts.running)
+            first.set()
+
+    task = asyncio.create_task(tts.synthesize("word " * 400, sink))
+    await asyncio.wait_for(first.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert procs and all(p.returncode is not None for p in procs)
+    assert not tts.running
+
+
+async def test_tts_missing_binary() -> None:
+    with pytest.raises(TtsError, match="not found"):
+        await EspeakTTS(EspeakConfig(executable="/nonexistent/espeak-ng")).synthesize("hi", lambda b: None)
+
+
+async def test_tts_failing_binary(tmp_path: Path) -> None:
+    fake = tmp_path / "fake-espeak"
+    fake.write_text("#!/bin/sh\necho 'voice not found' >&2\nexit 1\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    with pytest.raises(TtsError):
+        await EspeakTTS(EspeakConfig(executable=str(fake))).synthesize("hi", lambda b: None)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"NOTAWAVEFILE", b"RIFF\x00\x00\x00\x00WAVEdata\x00\x00\x00\x00",
+     b"RIFF\x00\x00\x00\x00WAVEfmt \x10\x00\x00\x00\x01\x00\x02\x00\x22\x56\x00\x00\x88\x58\x01\x00\x04\x00\x10\x00"],
+)
+async def test_bad_wav_headers(data: bytes) -> None:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    with pytest.raises(TtsError):
+        await _read_wav_header(reader)
+
+
+async def recognise(stt: PocketsphinxSTT, pcm: bytes) -> str:
+    stream = stt.open_stream()
+    for i in range(0, len(pcm), 640):
+        stream.feed(pcm[i : i + 640])
+    return await stream.finish()
+
+
+async def test_stt_with_grammar_is_exact(say: Callable[..., Path], grammar_file: Path) -> None:
+    stt = PocketsphinxSTT(PocketsphinxConfig(grammar=grammar_file))
+    await stt.start()
+    try:
+        for phrase in ("what is the weather like today", "tell me a story", "count to twenty"):
+            assert await recognise(stt, load_pcm(say(phrase), VAD_RATE)) == phrase
+    finally:
+        await stt.aclose()
+
+
+async def test_stt_free_form_on_human_voice(alsa_wav: Callable[[str], Path]) -> None:
+    stt = PocketsphinxSTT()
+    try:
+        text = await recognise(stt, load_pcm(alsa_wav("Front_Center.wav"), VAD_RATE))
+        assert "front" in text or "center" in text
+        assert await recognise(stt, bytes(640 * 50)) == ""
+    finally:
+        await stt.aclose()
+
+
+async def test_stt_abandon_and_errors(grammar_file: Path, tmp_path: Path) -> None:
+    stt = PocketsphinxSTT(PocketsphinxConfig(grammar=grammar_file))
+    s = stt.open_stream()
+    s.feed(bytes(6400))
+    await s.aclose()
+    await s.aclose()
+    with pytest.raises(RuntimeError):
+        await s.finish()
+    s2 = stt.open_stream()  # the decoder is usable after an abandoned utterance
+    assert await s2.finish() == ""
+    await stt.aclose()
+    with pytest.raises(RuntimeError):
+        stt.open_stream()
+    bad = PocketsphinxSTT(PocketsphinxConfig(grammar=tmp_path / "missing.gram"))
+    with pytest.raises(FileNotFoundError):
+        await bad.start()
+    await bad.aclose()

@@ -1,0 +1,1 @@
+"""turnkeeper: voice layer (see DESIGN.md)."""

@@ -1,0 +1,425 @@
+"""The agent session: one per connected client.
+
+It wires the inbound audio (VAD events and 16 kHz frames) to the Turn Manager
+and the providers, and runs each turn's pipeline::
+
+    speech_started -> advance generation, clear playout, cancel the old turn's
+                      work (barge_in), open a new turn
+    speech frames  -> STT stream
+    speech_stopped -> STT final -> LLM stream -> sentences -> TTS -> playout
+
+Concurrency: everything runs in one TaskGroup owned by :meth:`AgentSession.run`.
+For each turn there is a *work* task (the pipeline, cancelled on stop), an
+*open* task (writes the turn; never cancelled by a barge-in, so a turn is
+never half-written) and, once stopped, a *stop* task that writes
+CANCEL_REQUESTED, waits a bounded grace for the work to end and then writes
+the terminal state. When the session ends, every turn still open is stopped
+with a structured reason before :meth:`run` returns, even if it was cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from media.frames import PLAYOUT_RATE, Reframer, samples_per_frame
+from media.inbound import InboundFrame
+from media.playout import PlayoutBuffer, PlayoutFrame
+from media.vad import VadConfig, VadEvent, VadEventKind
+from turn.clock import Clock
+from turn.generation import GenerationFence
+from turn.manager import StopOutcome, TurnManager
+from turn.models import StopReason, StopReasonKind, Turn
+from turn.store import UnknownTurn
+from voice.providers import LanguageModel, Message, SpeechToText, SttStream, TextToSpeech
+from voice.text import SentenceSplitter
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[dict[str, Any]], None]
+
+
+class SessionConfig(BaseModel):
+    """Agent session settings (env ``TURNKEEPER_SESSION__*``).
+
+    Attributes:
+        stop_grace_ms: how long a stopped turn's work may take to wind down
+            before its terminal state is written anyway (ms).
+        history_messages: how many past messages the model sees at most.
+    """
+
+    stop_grace_ms: int = Field(250, ge=0, le=10_000)
+    history_messages: int = Field(40, ge=2, le=1000)
+
+
+@dataclass
+class Providers:
+    """The session's STT, LLM and TTS."""
+
+    stt: SpeechToText
+    llm: LanguageModel
+    tts: TextToSpeech
+
+
+@dataclass
+class TurnRun:
+    """In-memory handle of one turn while this session works on it.
+
+    ``turn_id`` is chosen before the record is written so that a stop can
+    always find the turn, whatever moment it arrives at.
+    """
+
+    generation: int
+    stt: SttStream
+    turn_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    utterance_ended: asyncio.Event = field(default_factory=asyncio.Event)
+    open_task: asyncio.Task[Turn] | None = None
+    work: asyncio.Task[None] | None = None
+    stop_task: asyncio.Task[None] | None = None
+    transcript: str | None = None
+    reply: list[str] = field(default_factory=list)
+    phase: str = "listening"
+    finished: bool = False
+
+
+@dataclass
+class BargeInRecord:
+    """One barge-in as the server saw it (clock seconds)."""
+
+    old_turn_id: str
+    old_generation: int
+    new_generation: int
+    onset_at: float
+    fenced_at: float
+
+    @property
+    def onset_to_fence_ms(self) -> float:
+        return (self.fenced_at - self.onset_at) * 1000
+
+
+class AgentSession:
+    """One client's conversation.
+
+    Args:
+        session_id: the session's id (also the turns' session_id).
+        manager: the Turn Manager (authority for turn states).
+        providers: STT, LLM, TTS.
+        playout: the outbound playout buffer of this session.
+        fence: this session's generation fence (the delivery gate's rule).
+        clock: time source.
+        emit: called with each event (a JSON-able dict) for the client; must
+            not block.
+        vad: VAD settings (for the pre-roll length).
+        config: session settings.
+    """
+
+    def __init__(
+        self,
+        *,
+        session_id: str,
+        manager: TurnManager,
+        providers: Providers,
+        playout: PlayoutBuffer,
+        fence: GenerationFence,
+        clock: Clock,
+        emit: EventSink,
+        vad: VadConfig | None = None,
+        config: SessionConfig | None = None,
+    ) -> None:
+        self.session_id = session_id
+        self.manager = manager
+        self.providers = providers
+        self.playout = playout
+        self.fence = fence
+        self.clock = clock
+        self._emit = emit
+        self.vad = vad or VadConfig()
+        self.config = config or SessionConfig()
+        #: what the user would stop a turn for if the session ended now
+        self.close_reason = StopReasonKind.TRANSPORT_DISCONNECTED
+        self.history: list[Message] = []
+        self.barge_ins: list[BargeInRecord] = []
+        self.fenced_events = 0
+        self._preroll: deque[bytes] = deque(maxlen=max(1, self.vad.preroll_frames))
+        self._runs: list[TurnRun] = []
+        self._listening: TurnRun | None = None
+        self._tg: asyncio.TaskGroup | None = None
+
+    # -- main loop -------------------------------------------------------------
+
+    async def run(self, frames: AsyncIterator[InboundFrame]) -> None:
+        """Consume inbound frames until they end (client gone) or this task
+        is cancelled; then stop every open turn with ``close_reason``.
+
+        Raises:
+            asyncio.CancelledError: when cancelled, after the turns are settled.
+        """
+        unsubscribe = self.manager.subscribe(self.session_id, self._on_turn_change)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                try:
+                    await self.providers.stt.start()
+                    self._send({"type": "session.ready", "session_id": self.session_id})
+                    async for frame in frames:
+                        self._on_frame(frame)
+                finally:
+                    for run in self._runs:
+                        if run.work is not None:
+                            run.work.cancel()
+        finally:
+            self._tg = None
+            try:
+                await asyncio.shield(self._settle_all())
+            finally:
+                unsubscribe()
+
+    def _on_frame(self, frame: InboundFrame) -> None:
+        """Per 20 ms frame, on the hot path: no awaits, no I/O."""
+        ev = frame.event
+        if ev is not None and ev.kind is VadEventKind.SPEECH_STARTED:
+            self._on_speech_started(ev)
+        if self._listening is not None:
+            self._listening.stt.feed(frame.pcm)
+        else:
+            self._preroll.append(frame.pcm)
+        if ev is not None and ev.kind is VadEventKind.SPEECH_STOPPED:
+            self._send({"type": "vad", "event": "speech_stopped", "generation": self.fence.active})
+            run, self._listening = self._listening, None
+            if run is not None:
+                run.utterance_ended.set()
+
+    # -- barge-in --------------------------------------------------------------
+
+    def _active_run(self) -> TurnRun | None:
+        """The turn the agent is thinking or speaking for, if any."""
+        for run in reversed(self._runs):
+            if not run.finished and run.utterance_ended.is_set():
+                return run
+        return None
+
+    def _on_speech_started(self, ev: VadEvent) -> None:
+        """The user started speaking: fence, clear, cancel, open a new turn.
+
+        The fence and the clear happen before anything else, synchronously, so
+        the very next outbound tick is silent.
+        """
+        assert self._tg is not None
+        old = self._active_run()
+        old_generation = self.fence.active
+        generation = self.fence.advance()
+        fenced_at = self.clock.monotonic()
+        cleared = self.playout.clear()
+        after: asyncio.Task[None] | None = None
+        if old is not None:
+            if old.work is not None:
+                old.work.cancel()  # cancels the model stream and kills TTS
+            reason = StopReason(kind=StopReasonKind.BARGE_IN, initiator="vad", at=self.clock.now())
+            old.stop_task = self._tg.create_task(self._stop_run(old, reason))
+            after = old.stop_task
+            rec = BargeInRecord(old.turn_id, old_generation, generation, ev.onset_at, fenced_at)
+            self.barge_ins.append(rec)
+            self._send(
+                {
+                    "type": "barge_in",
+                    "old_turn_id": old.turn_id,
+                    "old_generation": old_generation,
+                    "generation": generation,
+                    "onset_to_fence_ms": round(rec.onset_to_fence_ms, 2),
+                    "cleared_ms": cleared * 20,
+                }
+            )
+        self._send({"type": "vad", "event": "speech_started", "generation": generation})
+        run = TurnRun(generation=generation, stt=self.providers.stt.open_stream())
+        for pcm in self._preroll:
+            run.stt.feed(pcm)
+        self._preroll.clear()
+        self._listening = run
+        self._runs.append(run)
+        run.open_task = self._tg.create_task(self._open(run, after))
+        run.work = self._tg.create_task(self._work(run))
+        self._forget_finished()
+
+    def _forget_finished(self) -> None:
+        self._runs = [r for r in self._runs if not (r.finished and (r.stop_task is None or r.stop_task.done()))]
+
+    # -- per-turn tasks --------------------------------------------------------
+
+    async def _open(self, run: TurnRun, after: asyncio.Task[None] | None) -> Turn:
+        """Write the new turn once the old one's stop is recorded, so the log
+        reads: old stopping, old cancelled, new running."""
+        if after is not None:
+            await asyncio.wait({after})
+        return await self.manager.open_turn(self.session_id, run.generation, turn_id=run.turn_id)
+
+    async def _work(self, run: TurnRun) -> None:
+        """The turn's pipeline: STT final -> LLM -> TTS -> playout -> COMPLETED."""
+        turn: Turn | None = None
+        try:
+            assert run.open_task is not None
+            turn = await asyncio.shield(run.open_task)
+            await run.utterance_ended.wait()
+            self._phase(run, "thinking")
+            run.transcript = transcript = await run.stt.finish()
+            await self.manager.record(turn.id, transcript=transcript)
+            self._send_output(run, {"type": "transcript", "role": "user", "text": transcript})
+            if not transcript:
+                await self.manager.fail(turn.id, "no_speech_recognized")
+                return
+            messages = [*self.history, Message(role="user", content=transcript)]
+            await self._reply(run, messages)
+            await self.playout.wait_empty()
+            reply = "".join(run.reply).strip()
+            await self.manager.record(turn.id, reply=reply)
+            self._remember(run, interrupted=False)
+            await self.manager.complete(turn.id)
+            self._send_output(run, {"type": "agent.done", "text": reply})
+        except asyncio.CancelledError:
+            self._remember(run, interrupted=True)
+            raise
+        except Exception as exc:
+            log.exception("turn %s failed", run.turn_id)
+            if turn is not None:
+                await self.manager.fail(turn.id, f"{type(exc).__name__}: {exc}")
+            self._send({"type": "error", "turn_id": run.turn_id, "message": str(exc)})
+        finally:
+            run.finished = True
+            self._phase(run, "idle")
+            await run.stt.aclose()
+
+    async def _reply(self, run: TurnRun, messages: list[Message]) -> None:
+        """Stream the model's reply and speak it sentence by sentence; returns
+        when every frame is queued for playout."""
+        sentences: asyncio.Queue[str | None] = asyncio.Queue()
+        splitter = SentenceSplitter()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._speak(run, sentences))
+            try:
+                async with contextlib.aclosing(self.providers.llm.stream(messages)) as tokens:  # type: ignore[type-var]
+                    async for token in tokens:
+                        run.reply.append(token)
+                        self._send_output(run, {"type": "agent.delta", "text": token})
+                        for piece in splitter.feed(token):
+                            sentences.put_nowait(piece)
+                rest = splitter.flush()
+                if rest:
+                    sentences.put_nowait(rest)
+            finally:
+                sentences.put_nowait(None)
+
+    async def _speak(self, run: TurnRun, sentences: asyncio.Queue[str | None]) -> None:
+        """TTS each sentence into 20 ms playout frames tagged with the turn's
+        generation."""
+        reframer = Reframer(PLAYOUT_RATE)
+        per_frame = samples_per_frame(PLAYOUT_RATE)
+        position = 0
+
+        def sink(pcm: bytes) -> None:
+            nonlocal position
+            for f in reframer.push(pcm):
+                self.playout.push(PlayoutFrame(f, run.generation, position))
+                position += per_frame
+
+        while (sentence := await sentences.get()) is not None:
+            self._phase(run, "speaking")
+            await self.providers.tts.synthesize(sentence, sink)
+        tail = reframer.flush()
+        if tail is not None:
+            self.playout.push(PlayoutFrame(tail, run.generation, position))
+
+    async def _stop_run(self, run: TurnRun, reason: StopReason) -> None:
+        """Record a stop: CANCEL_REQUESTED, bounded wait for the work to end,
+        then CANCELLED (or whatever the store says already happened)."""
+        assert run.open_task is not None
+        try:
+            turn = await asyncio.shield(run.open_task)
+        except Exception:
+            log.exception("turn %s was never written; nothing to stop", run.turn_id)
+            return
+        answer = await self.manager.request_stop(turn.id, reason)
+        if answer.outcome not in (StopOutcome.ACCEPTED, StopOutcome.ALREADY_STOPPING):
+            return
+        if run.work is not None and not run.work.done():
+            run.work.cancel()
+            done, _ = await asyncio.wait({run.work}, timeout=self.config.stop_grace_ms / 1000)
+            if not done:
+                log.warning("turn %s: work still running %d ms after stop", turn.id, self.config.stop_grace_ms)
+        if run.reply:
+            await self.manager.record(turn.id, reply="".join(run.reply).strip())
+        await self.manager.confirm_stopped(turn.id)
+
+    async def _settle_all(self) -> None:
+        """Session end: every turn this session opened gets a terminal state."""
+        reason = StopReason(kind=self.close_reason, initiator="server", at=self.clock.now())
+        for run in list(self._runs):
+            if run.work is not None and not run.work.done():
+                run.work.cancel()
+            try:
+                turn = await self.manager.get(run.turn_id)
+            except UnknownTurn:
+                continue  # never written: nothing was started for it
+            if turn.is_terminal:
+                continue
+            answer = await self.manager.request_stop(turn.id, reason)
+            if answer.outcome in (StopOutcome.ACCEPTED, StopOutcome.ALREADY_STOPPING):
+                if run.reply:
+                    await self.manager.record(turn.id, reply="".join(run.reply).strip())
+                await self.manager.confirm_stopped(turn.id)
+        self._runs.clear()
+
+    # -- history and events ----------------------------------------------------
+
+    def _remember(self, run: TurnRun, *, interrupted: bool) -> None:
+        if not run.transcript:
+            return
+        self.history.append(Message(role="user", content=run.transcript))
+        reply = "".join(run.reply).strip()
+        if reply:
+            self.history.append(Message(role="assistant", content=reply, interrupted=interrupted))
+        del self.history[: -self.config.history_messages]
+
+    def _phase(self, run: TurnRun, phase: str) -> None:
+        if run.phase == phase:
+            return
+        run.phase = phase
+        self._send({"type": "agent.state", "turn_id": run.turn_id, "generation": run.generation, "phase": phase})
+
+    def _on_turn_change(self, turn: Turn) -> None:
+        self._send(
+            {
+                "type": "turn",
+                "turn_id": turn.id,
+                "generation": turn.generation,
+                "status": turn.status.value,
+                "label": turn.status.label,
+                "stop_reason": turn.stop_reason.model_dump(mode="json") if turn.stop_reason else None,
+                "error": turn.error,
+                "transcript": turn.transcript,
+                "reply": turn.reply,
+            }
+        )
+
+    def _send_output(self, run: TurnRun, event: dict[str, Any]) -> None:
+        """Output of a turn passes the delivery gate: dropped (and counted) if
+        its generation is no longer active."""
+        if not self.fence.passes(run.generation):
+            self.fenced_events += 1
+            return
+        event.setdefault("turn_id", run.turn_id)
+        event.setdefault("generation", run.generation)
+        self._send(event)
+
+    def _send(self, event: dict[str, Any]) -> None:
+        event.setdefault("at", round(self.clock.now().timestamp(), 3))
+        try:
+            self._emit(event)
+        except Exception:
+            log.exception("event sink failed")

@@ -1,0 +1,144 @@
+"""Text to speech with espeak-ng, run as a subprocess per sentence.
+
+espeak-ng writes a streaming WAV (RIFF with placeholder sizes) to stdout; the
+PCM is handed on as it arrives, resampled to 48 kHz mono with PyAV.
+Cancelling :meth:`EspeakTTS.synthesize` kills the subprocess and reaps it
+before ``CancelledError`` goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import struct
+
+from pydantic import BaseModel, Field
+
+from media.frames import PLAYOUT_RATE, PcmResampler
+from voice.providers import PcmSink
+
+READ_CHUNK = 4096  # bytes per read from espeak-ng's stdout
+
+
+class EspeakConfig(BaseModel):
+    """TTS settings (env ``TURNKEEPER_TTS__*``).
+
+    Attributes:
+        executable: the espeak-ng binary.
+        voice: espeak-ng voice name (``espeak-ng --voices``).
+        words_per_minute: speaking rate, 80..450 words per minute.
+        pitch: 0..99 (espeak-ng's ``-p``).
+    """
+
+    executable: str = "espeak-ng"
+    voice: str = "en-us"
+    words_per_minute: int = Field(165, ge=80, le=450)
+    pitch: int = Field(50, ge=0, le=99)
+
+
+class TtsError(RuntimeError):
+    """espeak-ng failed or produced something that is not mono s16 WAV."""
+
+
+class EspeakTTS:
+    """:class:`voice.providers.TextToSpeech` on espeak-ng.
+
+    Output is 48 kHz mono s16 (``sample_rate``).
+
+    Args:
+        config: voice, rate, pitch.
+    """
+
+    sample_rate = PLAYOUT_RATE
+
+    def __init__(self, config: EspeakConfig | None = None) -> None:
+        self.config = config or EspeakConfig()
+        #: processes started and still running (for leak checks)
+        self.running: set[asyncio.subprocess.Process] = set()
+
+    def available(self) -> bool:
+        """True if the espeak-ng executable is on PATH."""
+        return shutil.which(self.config.executable) is not None
+
+    async def synthesize(self, text: str, sink: PcmSink) -> None:
+        """Speak ``text``; ``sink`` gets 48 kHz mono s16 PCM chunks.
+
+        Raises:
+            TtsError: espeak-ng is missing, exits non-zero, or emits a
+                malformed WAV.
+        """
+        text = " ".join(text.split())
+        if not text:
+            return
+        cfg = self.config
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                cfg.executable,
+                "-v", cfg.voice,
+                "-s", str(cfg.words_per_minute),
+                "-p", str(cfg.pitch),
+                "-b", "1",  # input is UTF-8
+                "--stdin",
+                "--stdout",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+        except FileNotFoundError as exc:
+            raise TtsError(f"{cfg.executable} not found; install espeak-ng") from exc
+        self.running.add(proc)
+        try:
+            assert proc.stdin and proc.stdout and proc.stderr
+            proc.stdin.write(text.encode() + b"\n")
+            proc.stdin.close()
+            rate = await _read_wav_header(proc.stdout)
+            resampler = PcmResampler(self.sample_rate)
+            odd = b""
+            while chunk := await proc.stdout.read(READ_CHUNK):
+                chunk = odd + chunk
+                cut = len(chunk) - (len(chunk) % 2)
+                chunk, odd = chunk[:cut], chunk[cut:]
+                if chunk:
+                    out = resampler.pcm(chunk, rate)
+                    if out:
+                        sink(out)
+            tail = resampler.flush()
+            if tail:
+                sink(tail)
+            err = await proc.stderr.read()
+            code = await proc.wait()
+            if code != 0:
+                raise TtsError(f"espeak-ng exited with {code}: {err.decode(errors='replace').strip()}")
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                # Reap it even if we are being cancelled, so no zombie is left.
+                await asyncio.shield(proc.wait())
+            self.running.discard(proc)
+
+
+async def _read_wav_header(stream: asyncio.StreamReader) -> int:
+    """Read a RIFF/WAVE header up to the start of the ``data`` chunk and return
+    the sample rate in Hz. Chunk sizes of the streaming header are ignored.
+
+    Raises:
+        TtsError: not RIFF/WAVE, not PCM mono 16-bit, or no data chunk.
+    """
+    try:
+        riff = await stream.readexactly(12)
+        if riff[:4] != b"RIFF" or riff[8:12] != b"WAVE":
+            raise TtsError("espeak-ng output is not a RIFF/WAVE stream")
+        rate = None
+        while True:
+            chunk_id, size = struct.unpack("<4sI", await stream.readexactly(8))
+            if chunk_id == b"data":
+                if rate is None:
+                    raise TtsError("WAV data chunk before fmt chunk")
+                return rate
+            body = await stream.readexactly(size + (size & 1))
+            if chunk_id == b"fmt ":
+                fmt, channels, rate, _, _, bits = struct.unpack("<HHIIHH", body[:16])
+                if fmt != 1 or channels != 1 or bits != 16:
+                    raise TtsError(f"unexpected WAV format {fmt}, {channels} ch, {bits} bit")
+    except asyncio.IncompleteReadError as exc:
+        raise TtsError("espeak-ng produced no audio") from exc
