@@ -1,0 +1,130 @@
+"""End to end: the real server on loopback, driven over WebRTC by the aiortc
+client with real speech (espeak-ng and the alsa-utils human recordings)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from media.frames import PLAYOUT_RATE, load_pcm
+from turn.models import StopReasonKind, TurnStatus
+from web.app import MANAGER, PEERS, create_app
+from web.call import CallClient, Utterance
+from web.peer import PeerSession
+from web.settings import Settings
+
+from conftest import requires_espeak, start_app
+
+pytestmark = [pytest.mark.e2e, requires_espeak]
+
+
+class Server:
+    def __init__(self, app: web.Application, url: str) -> None:
+        self.app = app
+        self.url = url
+        self.seen: dict[str, PeerSession] = {}
+
+    async def watch(self) -> None:
+        """Keep a reference to every session, to audit it after it closed."""
+        while True:
+            self.seen.update(self.app[PEERS])
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def server(tmp_path: Path, grammar_file: Path) -> AsyncIterator[Server]:
+    app = create_app(Settings(store=f"sqlite:///{tmp_path}/var/t.db", stt={"grammar": grammar_file}))
+    runner, url = await start_app(app)
+    srv = Server(app, url)
+    watcher = asyncio.create_task(srv.watch())
+    yield srv
+    watcher.cancel()
+    await runner.cleanup()
+
+
+def utt(path: Path, at_s: float | None = None) -> Utterance:
+    return Utterance(pcm=load_pcm(path, PLAYOUT_RATE), at_s=at_s, label=path.name)
+
+
+async def test_barge_in_mid_answer(server: Server, say: Callable[..., Path], tmp_path: Path) -> None:
+    client = CallClient(server.url)
+    out = tmp_path / "heard.wav"
+    result = await client.run(
+        utt(say("tell me a story")), [utt(say("what is the weather like today"), at_s=1.0)], out_wav=out, timeout_s=60
+    )
+    assert not result.timed_out
+    old, new = result.turns
+    # the old turn: stopping, then cancelled, for barge_in
+    assert old.transcript == "tell me a story"
+    assert old.states == ["QUEUED", "RUNNING", "CANCEL_REQUESTED", "CANCELLED"]
+    assert old.status == "CANCELLED" and old.stop_reason == "barge_in"
+    assert old.reply.startswith("Once upon a time")
+    # the new turn gets its answer
+    assert new.transcript == "what is the weather like today"
+    assert new.status == "COMPLETED" and "sunny" in new.reply
+    assert new.generation == old.generation + 1
+    # the client heard the agent, and a measured stop
+    [barge] = result.barge_ins
+    assert barge.stop_ms is not None and barge.stop_ms < 2000  # sanity bound only; bench/ measures
+    assert barge.server_onset_to_fence_ms is not None
+    assert out.stat().st_size > PLAYOUT_RATE * 2  # more than a second of audio
+    # server side: nothing of the old generation left after the fence
+    [peer] = server.seen.values()
+    fenced_at = peer.fence.fenced_at(old.generation)
+    sent_old = peer.outbound.audit.per_generation[old.generation]
+    assert fenced_at is not None and sent_old.frames > 0
+    assert sent_old.last_sent_at is not None and sent_old.last_sent_at <= fenced_at
+    assert peer.outbound.audit.per_generation[new.generation].frames > 50
+    # and the store agrees
+    stored = await server.app[MANAGER].store.list_session(result.session_id)
+    assert [t.status for t in stored] == [TurnStatus.CANCELLED, TurnStatus.COMPLETED]
+    assert stored[0].stop_reason is not None and stored[0].stop_reason.kind is StopReasonKind.BARGE_IN
+    # everything is freed once the peer hung up
+    for _ in range(100):
+        if not server.app[PEERS]:
+            break
+        await asyncio.sleep(0.05)
+    assert server.app[PEERS] == {}
+    assert not peer.agent.providers.tts.running  # type: ignore[attr-defined]
+
+
+async def test_human_voice_gets_an_answer(server: Server, alsa_wav: Callable[[str], Path]) -> None:
+    result = await CallClient(server.url).run(utt(alsa_wav("Front_Center.wav")), timeout_s=40)
+    assert not result.timed_out
+    [turn] = result.turns
+    assert turn.transcript == "front center"
+    assert turn.status == "COMPLETED" and turn.reply == "You said: front center."
+    assert result.received_audio_ms > 0
+    [peer] = server.seen.values()
+    assert peer.outbound.audit.per_generation[turn.generation].frames > 25  # about a second of speech
+
+
+async def test_cli_call_local_json(say: Callable[..., Path], grammar_file: Path, tmp_path: Path) -> None:
+    """The main job as a newcomer runs it: `turnkeeper call --local ... --json`."""
+    env = {**os.environ, "TURNKEEPER_STT__GRAMMAR": str(grammar_file)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "web.cli", "call", "--local",
+        "--wav", str(say("tell me a story")),
+        "--barge-in", str(say("count to twenty")), "--at", "0.8",
+        "--out", str(tmp_path / "heard.wav"), "--json",
+        cwd=tmp_path, env={**env, "PYTHONPATH": str(Path(__file__).parents[2])},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, stderr.decode()
+    out = json.loads(stdout)
+    turns = out["turns"]
+    assert [t["state"] for t in turns] == ["CANCELLED", "COMPLETED"]
+    assert turns[0]["stop_reason"] == "barge_in"
+    assert turns[1]["reply"].startswith("One, two, three")
+    assert out["barge_ins"][0]["stop_ms"] is not None
+    assert (tmp_path / "heard.wav").exists()
+    assert (tmp_path / "var" / "turnkeeper.db").exists()  # embedded store made on first run

@@ -1,0 +1,1 @@
+"""turnkeeper: web layer (see DESIGN.md)."""

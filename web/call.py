@@ -1,0 +1,386 @@
+"""A headless WebRTC client: the main job's driver and the end-to-end tests'.
+
+:class:`CallClient` connects to a turnkeeper server as an aiortc peer, plays
+an utterance (mono s16 PCM) as its microphone, optionally interrupts the
+agent with further utterances a set time after the agent starts talking, and
+records everything: the agent's audio (to a WAV file if asked), the events
+from the data channel, and for each barge-in the audible stop time.
+
+Audible stop time = from the moment the first sample of barge-in speech was
+handed to the RTP sender, to the arrival of the first decoded agent frame
+after which the agent stays silent (``SILENT_RUN_MS``). The client's own
+jitter buffer is set to its minimum (one 20 ms packet), so the figure
+includes that 20 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import wave
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiortc import RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+
+from media.frames import PLAYOUT_RATE, PcmResampler, Reframer, first_sound_sample, rms_dbfs
+from media.inbound import set_jitter_prefetch
+from media.outbound import PacedAudioTrack
+from media.playout import PlayoutBuffer, PlayoutFrame
+from turn.clock import Clock, SystemClock
+
+log = logging.getLogger(__name__)
+
+SILENCE_DBFS = -50.0  # a received 20 ms frame quieter than this is silence
+SILENT_RUN_MS = 500  # agent counts as stopped once silent this long
+LEAD_SILENCE_MS = 300  # microphone silence before the first utterance
+
+
+class CallError(RuntimeError):
+    """The server refused the call or the connection failed."""
+
+
+@dataclass
+class Utterance:
+    """Something the client says.
+
+    Attributes:
+        pcm: 48 kHz mono s16.
+        at_s: for barge-ins, seconds after the agent starts talking; None for
+            the opening utterance.
+        label: for the timeline (e.g. the file name).
+    """
+
+    pcm: bytes
+    at_s: float | None = None
+    label: str = ""
+
+
+@dataclass
+class BargeInMeasure:
+    """One barge-in as the client measured it (all times in the client clock's seconds)."""
+
+    label: str
+    at_s: float
+    agent_started_at: float | None = None
+    onset_sent_at: float | None = None
+    silent_at: float | None = None
+    speaking_at_onset: bool = False
+    server_onset_to_fence_ms: float | None = None
+
+    @property
+    def stop_ms(self) -> float | None:
+        if self.onset_sent_at is None or self.silent_at is None:
+            return None
+        return max(0.0, (self.silent_at - self.onset_sent_at) * 1000)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "at_s": self.at_s,
+            "stop_ms": None if self.stop_ms is None else round(self.stop_ms, 1),
+            "speaking_at_onset": self.speaking_at_onset,
+            "server_onset_to_fence_ms": self.server_onset_to_fence_ms,
+        }
+
+
+@dataclass
+class TurnView:
+    """A turn as the client saw it through events."""
+
+    id: str
+    generation: int
+    status: str = "QUEUED"
+    label: str = "queued"
+    transcript: str | None = None
+    reply: str = ""
+    stop_reason: str | None = None
+    error: str | None = None
+    states: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "transcript": self.transcript,
+            "reply": self.reply,
+            "generation": self.generation,
+            "state": self.status,
+            "stop_reason": self.stop_reason,
+            "error": self.error,
+            "states": self.states,
+        }
+
+
+@dataclass
+class CallResult:
+    session_id: str
+    turns: list[TurnView]
+    barge_ins: list[BargeInMeasure]
+    events: list[dict[str, Any]]
+    received_audio_ms: int
+    timed_out: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "session_id": self.session_id,
+            "turns": [t.as_dict() for t in self.turns],
+            "barge_ins": [b.as_dict() for b in self.barge_ins],
+            "received_audio_ms": self.received_audio_ms,
+            "timed_out": self.timed_out,
+        }
+
+
+class _OpenGate:
+    """The client's microphone sends everything queued."""
+
+    def passes(self, generation: int) -> bool:
+        return True
+
+
+class CallClient:
+    """One call against ``base_url`` (e.g. ``http://127.0.0.1:8080``).
+
+    Args:
+        base_url: the server.
+        clock: pacing clock for the microphone (system clock by default).
+        jitter_prefetch: the client's inbound jitter buffer, 20 ms packets.
+    """
+
+    def __init__(self, base_url: str, *, clock: Clock | None = None, jitter_prefetch: int = 1) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.clock = clock or SystemClock()
+        self.jitter_prefetch = jitter_prefetch
+        self.session_id = ""
+        self._turns: dict[str, TurnView] = {}
+        self._events: list[dict[str, Any]] = []
+        self._event_cond = asyncio.Condition()
+        self._received: list[tuple[float, float]] = []  # (arrival, dBFS) per 20 ms
+        self._pcm_out = bytearray()
+        self._sound_cond = asyncio.Condition()
+        self._onsets: dict[int, int] = {}  # utterance index -> onset sample
+        self._onset_sent: dict[int, float] = {}
+        self._server_fences: list[float | None] = []
+
+    async def run(
+        self,
+        opening: Utterance,
+        barge_ins: list[Utterance] = (),  # type: ignore[assignment]
+        *,
+        out_wav: Path | None = None,
+        timeout_s: float = 60.0,
+        settle_s: float = 0.5,
+    ) -> CallResult:
+        """Make the call and return what happened.
+
+        Raises:
+            CallError: the server rejected the offer or never connected.
+        """
+        pc = RTCPeerConnection()
+        mic_buffer = PlayoutBuffer()
+        mic = PacedAudioTrack(mic_buffer, _OpenGate(), self.clock, on_sent=self._on_mic_sent)
+        pc.addTrack(mic)
+        channel = pc.createDataChannel("events")
+        channel.on("message", self._on_event)
+        receive_task: asyncio.Task[None] | None = None
+        connected = asyncio.Event()
+
+        @pc.on("track")
+        def _track(track: MediaStreamTrack) -> None:
+            nonlocal receive_task
+            if track.kind == "audio" and receive_task is None:
+                receive_task = asyncio.get_running_loop().create_task(self._receive(track))
+
+        @pc.on("connectionstatechange")
+        def _state() -> None:
+            if pc.connectionState == "connected":
+                connected.set()
+
+        measures = [BargeInMeasure(label=u.label, at_s=u.at_s or 0.0) for u in barge_ins]
+        timed_out = False
+        try:
+            await pc.setLocalDescription(await pc.createOffer())
+            async with aiohttp.ClientSession() as http:
+                async with http.post(
+                    f"{self.base_url}/v1/webrtc/offer",
+                    json={"type": "offer", "sdp": pc.localDescription.sdp},
+                ) as resp:
+                    body = await resp.json(content_type=None)
+                    if resp.status != 200:
+                        raise CallError(f"offer rejected ({resp.status}): {body}")
+            self.session_id = body["session_id"]
+            await pc.setRemoteDescription(RTCSessionDescription(sdp=body["sdp"], type="answer"))
+            for t in pc.getTransceivers():
+                if t.kind == "audio":
+                    set_jitter_prefetch(t.receiver, self.jitter_prefetch)
+            try:
+                await asyncio.wait_for(connected.wait(), 15)
+            except TimeoutError as exc:
+                raise CallError(f"not connected after 15 s (state {pc.connectionState})") from exc
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._script(mic_buffer, opening, barge_ins, measures)
+            except TimeoutError:
+                timed_out = True
+            await asyncio.sleep(settle_s)
+        finally:
+            await pc.close()
+            if receive_task is not None:
+                receive_task.cancel()
+                await asyncio.gather(receive_task, return_exceptions=True)
+        self._measure(measures)
+        if out_wav is not None:
+            _write_wav(out_wav, bytes(self._pcm_out), PLAYOUT_RATE)
+        return CallResult(
+            session_id=self.session_id,
+            turns=sorted(self._turns.values(), key=lambda t: t.generation),
+            barge_ins=measures,
+            events=list(self._events),
+            received_audio_ms=len(self._received) * 20,
+            timed_out=timed_out,
+        )
+
+    # -- microphone ------------------------------------------------------------
+
+    def _queue(self, buffer: PlayoutBuffer, index: int, pcm: bytes) -> None:
+        onset = first_sound_sample(pcm)
+        if onset is not None:
+            self._onsets[index] = onset
+        reframer = Reframer(PLAYOUT_RATE)
+        frames = reframer.push(pcm)
+        tail = reframer.flush()
+        if tail:
+            frames.append(tail)
+        for i, f in enumerate(frames):
+            buffer.push(PlayoutFrame(f, generation=index, sample=i * 960))
+
+    def _on_mic_sent(self, frame: PlayoutFrame | None, at: float) -> None:
+        if frame is None:
+            return
+        onset = self._onsets.get(frame.generation)
+        if onset is not None and frame.generation not in self._onset_sent and frame.sample + 960 > onset:
+            self._onset_sent[frame.generation] = at + max(0, onset - frame.sample) / PLAYOUT_RATE
+
+    async def _script(
+        self,
+        mic: PlayoutBuffer,
+        opening: Utterance,
+        barge_ins: list[Utterance],
+        measures: list[BargeInMeasure],
+    ) -> None:
+        mic.push(PlayoutFrame(bytes(1920), generation=0))
+        for _ in range(LEAD_SILENCE_MS // 20 - 1):
+            mic.push(PlayoutFrame(bytes(1920), generation=0))
+        self._queue(mic, 1, opening.pcm)
+        await mic.wait_empty()
+        for k, (utt, m) in enumerate(zip(barge_ins, measures), start=2):
+            sent_at = self.clock.monotonic()
+            m.agent_started_at = await self._wait_sound_after(sent_at)
+            await asyncio.sleep(max(0.0, m.agent_started_at + (utt.at_s or 0.0) - self.clock.monotonic()))
+            self._queue(mic, k, utt.pcm)
+            await mic.wait_empty()
+        # Wait for the last turn to reach a terminal state.
+        await self._wait_last_turn_terminal()
+
+    async def _wait_sound_after(self, t: float) -> float:
+        """Arrival time of the first non-silent agent frame after ``t``."""
+        i = 0
+        async with self._sound_cond:
+            while True:
+                while i < len(self._received):
+                    at, level = self._received[i]
+                    i += 1
+                    if at > t and level > SILENCE_DBFS:
+                        return at
+                await self._sound_cond.wait()
+
+    async def _wait_last_turn_terminal(self) -> None:
+        terminal = {"COMPLETED", "FAILED", "CANCELLED", "RECONCILE_REQUIRED"}
+        async with self._event_cond:
+            await self._event_cond.wait_for(
+                lambda: bool(self._turns)
+                and max(self._turns.values(), key=lambda t: t.generation).status in terminal
+                and not any(t.status not in terminal for t in self._turns.values())
+            )
+
+    # -- receiving ---------------------------------------------------------------
+
+    async def _receive(self, track: MediaStreamTrack) -> None:
+        resampler = PcmResampler(PLAYOUT_RATE)
+        reframer = Reframer(PLAYOUT_RATE)
+        while True:
+            try:
+                frame = await track.recv()
+            except MediaStreamError:
+                return
+            at = self.clock.monotonic()
+            for f in reframer.push(resampler.frame(frame)):
+                self._pcm_out += f
+                self._received.append((at, rms_dbfs(f)))
+            async with self._sound_cond:
+                self._sound_cond.notify_all()
+
+    def _on_event(self, message: Any) -> None:
+        try:
+            ev = json.loads(message)
+        except (TypeError, ValueError):
+            log.warning("non-JSON event: %r", message)
+            return
+        self._events.append(ev)
+        kind = ev.get("type")
+        if kind == "turn":
+            t = self._turns.setdefault(ev["turn_id"], TurnView(id=ev["turn_id"], generation=ev["generation"]))
+            t.status, t.label = ev["status"], ev["label"]
+            t.states.append(ev["status"])
+            if ev.get("transcript") is not None:
+                t.transcript = ev["transcript"]
+            if ev.get("reply"):
+                t.reply = ev["reply"]
+            if ev.get("stop_reason"):
+                t.stop_reason = ev["stop_reason"]["kind"]
+            t.error = ev.get("error")
+        elif kind == "transcript":
+            t = self._turns.setdefault(ev["turn_id"], TurnView(id=ev["turn_id"], generation=ev["generation"]))
+            t.transcript = ev["text"]
+        elif kind == "agent.delta":
+            t = self._turns.setdefault(ev["turn_id"], TurnView(id=ev["turn_id"], generation=ev["generation"]))
+            if t.status not in ("COMPLETED", "CANCELLED"):
+                t.reply += ev["text"]
+        elif kind == "barge_in":
+            self._server_fences.append(ev.get("onset_to_fence_ms"))
+        asyncio.get_running_loop().create_task(self._notify_events())
+
+    async def _notify_events(self) -> None:
+        async with self._event_cond:
+            self._event_cond.notify_all()
+
+    # -- measuring ---------------------------------------------------------------
+
+    def _measure(self, measures: list[BargeInMeasure]) -> None:
+        run = SILENT_RUN_MS // 20
+        fences = iter(self._server_fences)
+        for k, m in enumerate(measures, start=2):
+            m.server_onset_to_fence_ms = next(fences, None)
+            t = self._onset_sent.get(k)
+            m.onset_sent_at = t
+            if t is None:
+                continue
+            m.speaking_at_onset = any(t - 0.1 <= at <= t and lv > SILENCE_DBFS for at, lv in self._received)
+            after = [(at, lv) for at, lv in self._received if at >= t]
+            for i in range(len(after)):
+                window = after[i : i + run]
+                if len(window) == run and all(lv <= SILENCE_DBFS for _, lv in window):
+                    m.silent_at = after[i][0]
+                    break
+
+
+def _write_wav(path: Path, pcm: bytes, rate: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm)

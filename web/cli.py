@@ -1,0 +1,134 @@
+"""The ``turnkeeper`` command.
+
+    turnkeeper serve [--host H] [--port P] [--config FILE]
+    turnkeeper call (--server URL | --local) --wav FILE
+                    [--barge-in FILE --at SECONDS] [--out FILE] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from media.frames import PLAYOUT_RATE, load_pcm
+from web.app import create_app
+from web.call import CallClient, CallError, CallResult, Utterance
+from web.settings import Settings, load_settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="turnkeeper", description="A real-time voice agent server whose Stop really stops.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the server")
+    serve.add_argument("--host", help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="TCP port (default 8080)")
+    serve.add_argument("--config", help="TOML settings file (default $TURNKEEPER_CONFIG)")
+
+    call = sub.add_parser("call", help="call a server headlessly with WAV files as the microphone")
+    where = call.add_mutually_exclusive_group(required=True)
+    where.add_argument("--server", help="server URL, e.g. http://127.0.0.1:8080")
+    where.add_argument("--local", action="store_true", help="start a server in this process")
+    call.add_argument("--config", help="TOML settings file for --local")
+    call.add_argument("--wav", required=True, help="what to say first (any audio file)")
+    call.add_argument("--barge-in", help="what to interrupt the agent with")
+    call.add_argument("--at", type=float, default=1.0, help="seconds after the agent starts talking to interrupt (default 1.0)")
+    call.add_argument("--out", default="heard.wav", help="where to write what the client heard (default heard.wav)")
+    call.add_argument("--timeout", type=float, default=90.0, help="give up after this many seconds (default 90)")
+    call.add_argument("--json", action="store_true", help="print one JSON object instead of the timeline")
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "serve":
+            settings = load_settings(args.config, host=args.host, port=args.port)
+            _logging(settings)
+            return _serve(settings)
+        settings = load_settings(args.config, port=0)
+        _logging(settings, quiet=args.json)
+        return asyncio.run(_call(args, settings))
+    except (FileNotFoundError, ValueError, CallError) as exc:
+        print(f"turnkeeper: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _logging(settings: Settings, quiet: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.WARNING if quiet else settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("aioice").setLevel(logging.WARNING)
+    logging.getLogger("aiortc").setLevel(logging.WARNING)
+
+
+def _serve(settings: Settings) -> int:
+    app = create_app(settings)
+    print(f"turnkeeper serving on http://{settings.host}:{settings.port}", flush=True)
+    web.run_app(app, host=settings.host, port=settings.port, print=None, access_log=None)
+    return 0
+
+
+async def _call(args: argparse.Namespace, settings: Settings) -> int:
+    opening = Utterance(pcm=load_pcm(args.wav, PLAYOUT_RATE), label=Path(args.wav).name)
+    barge_ins = []
+    if args.barge_in:
+        barge_ins.append(Utterance(pcm=load_pcm(args.barge_in, PLAYOUT_RATE), at_s=args.at, label=Path(args.barge_in).name))
+    runner: web.AppRunner | None = None
+    try:
+        if args.local:
+            runner = web.AppRunner(create_app(settings), access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            url = f"http://127.0.0.1:{port}"
+        else:
+            url = args.server
+        client = CallClient(url)
+        result = await client.run(opening, barge_ins, out_wav=Path(args.out), timeout_s=args.timeout)
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        print(format_timeline(result, args.out))
+    return 1 if result.timed_out else 0
+
+
+def format_timeline(result: CallResult, out: str | None = None) -> str:
+    """The human-readable timeline of a call."""
+    lines = [f"session {result.session_id}"]
+    for t in result.turns:
+        reason = f" ({t.stop_reason})" if t.stop_reason else ""
+        err = f" [{t.error}]" if t.error else ""
+        lines.append(f"  turn {t.id[:8]}  generation {t.generation}  {t.status}{reason}{err}")
+        lines.append(f"    user:  {t.transcript!r}")
+        reply = t.reply if len(t.reply) <= 160 else t.reply[:157] + "..."
+        lines.append(f"    agent: {reply!r}")
+        lines.append(f"    states: {' -> '.join(t.states)}")
+    for b in result.barge_ins:
+        stop = "n/a" if b.stop_ms is None else f"{b.stop_ms:.0f} ms"
+        fence = "n/a" if b.server_onset_to_fence_ms is None else f"{b.server_onset_to_fence_ms:.0f} ms"
+        speaking = "" if b.speaking_at_onset else " (agent was already silent at onset)"
+        lines.append(
+            f"  barge-in {b.label} at +{b.at_s:.2f} s: audible stop {stop}{speaking}; server onset->fence {fence}"
+        )
+    if out:
+        lines.append(f"  heard audio: {out} ({result.received_audio_ms / 1000:.1f} s)")
+    if result.timed_out:
+        lines.append("  TIMED OUT before the last turn ended")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

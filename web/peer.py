@@ -1,0 +1,233 @@
+"""One WebRTC session: an aiortc peer connection, its media and its agent.
+
+:class:`PeerSession` owns the ``RTCPeerConnection``, the paced outbound track,
+the events data channel and the :class:`voice.session.AgentSession` task, and
+frees all of them exactly once when the peer disconnects, fails, never
+connects, or the server shuts down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from aiortc import RTCDataChannel, RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamTrack
+
+from media.inbound import InboundAudio, set_jitter_prefetch
+from media.outbound import PacedAudioTrack
+from media.playout import PlayoutBuffer
+from turn.clock import Clock
+from turn.generation import GenerationFence
+from turn.manager import TurnManager
+from turn.models import StopReasonKind
+from voice.session import AgentSession, Providers
+from web.settings import Settings
+
+log = logging.getLogger(__name__)
+
+#: events kept for a data channel that is not open yet; older ones are dropped
+MAX_PENDING_EVENTS = 1000
+#: how long a closing session waits for its agent to return by itself, seconds
+CLOSE_WAIT_S = 1.0
+
+
+class OfferRejected(Exception):
+    """The offer cannot be answered (malformed SDP, no audio, ...).
+
+    Attributes:
+        code: machine-readable error code for the JSON body.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class EventChannel:
+    """Sends JSON events on the client's data channel, keeping them (bounded)
+    until the channel opens."""
+
+    def __init__(self) -> None:
+        self.channel: RTCDataChannel | None = None
+        self._pending: deque[str] = deque(maxlen=MAX_PENDING_EVENTS)
+        self.sent = 0
+        self.on_message: Callable[[Any], None] | None = None
+
+    def attach(self, channel: RTCDataChannel) -> None:
+        self.channel = channel
+
+        @channel.on("open")
+        def _open() -> None:
+            self._flush()
+
+        @channel.on("message")
+        def _message(message: Any) -> None:
+            if self.on_message is not None:
+                self.on_message(message)
+
+        if channel.readyState == "open":
+            self._flush()
+
+    def send(self, event: dict[str, Any]) -> None:
+        self._pending.append(json.dumps(event, separators=(",", ":")))
+        self._flush()
+
+    def _flush(self) -> None:
+        ch = self.channel
+        if ch is None or ch.readyState != "open":
+            return
+        while self._pending:
+            ch.send(self._pending.popleft())
+            self.sent += 1
+
+
+class PeerSession:
+    """Everything held for one connected browser or client.
+
+    Args:
+        settings: server settings.
+        manager: the Turn Manager.
+        providers: this session's STT/LLM/TTS.
+        clock: time source.
+        on_closed: called once with this session after it has been freed.
+    """
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        manager: TurnManager,
+        providers: Providers,
+        clock: Clock,
+        on_closed: Callable[["PeerSession"], None],
+    ) -> None:
+        self.id = uuid.uuid4().hex
+        self.settings = settings
+        self.clock = clock
+        self.pc = RTCPeerConnection()
+        self.events = EventChannel()
+        self.events.on_message = self._on_client_message
+        self.fence = GenerationFence(clock)
+        self.playout = PlayoutBuffer()
+        self.outbound = PacedAudioTrack(self.playout, self.fence, clock)
+        self.providers = providers
+        self.agent = AgentSession(
+            session_id=self.id,
+            manager=manager,
+            providers=providers,
+            playout=self.playout,
+            fence=self.fence,
+            clock=clock,
+            emit=self.events.send,
+            vad=settings.vad,
+            config=settings.session,
+        )
+        self._on_closed = on_closed
+        self._task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._closing: asyncio.Task[None] | None = None
+        self.closed = asyncio.Event()
+
+        @self.pc.on("datachannel")
+        def _datachannel(channel: RTCDataChannel) -> None:
+            self.events.attach(channel)
+
+        @self.pc.on("track")
+        def _track(track: MediaStreamTrack) -> None:
+            if track.kind == "audio" and self._task is None:
+                self._task = asyncio.get_running_loop().create_task(self._run(track), name=f"session-{self.id}")
+
+        @self.pc.on("connectionstatechange")
+        def _state() -> None:
+            state = self.pc.connectionState
+            log.info("session %s: connection %s", self.id, state)
+            if state in ("failed", "closed"):
+                self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
+
+    async def answer(self, sdp: str) -> str:
+        """Apply the client's offer and return our answer SDP.
+
+        Raises:
+            OfferRejected: the SDP cannot be parsed or negotiated, or offers
+                no audio.
+        """
+        try:
+            await self.pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
+        except Exception as exc:  # aiortc raises ValueError and friends
+            raise OfferRejected("invalid_sdp", f"cannot apply offer: {exc}") from exc
+        audio = [t for t in self.pc.getTransceivers() if t.kind == "audio"]
+        if not audio:
+            raise OfferRejected("no_audio", "the offer has no audio m-line")
+        set_jitter_prefetch(audio[0].receiver, self.settings.jitter_prefetch_packets)
+        self.pc.addTrack(self.outbound)
+        try:
+            await self.pc.setLocalDescription(await self.pc.createAnswer())
+        except Exception as exc:
+            raise OfferRejected("invalid_sdp", f"cannot answer offer: {exc}") from exc
+        self._watchdog = asyncio.get_running_loop().create_task(self._connect_watchdog())
+        return self.pc.localDescription.sdp
+
+    async def _run(self, track: MediaStreamTrack) -> None:
+        inbound = InboundAudio(track, self.clock, self.settings.vad)
+        try:
+            await self.agent.run(inbound.frames())
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            log.exception("session %s: agent failed", self.id)
+        finally:
+            # The track ended or the agent failed: nothing more can happen here.
+            self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
+
+    async def _connect_watchdog(self) -> None:
+        await self.clock.sleep(self.settings.connect_timeout_s)
+        if self.pc.connectionState != "connected":
+            log.info("session %s: not connected after %.0f s, closing", self.id, self.settings.connect_timeout_s)
+            self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
+
+    def _on_client_message(self, message: Any) -> None:
+        """Client -> server messages on the data channel (JSON objects)."""
+        try:
+            msg = json.loads(message) if isinstance(message, str) else None
+        except ValueError:
+            msg = None
+        if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+            self.events.send({"type": "error", "code": "bad_message", "message": "expected a JSON object with a type"})
+            return
+        if msg["type"] == "ping":
+            self.events.send({"type": "pong", "id": msg.get("id")})
+        else:
+            self.events.send({"type": "error", "code": "unknown_type", "message": f"unknown message type {msg['type']!r}"})
+
+    def close(self, reason: StopReasonKind) -> asyncio.Task[None]:
+        """Free everything once; later calls return the same closing task."""
+        if self._closing is None:
+            self.agent.close_reason = reason
+            self._closing = asyncio.get_running_loop().create_task(self._close())
+        return self._closing
+
+    async def _close(self) -> None:
+        try:
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+            await self.pc.close()  # ends the inbound track, so the agent loop returns
+            self.outbound.stop()
+            if self._task is not None:  # None: no audio ever arrived, no turn opened
+                # A started receiver ends its track on close and the agent
+                # returns by itself; one that never got media leaves recv()
+                # hanging, so after a short wait the agent is cancelled (it
+                # still settles its turns with close_reason).
+                done, _ = await asyncio.wait({self._task}, timeout=CLOSE_WAIT_S)
+                if not done:
+                    self._task.cancel()
+                    await asyncio.wait({self._task})
+            await self.providers.stt.aclose()
+        finally:
+            self.closed.set()
+            self._on_closed(self)

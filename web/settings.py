@@ -1,0 +1,105 @@
+"""Settings: environment variables and an optional TOML file.
+
+Precedence, highest first: values passed in code (CLI flags), environment
+variables (``TURNKEEPER_*``; nested with ``__``, e.g.
+``TURNKEEPER_VAD__ONSET_MS=80``), the TOML file named by ``--config`` or
+``TURNKEEPER_CONFIG`` (tables ``[vad]``, ``[tts]``, ...), then the defaults.
+Every field documents its unit; README.md lists them all.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from media.vad import VadConfig
+from voice.llm import LocalLlmConfig
+from voice.session import SessionConfig
+from voice.stt import PocketsphinxConfig
+from voice.tts import EspeakConfig
+
+_CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("turnkeeper_config", default=None)
+
+
+class Settings(BaseSettings):
+    """All of turnkeeper's settings.
+
+    Attributes:
+        host: address to listen on.
+        port: TCP port (0 picks a free one).
+        store: where turns live; ``sqlite:///var/turnkeeper.db`` (relative to
+            the working directory) is the embedded default.
+        max_offer_bytes: largest accepted request body, bytes (SDP offers are
+            a few KiB).
+        max_sessions: concurrent WebRTC sessions; more get 503.
+        connect_timeout_s: a peer that is not connected this many seconds
+            after its offer is closed.
+        jitter_prefetch_packets: inbound jitter buffer prefetch, 20 ms packets
+            (see ``media.inbound.set_jitter_prefetch`` for the trade-off).
+        log_level: Python logging level name.
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix="TURNKEEPER_",
+        env_nested_delimiter="__",
+        extra="forbid",
+    )
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    store: str = "sqlite:///var/turnkeeper.db"
+    max_offer_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024)
+    max_sessions: int = Field(32, ge=1, le=10_000)
+    connect_timeout_s: float = Field(30.0, gt=0, le=600)
+    jitter_prefetch_packets: int = Field(1, ge=0, le=8)
+    log_level: str = "INFO"
+    vad: VadConfig = VadConfig()
+    session: SessionConfig = SessionConfig()
+    stt: PocketsphinxConfig = PocketsphinxConfig()
+    llm: LocalLlmConfig = LocalLlmConfig()
+    tts: EspeakConfig = EspeakConfig()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = _CONFIG_FILE.get()
+        if path is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        return tuple(sources)
+
+
+def load_settings(config: str | Path | None = None, **overrides: Any) -> Settings:
+    """Build :class:`Settings` from ``config`` (or ``$TURNKEEPER_CONFIG``), the
+    environment and ``overrides`` (None values are ignored).
+
+    Raises:
+        FileNotFoundError: the named TOML file does not exist.
+        pydantic.ValidationError: a value is out of range or unknown.
+        tomllib.TOMLDecodeError: the file is not valid TOML.
+    """
+    path = config or os.environ.get("TURNKEEPER_CONFIG")
+    toml_path = Path(path) if path else None
+    if toml_path is not None and not toml_path.is_file():
+        raise FileNotFoundError(f"config file not found: {toml_path}")
+    token = _CONFIG_FILE.set(toml_path)
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    finally:
+        _CONFIG_FILE.reset(token)
