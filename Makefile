@@ -1,0 +1,45 @@
+# turnkeeper: `make run` starts the server, `make test` runs the tests.
+# Both install what is missing first (as root on Debian: apt packages; always: .venv).
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+APT_PACKAGES := espeak-ng sox alsa-utils chromium chromium-driver redis-server
+STAMP := $(VENV)/.installed
+
+.PHONY: run test deps apt venv bench clean
+
+run: deps
+	$(BIN)/turnkeeper serve
+
+test: deps
+	$(BIN)/python -m pytest
+
+bench: deps
+	$(BIN)/python bench/bargein.py
+
+deps: apt venv
+
+# Debian packages the server and the tests use; installed only when missing.
+apt:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if ! $(PYTHON) -c 'import venv, ensurepip' >/dev/null 2>&1; then missing="$$missing python3-venv"; fi; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=""; elif command -v sudo >/dev/null; then SUDO=sudo; \
+	  else echo "need root (or sudo) to apt-get install:$$missing" >&2; exit 1; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "need Python >= 3.11 (found $$($(PYTHON) --version))" >&2; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) var *.egg-info
