@@ -59,6 +59,22 @@ class InboundAudio:
         self.vad = VoiceActivityDetector(vad)
         self._resampler = PcmResampler(VAD_RATE)
         self._reframer = Reframer(VAD_RATE)
+        self._aligned = False
+
+    def _align(self, frame: Any, first_output: bytes) -> None:
+        """Pad the reframer by the resampler's filter delay, once.
+
+        libswresample holds back a few samples (16 at 48 -> 16 kHz), so the
+        first 20 ms in gives a little less than 20 ms out. Left alone, every
+        later frame would be completed only by the next packet: 20 ms of extra
+        latency before the VAD sees the audio. Padding the stream's start by
+        the shortfall makes each packet complete exactly one frame.
+        """
+        self._aligned = True
+        expected = frame.samples * VAD_RATE // frame.sample_rate
+        shortfall = expected - len(first_output) // 2
+        if 0 < shortfall < expected:
+            self._reframer.push(bytes(shortfall * 2))
 
     async def frames(self) -> AsyncIterator[InboundFrame]:
         """Yield frames until the track ends (``MediaStreamError``)."""
@@ -68,7 +84,10 @@ class InboundAudio:
             except MediaStreamError:
                 return
             at = self.clock.monotonic()
-            for pcm in self._reframer.push(self._resampler.frame(frame)):
+            pcm16 = self._resampler.frame(frame)
+            if not self._aligned:
+                self._align(frame, pcm16)
+            for pcm in self._reframer.push(pcm16):
                 voiced, event = self.vad.feed(pcm, at)
                 yield InboundFrame(pcm=pcm, at=at, voiced=voiced, event=event)
 

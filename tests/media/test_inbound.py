@@ -61,3 +61,15 @@ async def test_jitter_prefetch_is_set_on_a_real_receiver() -> None:
             set_jitter_prefetch(object(), 1)
     finally:
         await pc.close()
+
+
+async def test_each_packet_completes_its_own_vad_frame(clock: VirtualClock) -> None:
+    """No extra 20 ms wait: the loud packet k shows up in the frame yielded for
+    packet k, not k + 1 (resampler delay is absorbed at the start)."""
+    frames48 = [np.zeros(960, dtype="<i2") for _ in range(6)]
+    frames48[2][:] = 10000
+    inbound = InboundAudio(FakeOpusTrack(np.concatenate(frames48).tobytes()), clock)
+    out = [f async for f in inbound.frames()]
+    assert len(out) == 6
+    loud = [int((np.abs(np.frombuffer(f.pcm, dtype="<i2")) > 5000).sum()) for f in out]
+    assert loud[2] > 300 and loud[3] < 20
