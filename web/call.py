@@ -123,6 +123,12 @@ class CallResult:
     events: list[dict[str, Any]]
     received_audio_ms: int
     timed_out: bool
+    server_hung_up: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """The call ran its whole script."""
+        return not (self.timed_out or self.server_hung_up)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -131,6 +137,7 @@ class CallResult:
             "barge_ins": [b.as_dict() for b in self.barge_ins],
             "received_audio_ms": self.received_audio_ms,
             "timed_out": self.timed_out,
+            "server_hung_up": self.server_hung_up,
         }
 
 
@@ -194,13 +201,19 @@ class CallClient:
             if track.kind == "audio" and receive_task is None:
                 receive_task = asyncio.get_running_loop().create_task(self._receive(track))
 
+        disconnected = asyncio.Event()
+
         @pc.on("connectionstatechange")
         def _state() -> None:
             if pc.connectionState == "connected":
                 connected.set()
+            elif pc.connectionState in ("failed", "closed"):
+                disconnected.set()
+
+        channel.on("close", disconnected.set)
 
         measures = [BargeInMeasure(label=u.label, at_s=u.at_s or 0.0) for u in barge_ins]
-        timed_out = False
+        timed_out = server_hung_up = False
         try:
             await pc.setLocalDescription(await pc.createOffer())
             async with aiohttp.ClientSession() as http:
@@ -220,10 +233,19 @@ class CallClient:
                 await asyncio.wait_for(connected.wait(), 15)
             except TimeoutError as exc:
                 raise CallError(f"not connected after 15 s (state {pc.connectionState})") from exc
+            script = asyncio.ensure_future(self._script(mic_buffer, opening, barge_ins, measures))
+            hangup = asyncio.ensure_future(disconnected.wait())
             try:
-                async with asyncio.timeout(timeout_s):
-                    await self._script(mic_buffer, opening, barge_ins, measures)
-            except TimeoutError:
+                done, _ = await asyncio.wait({script, hangup}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in (script, hangup):
+                    t.cancel()
+                await asyncio.gather(script, hangup, return_exceptions=True)
+            if script in done:
+                script.result()  # re-raise a failure of the script itself
+            elif hangup in done:
+                server_hung_up = True
+            else:
                 timed_out = True
             await asyncio.sleep(settle_s)
         finally:
@@ -241,6 +263,7 @@ class CallClient:
             events=list(self._events),
             received_audio_ms=len(self._received) * 20,
             timed_out=timed_out,
+            server_hung_up=server_hung_up,
         )
 
     # -- microphone ------------------------------------------------------------

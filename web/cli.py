@@ -102,7 +102,7 @@ async def _call(args: argparse.Namespace, settings: Settings) -> int:
         print(json.dumps(result.as_dict(), indent=2))
     else:
         print(format_timeline(result, args.out))
-    return 1 if result.timed_out else 0
+    return 0 if result.ok else 1
 
 
 def format_timeline(result: CallResult, out: str | None = None) -> str:
@@ -127,6 +127,8 @@ def format_timeline(result: CallResult, out: str | None = None) -> str:
         lines.append(f"  heard audio: {out} ({result.received_audio_ms / 1000:.1f} s)")
     if result.timed_out:
         lines.append("  TIMED OUT before the last turn ended")
+    if result.server_hung_up:
+        lines.append("  the server ended the call before the last turn ended")
     return "\n".join(lines)
 
 

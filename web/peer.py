@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 
 #: events kept for a data channel that is not open yet; older ones are dropped
 MAX_PENDING_EVENTS = 1000
-#: how long a closing session waits for its agent to return by itself, seconds
-CLOSE_WAIT_S = 1.0
+#: how long a closing session waits for its last events to be sent, seconds
+CLOSE_WAIT_S = 0.5
 
 
 class OfferRejected(Exception):
@@ -77,6 +77,19 @@ class EventChannel:
     def send(self, event: dict[str, Any]) -> None:
         self._pending.append(json.dumps(event, separators=(",", ":")))
         self._flush()
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) until queued events have been
+        handed to SCTP, so closing the connection does not drop them."""
+        ch = self.channel
+        if ch is None or ch.readyState != "open":
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                while ch.bufferedAmount > 0:
+                    await asyncio.sleep(0.01)
+        except TimeoutError:
+            log.info("closing with %d bytes of events unsent", ch.bufferedAmount)
 
     def _flush(self) -> None:
         ch = self.channel
@@ -216,17 +229,15 @@ class PeerSession:
         try:
             if self._watchdog is not None:
                 self._watchdog.cancel()
-            await self.pc.close()  # ends the inbound track, so the agent loop returns
-            self.outbound.stop()
             if self._task is not None:  # None: no audio ever arrived, no turn opened
-                # A started receiver ends its track on close and the agent
-                # returns by itself; one that never got media leaves recv()
-                # hanging, so after a short wait the agent is cancelled (it
-                # still settles its turns with close_reason).
-                done, _ = await asyncio.wait({self._task}, timeout=CLOSE_WAIT_S)
-                if not done:
-                    self._task.cancel()
-                    await asyncio.wait({self._task})
+                # Stop the agent first: it settles every open turn with
+                # close_reason and its last events still reach a client that
+                # is there (e.g. on server shutdown).
+                self._task.cancel()
+                await asyncio.wait({self._task})
+                await self.events.drain(CLOSE_WAIT_S)
+            await self.pc.close()
+            self.outbound.stop()
             await self.providers.stt.aclose()
         finally:
             self.closed.set()

@@ -128,3 +128,32 @@ async def test_cli_call_local_json(say: Callable[..., Path], grammar_file: Path,
     assert out["barge_ins"][0]["stop_ms"] is not None
     assert (tmp_path / "heard.wav").exists()
     assert (tmp_path / "var" / "turnkeeper.db").exists()  # embedded store made on first run
+
+
+async def test_server_shutdown_mid_answer(tmp_path: Path, grammar_file: Path, say: Callable[..., Path]) -> None:
+    """Shutting the server down mid-answer stops the turn with worker_shutdown,
+    the client is told so before the connection goes, and nothing is left."""
+    app = create_app(Settings(store=f"sqlite:///{tmp_path}/var/t.db", stt={"grammar": grammar_file}))
+    runner, url = await start_app(app)
+    client = CallClient(url)
+    call = asyncio.create_task(client.run(utt(say("tell me a story")), [], timeout_s=60))
+    try:
+        async with asyncio.timeout(30):
+            while not any(e.get("phase") == "speaking" for e in client._events):
+                await asyncio.sleep(0.05)
+        [peer] = app[PEERS].values()
+        session_id = peer.id
+        store = app[MANAGER].store
+    finally:
+        t0 = asyncio.get_running_loop().time()
+        await runner.shutdown()
+    result = await asyncio.wait_for(call, 20)
+    assert asyncio.get_running_loop().time() - t0 < 15
+    [turn] = result.turns
+    assert turn.states[-2:] == ["CANCEL_REQUESTED", "CANCELLED"]
+    assert turn.stop_reason == "worker_shutdown"
+    [stored] = await store.list_session(session_id)
+    assert stored.status is TurnStatus.CANCELLED
+    assert stored.stop_reason is not None and stored.stop_reason.kind is StopReasonKind.WORKER_SHUTDOWN
+    assert app[PEERS] == {}
+    await runner.cleanup()
