@@ -95,6 +95,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         d = Path(tmp)
         (d / "bench.gram").write_text(GRAMMAR)
         story = speak("tell me a story", d / "story.wav")
+        weather = speak("what is the weather like today", d / "weather.wav")
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         env = {
@@ -114,7 +115,11 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             while remaining > 0:
                 k = min(args.per_call, remaining)
                 offsets = [round(rng.uniform(args.min_at, args.max_at), 2) for _ in range(k)]
-                barge_ins = [Utterance(pcm=story, at_s=at, label=f"story@{at}") for at in offsets]
+                # Each barge-in asks for the story again, so there is always a
+                # long answer to interrupt; the last asks for the short weather
+                # report, so the call does not wait out a whole story.
+                barge_ins = [Utterance(pcm=story, at_s=at, label=f"story@{at}") for at in offsets[:-1]]
+                barge_ins.append(Utterance(pcm=weather, at_s=offsets[-1], label=f"weather@{offsets[-1]}"))
                 result = await CallClient(url).run(
                     Utterance(pcm=story, label="story"), barge_ins, timeout_s=30 + 15 * k, settle_s=0.2
                 )

@@ -59,6 +59,8 @@ class VadConfig(BaseModel):
 
 
 class VadEventKind(StrEnum):
+    """The two hysteresis decisions."""
+
     SPEECH_STARTED = "speech_started"
     SPEECH_STOPPED = "speech_stopped"
 

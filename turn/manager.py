@@ -37,6 +37,8 @@ class StopOutcome(StrEnum):
 
 
 class StopAnswer(BaseModel):
+    """Outcome of :meth:`TurnManager.request_stop` and the turn as stored after it."""
+
     outcome: StopOutcome
     turn: Turn
 
@@ -181,4 +183,9 @@ class TurnManager:
         return await self.store.update(turn_id, at=self.clock.now(), **fields)
 
     async def get(self, turn_id: str) -> Turn:
+        """The stored turn.
+
+        Raises:
+            turn.store.UnknownTurn: no such turn.
+        """
         return await self.store.get(turn_id)

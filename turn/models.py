@@ -52,6 +52,8 @@ _LABELS = {
 
 
 class TurnKind(StrEnum):
+    """How the user's request arrived: spoken (voice) or typed (text)."""
+
     VOICE = "voice"
     TEXT = "text"
 

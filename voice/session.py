@@ -88,6 +88,7 @@ class TurnRun:
     reply: list[str] = field(default_factory=list)
     phase: str = "listening"
     finished: bool = False
+    remembered: bool = False
 
 
 @dataclass
@@ -102,6 +103,7 @@ class BargeInRecord:
 
     @property
     def onset_to_fence_ms(self) -> float:
+        """Milliseconds from the first voiced frame's arrival to the fence."""
         return (self.fenced_at - self.onset_at) * 1000
 
 
@@ -213,6 +215,12 @@ class AgentSession:
         the very next outbound tick is silent.
         """
         assert self._tg is not None
+        if self._listening is not None:
+            # VAD never starts speech twice without a stop in between; should a
+            # caller do so, the unfinished utterance ends here and is stopped
+            # like any other turn in flight.
+            self._listening.utterance_ended.set()
+            self._listening = None
         old = self._active_run()
         old_generation = self.fence.active
         generation = self.fence.advance()
@@ -287,9 +295,10 @@ class AgentSession:
             raise
         except Exception as exc:
             log.exception("turn %s failed", run.turn_id)
+            error = describe_error(exc)
             if turn is not None:
-                await self.manager.fail(turn.id, f"{type(exc).__name__}: {exc}")
-            self._send({"type": "error", "turn_id": run.turn_id, "message": str(exc)})
+                await self.manager.fail(turn.id, error)
+            self._send({"type": "error", "code": "turn_failed", "turn_id": run.turn_id, "message": error})
         finally:
             run.finished = True
             self._phase(run, "idle")
@@ -378,8 +387,10 @@ class AgentSession:
     # -- history and events ----------------------------------------------------
 
     def _remember(self, run: TurnRun, *, interrupted: bool) -> None:
-        if not run.transcript:
+        """Add the turn to the history the model sees next, once."""
+        if not run.transcript or run.remembered:
             return
+        run.remembered = True
         self.history.append(Message(role="user", content=run.transcript))
         reply = "".join(run.reply).strip()
         if reply:
@@ -423,3 +434,11 @@ class AgentSession:
             self._emit(event)
         except Exception:
             log.exception("event sink failed")
+
+
+def describe_error(exc: BaseException) -> str:
+    """``"Type: message"`` of the first real error, looking inside the
+    ExceptionGroups that TaskGroups wrap errors in."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"

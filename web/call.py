@@ -74,6 +74,7 @@ class BargeInMeasure:
 
     @property
     def stop_ms(self) -> float | None:
+        """Audible stop time in ms, or None if it could not be measured."""
         if self.onset_sent_at is None or self.silent_at is None:
             return None
         return max(0.0, (self.silent_at - self.onset_sent_at) * 1000)
@@ -117,6 +118,10 @@ class TurnView:
 
 @dataclass
 class CallResult:
+    """Everything a call observed: turns (by generation), barge-in
+    measurements, raw events, ms of agent audio received, and whether it ended
+    early (timeout, or the server hung up)."""
+
     session_id: str
     turns: list[TurnView]
     barge_ins: list[BargeInMeasure]

@@ -60,6 +60,7 @@ class EventChannel:
         self.on_message: Callable[[Any], None] | None = None
 
     def attach(self, channel: RTCDataChannel) -> None:
+        """Use ``channel`` (the client's "events" channel) from now on."""
         self.channel = channel
 
         @channel.on("open")
@@ -75,6 +76,7 @@ class EventChannel:
             self._flush()
 
     def send(self, event: dict[str, Any]) -> None:
+        """Queue ``event`` as compact JSON and send what the channel can take."""
         self._pending.append(json.dumps(event, separators=(",", ":")))
         self._flush()
 

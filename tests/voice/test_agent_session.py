@@ -25,7 +25,7 @@ from turn.sqlite_store import SqliteStore
 from voice.llm import LocalAgent, LocalLlmConfig
 from voice.session import AgentSession, Providers
 from voice.stt import PocketsphinxConfig, PocketsphinxSTT
-from voice.tts import EspeakTTS
+from voice.tts import EspeakConfig, EspeakTTS
 
 from conftest import requires_espeak
 
@@ -228,3 +228,32 @@ async def test_noise_gives_failed_turn_not_a_reply(harness: Harness, store: Sqli
     if turn.status is TurnStatus.FAILED:
         assert turn.error == "no_speech_recognized"
     await h.stop()
+
+
+async def test_provider_failure_fails_the_turn_with_its_reason(
+    store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+) -> None:
+    h = Harness(store, grammar_file)
+    h.session.providers.tts = EspeakTTS(EspeakConfig(executable="/nonexistent/espeak-ng"))
+    await h.start()
+    try:
+        h.mic.say(pcm48(say("count to twenty")))
+        await h.wait_for(lambda: any(e.get("status") == "FAILED" for e in h.turn_events()), timeout=30)
+        [turn] = await store.list_session("sess-1")
+        assert turn.status is TurnStatus.FAILED
+        assert turn.error is not None and turn.error.startswith("TtsError:") and "not found" in turn.error
+        [err] = [e for e in h.events if e["type"] == "error"]
+        assert err["code"] == "turn_failed" and err["turn_id"] == turn.id
+        # the session goes on: the next utterance is heard and answered (and fails the same way)
+        h.mic.say(pcm48(say("tell me a story")))
+        await h.wait_for(lambda: sum(e.get("status") == "FAILED" for e in h.turn_events()) == 2, timeout=30)
+    finally:
+        await h.stop()
+
+
+def test_describe_error_unwraps_groups() -> None:
+    from voice.session import describe_error
+
+    eg = ExceptionGroup("outer", [ExceptionGroup("inner", [ValueError("bad pcm")])])
+    assert describe_error(eg) == "ValueError: bad pcm"
+    assert describe_error(RuntimeError("x")) == "RuntimeError: x"
