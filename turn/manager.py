@@ -8,17 +8,24 @@ change so transports can show it (e.g. "stopping", then "cancelled").
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
 from enum import StrEnum
-from typing import Callable
+from typing import Callable, TypeVar
 
 from pydantic import BaseModel
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from turn.clock import Clock
 from turn.models import StopReason, Turn, TurnKind, TurnStatus
 from turn.states import TransitionResult
-from turn.store import TurnStore
+from turn.store import StoreUnavailable, TurnStore
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: attempts for a store call that failed with StoreUnavailable (nothing written)
+STORE_ATTEMPTS = 4
 
 TurnListener = Callable[[Turn], None]
 
@@ -46,15 +53,40 @@ class StopAnswer(BaseModel):
 class TurnManager:
     """Creates turns and moves them through DESIGN.md's states.
 
+    Every method may raise :class:`turn.store.StoreUnavailable` once the store
+    stayed unavailable through ``store_attempts`` tries, and ``RuntimeError``
+    if the store is not open.
+
     Args:
         store: the authority (e.g. :class:`turn.sqlite_store.SqliteStore`), opened.
-        clock: time source for every timestamp.
+        clock: time source for every timestamp (and for retry backoff).
+        store_attempts: tries of a store call that found the store unavailable.
     """
 
-    def __init__(self, store: TurnStore, clock: Clock) -> None:
+    def __init__(self, store: TurnStore, clock: Clock, *, store_attempts: int = STORE_ATTEMPTS) -> None:
         self.store = store
         self.clock = clock
+        self.store_attempts = store_attempts
         self._listeners: dict[str, list[TurnListener]] = {}
+
+    async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run a store call, retrying with exponential backoff (50 ms doubling,
+        at most 1 s apart) while the store says it is unavailable; a retry is
+        safe because an unavailable store wrote nothing.
+
+        Raises:
+            turn.store.StoreUnavailable: still unavailable after the last attempt.
+        """
+        async for attempt in AsyncRetrying(
+            stop=stop_after_attempt(self.store_attempts),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            retry=retry_if_exception_type(StoreUnavailable),
+            sleep=self.clock.sleep,
+            reraise=True,
+        ):
+            with attempt:
+                return await fn()
+        raise AssertionError("unreachable")  # pragma: no cover
 
     # -- listeners -------------------------------------------------------------
 
@@ -90,18 +122,21 @@ class TurnManager:
         tenant_id: str = "default",
         transcript: str | None = None,
         turn_id: str | None = None,
+        start: bool = True,
     ) -> Turn:
         """Accept a new turn and start it: QUEUED, then RUNNING.
 
         Args:
             turn_id: the id to use (a uuid4 hex is made if None); callers that
                 must refer to the turn before it is written choose it first.
+            start: False leaves it QUEUED.
 
         Returns:
-            The RUNNING turn.
+            The RUNNING (or QUEUED) turn.
 
         Raises:
             turn.store.DuplicateTurn: ``turn_id`` exists already.
+            turn.store.StoreUnavailable: the store stayed unavailable.
         """
         now = self.clock.now()
         turn = Turn(
@@ -114,9 +149,11 @@ class TurnManager:
             created_at=now,
             updated_at=now,
         )
-        await self.store.create(turn)
+        await self._call(lambda: self.store.create(turn))
         self._notify(turn)
-        result = await self.store.transition(turn.id, TurnStatus.RUNNING, at=self.clock.now())
+        if not start:
+            return turn
+        result = await self._call(lambda: self.store.transition(turn.id, TurnStatus.RUNNING, at=self.clock.now()))
         if result.applied:
             self._notify(result.turn)
         return result.turn
@@ -128,8 +165,8 @@ class TurnManager:
         Raises:
             turn.store.UnknownTurn: no such turn.
         """
-        res = await self.store.transition(
-            turn_id, TurnStatus.CANCEL_REQUESTED, at=self.clock.now(), stop_reason=reason
+        res = await self._call(
+            lambda: self.store.transition(turn_id, TurnStatus.CANCEL_REQUESTED, at=self.clock.now(), stop_reason=reason)
         )
         if res.applied:
             self._notify(res.turn)
@@ -137,8 +174,8 @@ class TurnManager:
         if res.turn.status is TurnStatus.CANCEL_REQUESTED:
             return StopAnswer(outcome=StopOutcome.ALREADY_STOPPING, turn=res.turn)
         if res.turn.status is TurnStatus.QUEUED:
-            res = await self.store.transition(
-                turn_id, TurnStatus.CANCELLED, at=self.clock.now(), stop_reason=reason
+            res = await self._call(
+                lambda: self.store.transition(turn_id, TurnStatus.CANCELLED, at=self.clock.now(), stop_reason=reason)
             )
             if res.applied:
                 self._notify(res.turn)
@@ -168,8 +205,8 @@ class TurnManager:
         error: str | None = None,
         stop_reason: StopReason | None = None,
     ) -> TransitionResult:
-        res = await self.store.transition(
-            turn_id, target, at=self.clock.now(), error=error, stop_reason=stop_reason
+        res = await self._call(
+            lambda: self.store.transition(turn_id, target, at=self.clock.now(), error=error, stop_reason=stop_reason)
         )
         if res.applied:
             self._notify(res.turn)
@@ -177,10 +214,29 @@ class TurnManager:
             log.debug("turn %s: %s -> %s not applied (%s)", turn_id, res.previous, target, res.outcome)
         return res
 
+    async def recover_abandoned(self, reason: StopReason) -> list[Turn]:
+        """Stop every turn left open by a process that is gone (e.g. killed
+        mid-turn), so none stays RUNNING forever: QUEUED ones are cancelled at
+        once, the others go through CANCEL_REQUESTED to CANCELLED with
+        ``reason``. Only for a store that this process alone serves (the
+        embedded SQLite default); with many instances, leases decide.
+
+        Returns:
+            The turns as stopped.
+        """
+        stopped = []
+        for turn in await self._call(self.store.list_open):
+            answer = await self.request_stop(turn.id, reason)
+            if answer.outcome in (StopOutcome.ACCEPTED, StopOutcome.ALREADY_STOPPING):
+                answer = StopAnswer(outcome=answer.outcome, turn=(await self.confirm_stopped(turn.id)).turn)
+            stopped.append(answer.turn)
+            log.warning("recovered turn %s left %s by a previous process", turn.id, turn.status)
+        return stopped
+
     async def record(self, turn_id: str, *, transcript: str | None = None, reply: str | None = None) -> Turn:
         """Store the transcript and/or reply text of a turn."""
         fields = {k: v for k, v in (("transcript", transcript), ("reply", reply)) if v is not None}
-        return await self.store.update(turn_id, at=self.clock.now(), **fields)
+        return await self._call(lambda: self.store.update(turn_id, at=self.clock.now(), **fields))
 
     async def get(self, turn_id: str) -> Turn:
         """The stored turn.
@@ -188,4 +244,4 @@ class TurnManager:
         Raises:
             turn.store.UnknownTurn: no such turn.
         """
-        return await self.store.get(turn_id)
+        return await self._call(lambda: self.store.get(turn_id))

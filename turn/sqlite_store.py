@@ -18,9 +18,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from turn.models import StopReason, Turn, TurnStatus
+from turn.models import TERMINAL_STATUSES, StopReason, Turn, TurnStatus
 from turn.states import Outcome, TransitionResult, sources_of
-from turn.store import MUTABLE_FIELDS, DuplicateTurn, UnknownTurn
+from turn.store import MUTABLE_FIELDS, DuplicateTurn, StoreUnavailable, UnknownTurn
 
 T = TypeVar("T")
 
@@ -66,10 +66,13 @@ class SqliteStore:
 
     Args:
         path: database file; its parent folder is created on :meth:`open`.
+        busy_timeout_ms: how long a call waits for another writer's lock
+            before it fails with :class:`turn.store.StoreUnavailable`.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, busy_timeout_ms: int = 5000) -> None:
         self.path = Path(path)
+        self.busy_timeout_ms = busy_timeout_ms
         self._executor: ThreadPoolExecutor | None = None
         self._conn: sqlite3.Connection | None = None
 
@@ -84,7 +87,7 @@ class SqliteStore:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute("PRAGMA busy_timeout=5000")
+        conn.execute(f"PRAGMA busy_timeout={int(self.busy_timeout_ms)}")
         conn.executescript(_SCHEMA)
         self._conn = conn
 
@@ -105,7 +108,10 @@ class SqliteStore:
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         if self._executor is None:
             raise RuntimeError("store is not open")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        except sqlite3.OperationalError as exc:  # locked, busy, I/O: nothing committed
+            raise StoreUnavailable(f"sqlite: {exc}") from exc
 
     # -- reads ---------------------------------------------------------------
 
@@ -127,6 +133,18 @@ class SqliteStore:
         rows = self._conn.execute(
             f"SELECT {_COLUMNS} FROM turns WHERE session_id = ? ORDER BY created_at, rowid",
             (session_id,),
+        ).fetchall()
+        return [_row_to_turn(r) for r in rows]
+
+    async def list_open(self) -> list[Turn]:
+        return await self._run(self._list_open_sync)
+
+    def _list_open_sync(self) -> list[Turn]:
+        assert self._conn is not None
+        marks = ",".join("?" for _ in TERMINAL_STATUSES)
+        rows = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM turns WHERE status NOT IN ({marks}) ORDER BY created_at, rowid",
+            [s.value for s in TERMINAL_STATUSES],
         ).fetchall()
         return [_row_to_turn(r) for r in rows]
 
@@ -195,7 +213,8 @@ class SqliteStore:
             turn = self._get_sync(turn_id)
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
             raise
         return TransitionResult(outcome=Outcome.APPLIED, turn=turn, previous=previous)
 

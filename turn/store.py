@@ -33,6 +33,11 @@ class DuplicateTurn(StoreError):
     """A turn with that id already exists."""
 
 
+class StoreUnavailable(StoreError):
+    """The store could not be reached or was busy; nothing was written, so
+    the call may be retried (e.g. SQLite "database is locked")."""
+
+
 #: Fields a caller may set outside a state transition.
 MUTABLE_FIELDS = frozenset({"transcript", "reply"})
 
@@ -67,6 +72,10 @@ class TurnStore(Protocol):
 
     async def list_session(self, session_id: str) -> list[Turn]:
         """All turns of a session, oldest first."""
+        ...
+
+    async def list_open(self) -> list[Turn]:
+        """All turns not yet in a terminal state, oldest first."""
         ...
 
     async def transition(

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from turn.clock import VirtualClock
+from turn.clock import SystemClock, VirtualClock
 from turn.manager import StopOutcome, TurnManager
 from turn.models import StopReason, StopReasonKind, Turn, TurnStatus
 from turn.sqlite_store import SqliteStore
-from turn.store import UnknownTurn
+from turn.store import StoreUnavailable, UnknownTurn
 
 
 def stop(clock: VirtualClock, kind: StopReasonKind = StopReasonKind.BARGE_IN) -> StopReason:
@@ -103,3 +103,43 @@ async def test_record_text(manager: TurnManager) -> None:
     turn = await manager.open_turn("s", 1)
     got = await manager.record(turn.id, transcript="hello", reply="hi there")
     assert (got.transcript, got.reply) == ("hello", "hi there")
+
+
+class FlakyStore:
+    """Wraps a store; its first ``fails`` calls find the store busy."""
+
+    def __init__(self, inner: SqliteStore, fails: int) -> None:
+        self.inner = inner
+        self.fails = fails
+        self.calls = 0
+
+    def __getattr__(self, name: str):
+        target = getattr(self.inner, name)
+
+        async def call(*args, **kwargs):
+            self.calls += 1
+            if self.fails > 0:
+                self.fails -= 1
+                raise StoreUnavailable("sqlite: database is locked")
+            return await target(*args, **kwargs)
+
+        return call
+
+
+async def test_busy_store_is_retried(store: SqliteStore) -> None:
+    flaky = FlakyStore(store, fails=2)
+    manager = TurnManager(flaky, SystemClock())  # type: ignore[arg-type]
+    turn = await manager.open_turn("s", 1)
+    assert turn.status is TurnStatus.RUNNING
+    assert flaky.calls == 4  # two busy answers, then create and start
+
+
+async def test_store_down_for_good_raises(store: SqliteStore) -> None:
+    manager = TurnManager(FlakyStore(store, fails=100), SystemClock(), store_attempts=3)  # type: ignore[arg-type]
+    with pytest.raises(StoreUnavailable):
+        await manager.open_turn("s", 1)
+
+
+async def test_open_without_start_stays_queued(manager: TurnManager) -> None:
+    turn = await manager.open_turn("s", 1, start=False)
+    assert turn.status is TurnStatus.QUEUED

@@ -143,3 +143,27 @@ def test_path_from_url() -> None:
     for bad in ("redis://x", "sqlite://", "sqlite:///", "var/x.db"):
         with pytest.raises(ValueError):
             path_from_url(bad)
+
+
+async def test_locked_database_is_unavailable_not_corrupt(tmp_path: Path) -> None:
+    import sqlite3
+
+    from turn.store import StoreUnavailable
+
+    path = tmp_path / "locked.db"
+    s = SqliteStore(path, busy_timeout_ms=50)
+    await s.open()
+    t = await s.create(new_turn())
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")  # another writer holds the lock
+    try:
+        with pytest.raises(StoreUnavailable):
+            await s.transition(t.id, TurnStatus.RUNNING, at=NOW)
+        with pytest.raises(StoreUnavailable):
+            await s.create(new_turn())
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    res = await s.transition(t.id, TurnStatus.RUNNING, at=NOW)  # works again once released
+    assert res.applied
+    await s.close()
