@@ -120,10 +120,72 @@ async def test_stt_abandon_and_errors(grammar_file: Path, tmp_path: Path) -> Non
         await s.finish()
     s2 = stt.open_stream()  # the decoder is usable after an abandoned utterance
     assert await s2.finish() == ""
+    assert stt.decoders == 1
     await stt.aclose()
     with pytest.raises(RuntimeError):
         stt.open_stream()
     bad = PocketsphinxSTT(PocketsphinxConfig(grammar=tmp_path / "missing.gram"))
     with pytest.raises(FileNotFoundError):
         await bad.start()
+    assert bad.decoders == 0  # a decoder that failed to load is not kept
     await bad.aclose()
+
+
+async def test_stt_overlapping_utterances_do_not_share_a_decoder(
+    say: Callable[..., Path], grammar_file: Path
+) -> None:
+    """An utterance still open (its turn not yet finished) while the next one
+    starts: each must get its own decoder or wait, never share one (sharing
+    crashed pocketsphinx)."""
+    stt = PocketsphinxSTT(PocketsphinxConfig(grammar=grammar_file, max_decoders=1))
+    try:
+        story = load_pcm(say("tell me a story"), VAD_RATE)
+        weather = load_pcm(say("what is the weather like today"), VAD_RATE)
+        a = stt.open_stream()
+        for i in range(0, len(story), 640):
+            a.feed(story[i : i + 640])
+        b = stt.open_stream()  # waits: the only decoder is held by a
+        for i in range(0, len(weather), 640):
+            b.feed(weather[i : i + 640])
+        await asyncio.sleep(0.2)
+        await a.aclose()  # a is abandoned late, after b began
+        assert await b.finish() == "what is the weather like today"
+        c = stt.open_stream()
+        for i in range(0, len(story), 640):
+            c.feed(story[i : i + 640])
+        assert await c.finish() == "tell me a story"
+        assert stt.decoders == 1
+    finally:
+        await stt.aclose()
+
+
+async def test_stt_pool_runs_utterances_side_by_side(say: Callable[..., Path], grammar_file: Path) -> None:
+    stt = PocketsphinxSTT(PocketsphinxConfig(grammar=grammar_file, max_decoders=2))
+    try:
+        phrases = ["tell me a story", "count to twenty"]
+        streams = [stt.open_stream() for _ in phrases]
+        for s, p in zip(streams, phrases):
+            pcm = load_pcm(say(p), VAD_RATE)
+            for i in range(0, len(pcm), 640):
+                s.feed(pcm[i : i + 640])
+        assert await asyncio.gather(*(s.finish() for s in streams)) == phrases
+        assert stt.decoders == 2
+    finally:
+        await stt.aclose()
+
+
+async def test_stt_cancelled_finish_gives_the_decoder_back(say: Callable[..., Path], grammar_file: Path) -> None:
+    stt = PocketsphinxSTT(PocketsphinxConfig(grammar=grammar_file, max_decoders=1))
+    try:
+        s = stt.open_stream()
+        s.feed(load_pcm(say("tell me a story"), VAD_RATE))
+        task = asyncio.create_task(s.finish())
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        s2 = stt.open_stream()
+        s2.feed(load_pcm(say("count to twenty"), VAD_RATE))
+        assert await asyncio.wait_for(s2.finish(), 10) == "count to twenty"
+    finally:
+        await stt.aclose()
