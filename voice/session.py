@@ -81,7 +81,10 @@ class TurnRun:
     stt: SttStream
     turn_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     utterance_ended: asyncio.Event = field(default_factory=asyncio.Event)
-    open_task: asyncio.Task[Turn] | None = None
+    #: the STT final, started the moment the utterance ends
+    stt_final: asyncio.Future[str] | None = None
+    #: writes the turn; None as result if the store refused it
+    open_task: asyncio.Task[Turn | None] | None = None
     work: asyncio.Task[None] | None = None
     stop_task: asyncio.Task[None] | None = None
     transcript: str | None = None
@@ -89,6 +92,8 @@ class TurnRun:
     phase: str = "listening"
     finished: bool = False
     remembered: bool = False
+    #: its terminal state is in the store (or it was never written)
+    settled: bool = False
 
 
 @dataclass
@@ -179,10 +184,18 @@ class AgentSession:
                             run.work.cancel()
         finally:
             self._tg = None
-            try:
-                await asyncio.shield(self._settle_all())
-            finally:
-                unsubscribe()
+            # Settle even if cancelled again meanwhile: returning earlier would
+            # let the caller close the store under the last writes.
+            settle = asyncio.ensure_future(self._settle_all())
+            interrupted = False
+            while not settle.done():
+                try:
+                    await asyncio.shield(settle)
+                except asyncio.CancelledError:
+                    interrupted = True
+            unsubscribe()
+            if interrupted:
+                raise asyncio.CancelledError
 
     def _on_frame(self, frame: InboundFrame) -> None:
         """Per 20 ms frame, on the hot path: no awaits, no I/O."""
@@ -197,7 +210,18 @@ class AgentSession:
             self._send({"type": "vad", "event": "speech_stopped", "generation": self.fence.active})
             run, self._listening = self._listening, None
             if run is not None:
-                run.utterance_ended.set()
+                self._end_utterance(run)
+
+    def _end_utterance(self, run: TurnRun) -> None:
+        """The user's utterance is complete: start its STT final at once, so
+        the recogniser is free for the next utterance whatever the turn's
+        bookkeeping is doing."""
+        if run.utterance_ended.is_set():
+            return
+        run.utterance_ended.set()
+        run.stt_final = asyncio.ensure_future(run.stt.finish())
+        # its failure is read by the turn's work; don't also log it as lost
+        run.stt_final.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     # -- barge-in --------------------------------------------------------------
 
@@ -219,7 +243,7 @@ class AgentSession:
             # VAD never starts speech twice without a stop in between; should a
             # caller do so, the unfinished utterance ends here and is stopped
             # like any other turn in flight.
-            self._listening.utterance_ended.set()
+            self._end_utterance(self._listening)
             self._listening = None
         old = self._active_run()
         old_generation = self.fence.active
@@ -257,16 +281,25 @@ class AgentSession:
         self._forget_finished()
 
     def _forget_finished(self) -> None:
-        self._runs = [r for r in self._runs if not (r.finished and (r.stop_task is None or r.stop_task.done()))]
+        """Drop runs whose terminal state is recorded; the rest are settled
+        again when the session ends."""
+        self._runs = [r for r in self._runs if not (r.settled and r.finished)]
 
     # -- per-turn tasks --------------------------------------------------------
 
-    async def _open(self, run: TurnRun, after: asyncio.Task[None] | None) -> Turn:
+    async def _open(self, run: TurnRun, after: asyncio.Task[None] | None) -> Turn | None:
         """Write the new turn once the old one's stop is recorded, so the log
-        reads: old stopping, old cancelled, new running."""
+        reads: old stopping, old cancelled, new running. Returns None (after
+        telling the client) if the store refused it: one turn's failure must
+        not end the session."""
         if after is not None:
             await asyncio.wait({after})
-        return await self.manager.open_turn(self.session_id, run.generation, turn_id=run.turn_id)
+        try:
+            return await self.manager.open_turn(self.session_id, run.generation, turn_id=run.turn_id)
+        except Exception as exc:
+            log.exception("turn %s could not be written", run.turn_id)
+            self._send({"type": "error", "code": "store_error", "turn_id": run.turn_id, "message": describe_error(exc)})
+            return None
 
     async def _work(self, run: TurnRun) -> None:
         """The turn's pipeline: STT final -> LLM -> TTS -> playout -> COMPLETED."""
@@ -274,13 +307,18 @@ class AgentSession:
         try:
             assert run.open_task is not None
             turn = await asyncio.shield(run.open_task)
+            if turn is None:
+                run.settled = True
+                return  # not recorded; the client was told
             await run.utterance_ended.wait()
             self._phase(run, "thinking")
-            run.transcript = transcript = await run.stt.finish()
+            assert run.stt_final is not None
+            run.transcript = transcript = await asyncio.shield(run.stt_final)
             await self.manager.record(turn.id, transcript=transcript)
             self._send_output(run, {"type": "transcript", "role": "user", "text": transcript})
             if not transcript:
                 await self.manager.fail(turn.id, "no_speech_recognized")
+                run.settled = True
                 return
             messages = [*self.history, Message(role="user", content=transcript)]
             await self._reply(run, messages)
@@ -289,6 +327,7 @@ class AgentSession:
             await self.manager.record(turn.id, reply=reply)
             self._remember(run, interrupted=False)
             await self.manager.complete(turn.id)
+            run.settled = True
             self._send_output(run, {"type": "agent.done", "text": reply})
         except asyncio.CancelledError:
             self._remember(run, interrupted=True)
@@ -297,7 +336,11 @@ class AgentSession:
             log.exception("turn %s failed", run.turn_id)
             error = describe_error(exc)
             if turn is not None:
-                await self.manager.fail(turn.id, error)
+                try:
+                    await self.manager.fail(turn.id, error)
+                    run.settled = True
+                except Exception:
+                    log.exception("turn %s: could not record its failure", run.turn_id)
             self._send({"type": "error", "code": "turn_failed", "turn_id": run.turn_id, "message": error})
         finally:
             run.finished = True
@@ -348,40 +391,55 @@ class AgentSession:
         """Record a stop: CANCEL_REQUESTED, bounded wait for the work to end,
         then CANCELLED (or whatever the store says already happened)."""
         assert run.open_task is not None
+        turn = await asyncio.shield(run.open_task)
+        if turn is None:
+            return  # never written: nothing was started for it
         try:
-            turn = await asyncio.shield(run.open_task)
-        except Exception:
-            log.exception("turn %s was never written; nothing to stop", run.turn_id)
-            return
-        answer = await self.manager.request_stop(turn.id, reason)
+            await self._record_stop(run, turn.id, reason)
+        except Exception as exc:
+            # The session's final settle tries again; the turn must not end the session.
+            log.exception("turn %s: could not record its stop", turn.id)
+            self._send({"type": "error", "code": "store_error", "turn_id": turn.id, "message": describe_error(exc)})
+
+    async def _record_stop(self, run: TurnRun, turn_id: str, reason: StopReason) -> None:
+        answer = await self.manager.request_stop(turn_id, reason)
         if answer.outcome not in (StopOutcome.ACCEPTED, StopOutcome.ALREADY_STOPPING):
+            run.settled = True
             return
         if run.work is not None and not run.work.done():
             run.work.cancel()
             done, _ = await asyncio.wait({run.work}, timeout=self.config.stop_grace_ms / 1000)
             if not done:
-                log.warning("turn %s: work still running %d ms after stop", turn.id, self.config.stop_grace_ms)
-        if run.reply:
-            await self.manager.record(turn.id, reply="".join(run.reply).strip())
-        await self.manager.confirm_stopped(turn.id)
+                log.warning("turn %s: work still running %d ms after stop", turn_id, self.config.stop_grace_ms)
+        transcript = run.transcript
+        final = run.stt_final
+        if transcript is None and final is not None and final.done() and not final.cancelled() and not final.exception():
+            transcript = final.result()  # heard, though the turn was stopped before using it
+        reply = "".join(run.reply).strip() or None
+        if transcript is not None or reply is not None:
+            await self.manager.record(turn_id, transcript=transcript, reply=reply)
+        await self.manager.confirm_stopped(turn_id)
+        run.settled = True
 
     async def _settle_all(self) -> None:
-        """Session end: every turn this session opened gets a terminal state."""
+        """Session end: every turn this session began gets a terminal state,
+        including one whose record was never written (the user spoke, so it
+        is recorded, then cancelled before start)."""
         reason = StopReason(kind=self.close_reason, initiator="server", at=self.clock.now())
         for run in list(self._runs):
             if run.work is not None and not run.work.done():
                 run.work.cancel()
             try:
-                turn = await self.manager.get(run.turn_id)
-            except UnknownTurn:
-                continue  # never written: nothing was started for it
-            if turn.is_terminal:
-                continue
-            answer = await self.manager.request_stop(turn.id, reason)
-            if answer.outcome in (StopOutcome.ACCEPTED, StopOutcome.ALREADY_STOPPING):
-                if run.reply:
-                    await self.manager.record(turn.id, reply="".join(run.reply).strip())
-                await self.manager.confirm_stopped(turn.id)
+                try:
+                    turn = await self.manager.get(run.turn_id)
+                except UnknownTurn:
+                    turn = await self.manager.open_turn(
+                        self.session_id, run.generation, turn_id=run.turn_id, start=False
+                    )
+                if not turn.is_terminal:
+                    await self._record_stop(run, turn.id, reason)
+            except Exception:
+                log.exception("turn %s: could not settle it at session end", run.turn_id)
         self._runs.clear()
 
     # -- history and events ----------------------------------------------------

@@ -257,3 +257,70 @@ def test_describe_error_unwraps_groups() -> None:
     eg = ExceptionGroup("outer", [ExceptionGroup("inner", [ValueError("bad pcm")])])
     assert describe_error(eg) == "ValueError: bad pcm"
     assert describe_error(RuntimeError("x")) == "RuntimeError: x"
+
+
+class SlowStore:
+    """Wraps the store: while ``delay`` > 0 every call waits that long first;
+    while ``down`` every call finds the store unavailable."""
+
+    def __init__(self, inner: SqliteStore) -> None:
+        self.inner = inner
+        self.delay = 0.0
+        self.down = False
+
+    def __getattr__(self, name: str):
+        target = getattr(self.inner, name)
+
+        async def call(*args, **kwargs):
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            if self.down:
+                from turn.store import StoreUnavailable
+
+                raise StoreUnavailable("sqlite: database is locked")
+            return await target(*args, **kwargs)
+
+        return call
+
+
+async def test_barge_in_while_turn_write_is_slow(store: SqliteStore, grammar_file: Path, say: Callable[..., Path]) -> None:
+    """The reviewer's crash: the first turn's record is slow to write, the user
+    speaks again before it is; both utterances are recognised and recorded."""
+    slow = SlowStore(store)
+    h = Harness(slow, grammar_file)  # type: ignore[arg-type]
+    await h.start()
+    try:
+        slow.delay = 1.5
+        h.mic.say(pcm48(say("tell me a story")) + bytes(1920 * 35) + pcm48(say("what is the weather like today")))
+        await asyncio.sleep(4)
+        slow.delay = 0
+        await h.wait_for(lambda: any(e.get("status") == "COMPLETED" for e in h.turn_events()), timeout=40)
+        turns = await store.list_session("sess-1")
+        assert [t.transcript for t in turns] == ["tell me a story", "what is the weather like today"]
+        assert turns[0].status is TurnStatus.CANCELLED and turns[1].status is TurnStatus.COMPLETED
+    finally:
+        await h.stop()
+
+
+async def test_store_outage_does_not_end_the_session(store: SqliteStore, grammar_file: Path, say: Callable[..., Path]) -> None:
+    flaky = SlowStore(store)
+    h = Harness(flaky, grammar_file)  # type: ignore[arg-type]
+    h.manager.store_attempts = 2
+    await h.start()
+    try:
+        h.mic.say(pcm48(say("tell me a story")))
+        await h.wait_for(lambda: h.phase("speaking"))
+        flaky.down = True  # the barge-in's writes fail
+        h.mic.say(pcm48(say("count to twenty")))
+        await h.wait_for(lambda: any(e["type"] == "error" and e.get("code") == "store_error" for e in h.events))
+        assert not h.run_task.done()  # the session goes on
+        flaky.down = False
+        h.mic.say(bytes(1920 * 40) + pcm48(say("what is the weather like today")))
+        await h.wait_for(
+            lambda: any(e.get("status") == "COMPLETED" and "weather" in (e.get("transcript") or "") for e in h.turn_events()),
+            timeout=40,
+        )
+    finally:
+        await h.stop()
+    # after the session, no turn is left open
+    assert all(t.is_terminal for t in await store.list_session("sess-1"))
