@@ -60,6 +60,8 @@ class InboundAudio:
         self._resampler = PcmResampler(VAD_RATE)
         self._reframer = Reframer(VAD_RATE)
         self._aligned = False
+        #: clock seconds when the last frame came off the track (None: none yet)
+        self.last_frame_at: float | None = None
 
     def _align(self, frame: Any, first_output: bytes) -> None:
         """Pad the reframer by the resampler's filter delay, once.
@@ -83,7 +85,7 @@ class InboundAudio:
                 frame = await self.track.recv()
             except MediaStreamError:
                 return
-            at = self.clock.monotonic()
+            at = self.last_frame_at = self.clock.monotonic()
             pcm16 = self._resampler.frame(frame)
             if not self._aligned:
                 self._align(frame, pcm16)

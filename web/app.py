@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from turn.clock import Clock, SystemClock
 from turn.manager import TurnManager
-from turn.models import StopReasonKind
+from turn.models import StopReason, StopReasonKind
 from turn.sqlite_store import SqliteStore, path_from_url
 from voice.llm import LocalAgent
 from voice.session import Providers
@@ -42,9 +42,6 @@ CLOCK = web.AppKey("clock", Clock)  # type: ignore[type-abstract]
 STORE = web.AppKey("store", SqliteStore)
 MANAGER = web.AppKey("manager", TurnManager)
 PEERS = web.AppKey("peers", dict)  # session id -> PeerSession
-PROVIDERS = web.AppKey("providers_factory", Callable)  # type: ignore[type-abstract]
-
-ProvidersFactory = Callable[[Settings, Clock], Providers]
 
 
 class ApiError(web.HTTPException):
@@ -66,27 +63,59 @@ class OfferRequest(BaseModel):
     sdp: str = Field(min_length=1)
 
 
-def default_providers(settings: Settings, clock: Clock) -> Providers:
-    """The embedded providers: pocketsphinx, the local agent, espeak-ng."""
-    return Providers(
-        stt=PocketsphinxSTT(settings.stt),
-        llm=LocalAgent(settings.llm, clock),
-        tts=EspeakTTS(settings.tts),
-    )
+class EmbeddedProviders:
+    """The embedded providers: one pocketsphinx decoder pool shared by all
+    sessions, and per session the local agent and espeak-ng.
+
+    Args:
+        settings: provider settings.
+        clock: the local agent's pace clock.
+    """
+
+    def __init__(self, settings: Settings, clock: Clock) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.stt = PocketsphinxSTT(settings.stt)
+
+    async def start(self) -> None:
+        """Check the configuration before serving anyone.
+
+        Raises:
+            RuntimeError: espeak-ng is missing, or the speech model or grammar
+                cannot be loaded.
+        """
+        if not EspeakTTS(self.settings.tts).available():
+            raise RuntimeError(f"TTS executable {self.settings.tts.executable!r} not found; install espeak-ng")
+        try:
+            await self.stt.start()
+        except Exception as exc:
+            raise RuntimeError(f"speech recogniser cannot start: {exc}") from exc
+
+    def for_session(self) -> Providers:
+        """Providers for one new session."""
+        return Providers(stt=self.stt, llm=LocalAgent(self.settings.llm, self.clock), tts=EspeakTTS(self.settings.tts))
+
+    async def aclose(self) -> None:
+        await self.stt.aclose()
+
+
+PROVIDERS = web.AppKey("providers", EmbeddedProviders)
 
 
 def create_app(
     settings: Settings | None = None,
     *,
     clock: Clock | None = None,
-    providers: ProvidersFactory = default_providers,
+    providers: EmbeddedProviders | None = None,
 ) -> web.Application:
-    """Build the application.
+    """Build the application. Its startup opens the store, stops turns a
+    previous process left open, and checks the providers; any failure there
+    stops the server before it serves.
 
     Args:
         settings: defaults to ``Settings()`` (environment + defaults).
         clock: time source (system clock by default).
-        providers: builds each session's STT/LLM/TTS.
+        providers: the STT/LLM/TTS source (embedded ones by default).
 
     Raises:
         ValueError: ``settings.store`` is not a supported URL.
@@ -98,7 +127,7 @@ def create_app(
     app[STORE] = SqliteStore(path_from_url(settings.store))
     app[MANAGER] = TurnManager(app[STORE], app[CLOCK])
     app[PEERS] = {}
-    app[PROVIDERS] = providers
+    app[PROVIDERS] = providers or EmbeddedProviders(settings, app[CLOCK])
     app.router.add_get("/", _index)
     app.router.add_static("/static", STATIC_DIR)
     app.router.add_get("/healthz", _healthz)
@@ -110,7 +139,20 @@ def create_app(
 
 
 async def _startup(app: web.Application) -> None:
-    await app[STORE].open()
+    try:
+        await app[STORE].open()
+    except Exception as exc:
+        raise RuntimeError(f"cannot open the store {app[SETTINGS].store}: {exc}") from exc
+    # One process serves this store, so any turn still open belonged to a
+    # process that died (crash, SIGKILL): record that honestly.
+    reason = StopReason(
+        kind=StopReasonKind.WORKER_SHUTDOWN,
+        initiator="server",
+        at=app[CLOCK].now(),
+        detail="recovered at startup: the process running it ended without recording its end",
+    )
+    await app[MANAGER].recover_abandoned(reason)
+    await app[PROVIDERS].start()
 
 
 async def _shutdown(app: web.Application) -> None:
@@ -121,6 +163,7 @@ async def _shutdown(app: web.Application) -> None:
 
 
 async def _cleanup(app: web.Application) -> None:
+    await app[PROVIDERS].aclose()
     await app[STORE].close()
 
 
@@ -158,7 +201,7 @@ async def _read_json(request: web.Request) -> Any:
         raise ApiError(413, "body_too_large", f"body is larger than {limit} bytes") from exc
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ApiError(400, "bad_json", f"body is not valid JSON: {exc}") from exc
 
 
@@ -180,7 +223,7 @@ async def _offer(request: web.Request) -> web.Response:
     peer = PeerSession(
         settings=settings,
         manager=app[MANAGER],
-        providers=app[PROVIDERS](settings, clock),
+        providers=app[PROVIDERS].for_session(),
         clock=clock,
         on_closed=lambda p: peers.pop(p.id, None),
     )

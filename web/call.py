@@ -176,6 +176,7 @@ class CallClient:
         self._onsets: dict[int, int] = {}  # utterance index -> onset sample
         self._onset_sent: dict[int, float] = {}
         self._server_fences: list[float | None] = []
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(
         self,
@@ -189,7 +190,9 @@ class CallClient:
         """Make the call and return what happened.
 
         Raises:
-            CallError: the server rejected the offer or never connected.
+            CallError: the server cannot be reached, rejected the offer, did
+                not answer like turnkeeper, or never connected.
+            OSError: ``out_wav`` cannot be written.
         """
         pc = RTCPeerConnection()
         mic_buffer = PlayoutBuffer()
@@ -221,14 +224,7 @@ class CallClient:
         timed_out = server_hung_up = False
         try:
             await pc.setLocalDescription(await pc.createOffer())
-            async with aiohttp.ClientSession() as http:
-                async with http.post(
-                    f"{self.base_url}/v1/webrtc/offer",
-                    json={"type": "offer", "sdp": pc.localDescription.sdp},
-                ) as resp:
-                    body = await resp.json(content_type=None)
-                    if resp.status != 200:
-                        raise CallError(f"offer rejected ({resp.status}): {body}")
+            body = await self._post_offer(pc.localDescription.sdp)
             self.session_id = body["session_id"]
             await pc.setRemoteDescription(RTCSessionDescription(sdp=body["sdp"], type="answer"))
             for t in pc.getTransceivers():
@@ -270,6 +266,28 @@ class CallClient:
             timed_out=timed_out,
             server_hung_up=server_hung_up,
         )
+
+    async def _post_offer(self, sdp: str) -> dict[str, Any]:
+        url = f"{self.base_url}/v1/webrtc/offer"
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+                async with http.post(url, json={"type": "offer", "sdp": sdp}) as resp:
+                    text = await resp.text()
+                    status = resp.status
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            raise CallError(f"cannot reach {url}: {exc or type(exc).__name__}") from exc
+        try:
+            body = json.loads(text)
+        except ValueError:
+            body = None
+        if status != 200:
+            if isinstance(body, dict) and isinstance(body.get("error"), dict):
+                err = body["error"]
+                raise CallError(f"offer rejected ({status} {err.get('code')}): {err.get('message')}")
+            raise CallError(f"{url} did not answer like a turnkeeper server (HTTP {status})")
+        if not isinstance(body, dict) or not isinstance(body.get("sdp"), str) or not isinstance(body.get("session_id"), str):
+            raise CallError(f"{url} did not answer like a turnkeeper server: {text[:200]!r}")
+        return body
 
     # -- microphone ------------------------------------------------------------
 
@@ -379,7 +397,9 @@ class CallClient:
                 t.reply += ev["text"]
         elif kind == "barge_in":
             self._server_fences.append(ev.get("onset_to_fence_ms"))
-        asyncio.get_running_loop().create_task(self._notify_events())
+        task = asyncio.get_running_loop().create_task(self._notify_events())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _notify_events(self) -> None:
         async with self._event_cond:

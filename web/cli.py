@@ -54,8 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(args.config, port=0)
         _logging(settings, quiet=args.json)
         return asyncio.run(_call(args, settings))
-    except (FileNotFoundError, ValueError, CallError) as exc:
+    except FileNotFoundError as exc:
+        print(f"turnkeeper: file not found: {exc.filename or exc}", file=sys.stderr)
+        return 2
+    except (ValueError, CallError, RuntimeError) as exc:
+        # ValueError covers pydantic's ValidationError: one line per problem.
         print(f"turnkeeper: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # cannot bind, cannot write
+        print(f"turnkeeper: {exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -72,12 +79,21 @@ def _logging(settings: Settings, quiet: bool = False) -> None:
 
 def _serve(settings: Settings) -> int:
     app = create_app(settings)
-    print(f"turnkeeper serving on http://{settings.host}:{settings.port}", flush=True)
-    web.run_app(app, host=settings.host, port=settings.port, print=None, access_log=None)
+
+    def ready(_: str) -> None:  # aiohttp calls this once the socket is bound
+        print(f"turnkeeper serving on http://{settings.host}:{settings.port}", flush=True)
+
+    try:
+        web.run_app(app, host=settings.host, port=settings.port, print=ready, access_log=None)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from exc
     return 0
 
 
 async def _call(args: argparse.Namespace, settings: Settings) -> int:
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise FileNotFoundError(2, "no such folder for --out", str(out.parent))
     opening = Utterance(pcm=load_pcm(args.wav, PLAYOUT_RATE), label=Path(args.wav).name)
     barge_ins = []
     if args.barge_in:
@@ -94,7 +110,7 @@ async def _call(args: argparse.Namespace, settings: Settings) -> int:
         else:
             url = args.server
         client = CallClient(url)
-        result = await client.run(opening, barge_ins, out_wav=Path(args.out), timeout_s=args.timeout)
+        result = await client.run(opening, barge_ins, out_wav=out, timeout_s=args.timeout)
     finally:
         if runner is not None:
             await runner.cleanup()
@@ -102,7 +118,8 @@ async def _call(args: argparse.Namespace, settings: Settings) -> int:
         print(json.dumps(result.as_dict(), indent=2))
     else:
         print(format_timeline(result, args.out))
-    return 0 if result.ok else 1
+    failed = any(t.status == "FAILED" for t in result.turns)
+    return 0 if result.ok and not failed else 1
 
 
 def format_timeline(result: CallResult, out: str | None = None) -> str:

@@ -3,7 +3,9 @@
 :class:`PeerSession` owns the ``RTCPeerConnection``, the paced outbound track,
 the events data channel and the :class:`voice.session.AgentSession` task, and
 frees all of them exactly once when the peer disconnects, fails, never
-connects, or the server shuts down.
+connects, goes quiet (no inbound audio for ``media_timeout_s``), or the server
+shuts down. The agent (and its speech recogniser) starts only once the peer
+is connected, so an offer that never connects costs almost nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ log = logging.getLogger(__name__)
 MAX_PENDING_EVENTS = 1000
 #: how long a closing session waits for its last events to be sent, seconds
 CLOSE_WAIT_S = 0.5
+#: largest client message accepted on the data channel, characters/bytes
+MAX_CLIENT_MESSAGE = 16 * 1024
+#: largest event sent (SCTP peers must accept 64 KiB; RFC 8831 section 6.6)
+MAX_EVENT_BYTES = 64 * 1024
+#: how often the watchdog looks at the connection, seconds
+WATCH_INTERVAL_S = 0.25
 
 
 class OfferRejected(Exception):
@@ -51,12 +59,14 @@ class OfferRejected(Exception):
 
 class EventChannel:
     """Sends JSON events on the client's data channel, keeping them (bounded)
-    until the channel opens."""
+    until the channel opens. Never raises into its caller: an event that
+    cannot be sent is logged and dropped."""
 
     def __init__(self) -> None:
         self.channel: RTCDataChannel | None = None
         self._pending: deque[str] = deque(maxlen=MAX_PENDING_EVENTS)
         self.sent = 0
+        self.dropped = 0
         self.on_message: Callable[[Any], None] | None = None
 
     def attach(self, channel: RTCDataChannel) -> None:
@@ -76,8 +86,20 @@ class EventChannel:
             self._flush()
 
     def send(self, event: dict[str, Any]) -> None:
-        """Queue ``event`` as compact JSON and send what the channel can take."""
-        self._pending.append(json.dumps(event, separators=(",", ":")))
+        """Queue ``event`` as compact JSON and send what the channel can take.
+        Events larger than ``MAX_EVENT_BYTES`` or not JSON-serialisable are
+        dropped (and counted in ``dropped``)."""
+        try:
+            text = json.dumps(event, separators=(",", ":"))
+        except (TypeError, ValueError):
+            log.exception("event is not JSON: %r", event.get("type"))
+            self.dropped += 1
+            return
+        if len(text.encode()) > MAX_EVENT_BYTES:
+            log.warning("dropping %s event of %d bytes", event.get("type"), len(text))
+            self.dropped += 1
+            return
+        self._pending.append(text)
         self._flush()
 
     async def drain(self, timeout: float) -> None:
@@ -98,8 +120,13 @@ class EventChannel:
         if ch is None or ch.readyState != "open":
             return
         while self._pending:
-            ch.send(self._pending.popleft())
-            self.sent += 1
+            text = self._pending.popleft()
+            try:
+                ch.send(text)
+                self.sent += 1
+            except Exception:  # closing channel, SCTP refused: drop, keep going
+                log.exception("could not send an event")
+                self.dropped += 1
 
 
 class PeerSession:
@@ -143,6 +170,8 @@ class PeerSession:
             vad=settings.vad,
             config=settings.session,
         )
+        self.inbound: InboundAudio | None = None
+        self._track: MediaStreamTrack | None = None
         self._on_closed = on_closed
         self._task: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
@@ -155,14 +184,17 @@ class PeerSession:
 
         @self.pc.on("track")
         def _track(track: MediaStreamTrack) -> None:
-            if track.kind == "audio" and self._task is None:
-                self._task = asyncio.get_running_loop().create_task(self._run(track), name=f"session-{self.id}")
+            if track.kind == "audio" and self._track is None:
+                self._track = track
+                self._start_agent()
 
         @self.pc.on("connectionstatechange")
         def _state() -> None:
             state = self.pc.connectionState
             log.info("session %s: connection %s", self.id, state)
-            if state in ("failed", "closed"):
+            if state == "connected":
+                self._start_agent()
+            elif state in ("failed", "closed"):
                 self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
 
     async def answer(self, sdp: str) -> str:
@@ -185,40 +217,86 @@ class PeerSession:
             await self.pc.setLocalDescription(await self.pc.createAnswer())
         except Exception as exc:
             raise OfferRejected("invalid_sdp", f"cannot answer offer: {exc}") from exc
-        self._watchdog = asyncio.get_running_loop().create_task(self._connect_watchdog())
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         return self.pc.localDescription.sdp
 
-    async def _run(self, track: MediaStreamTrack) -> None:
-        inbound = InboundAudio(track, self.clock, self.settings.vad)
+    def _start_agent(self) -> None:
+        """Start the agent once there is both an audio track and a connection."""
+        if self._task is not None or self._closing is not None or self._track is None:
+            return
+        if self.pc.connectionState != "connected":
+            return
+        self.inbound = InboundAudio(self._track, self.clock, self.settings.vad)
+        self._task = asyncio.get_running_loop().create_task(self._run(self.inbound), name=f"session-{self.id}")
+
+    async def _run(self, inbound: InboundAudio) -> None:
         try:
             await self.agent.run(inbound.frames())
         except asyncio.CancelledError:
             raise
-        except BaseException:
+        except Exception:
             log.exception("session %s: agent failed", self.id)
+            self.events.send({"type": "error", "code": "session_failed", "message": "the agent stopped working"})
         finally:
             # The track ended or the agent failed: nothing more can happen here.
             self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
 
-    async def _connect_watchdog(self) -> None:
-        await self.clock.sleep(self.settings.connect_timeout_s)
-        if self.pc.connectionState != "connected":
-            log.info("session %s: not connected after %.0f s, closing", self.id, self.settings.connect_timeout_s)
-            self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
+    async def _watch(self) -> None:
+        """Close a peer that does not connect within ``connect_timeout_s``, or
+        whose audio stops arriving for ``media_timeout_s`` (a client that died
+        without saying goodbye; ICE consent would take 30 s to notice)."""
+        s = self.settings
+        deadline = self.clock.monotonic() + s.connect_timeout_s
+        while self.pc.connectionState != "connected":
+            if self.clock.monotonic() >= deadline:
+                log.info("session %s: not connected after %.1f s, closing", self.id, s.connect_timeout_s)
+                self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
+                return
+            await self.clock.sleep(WATCH_INTERVAL_S)
+        if s.media_timeout_s <= 0:
+            return
+        since = self.clock.monotonic()
+        while True:
+            await self.clock.sleep(WATCH_INTERVAL_S)
+            last = self.inbound.last_frame_at if self.inbound and self.inbound.last_frame_at else since
+            if self.clock.monotonic() - last > s.media_timeout_s:
+                log.info("session %s: no audio for %.1f s, closing", self.id, s.media_timeout_s)
+                self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
+                return
 
     def _on_client_message(self, message: Any) -> None:
-        """Client -> server messages on the data channel (JSON objects)."""
+        """Client -> server messages on the data channel: JSON objects with a
+        string ``type``. Anything else gets an error event; nothing a client
+        sends may raise into aiortc's transport loop."""
         try:
-            msg = json.loads(message) if isinstance(message, str) else None
-        except ValueError:
+            self._handle_client_message(message)
+        except Exception:
+            log.exception("session %s: client message handling failed", self.id)
+            self.events.send({"type": "error", "code": "bad_message", "message": "message could not be handled"})
+
+    def _handle_client_message(self, message: Any) -> None:
+        if not isinstance(message, str):
+            self.events.send({"type": "error", "code": "bad_message", "message": "expected a text message (JSON)"})
+            return
+        if len(message) > MAX_CLIENT_MESSAGE:
+            self.events.send(
+                {"type": "error", "code": "message_too_large", "message": f"messages are at most {MAX_CLIENT_MESSAGE} characters"}
+            )
+            return
+        try:
+            msg = json.loads(message)
+        except (ValueError, RecursionError):
             msg = None
         if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
-            self.events.send({"type": "error", "code": "bad_message", "message": "expected a JSON object with a type"})
+            self.events.send({"type": "error", "code": "bad_message", "message": "expected a JSON object with a string type"})
             return
-        if msg["type"] == "ping":
-            self.events.send({"type": "pong", "id": msg.get("id")})
+        kind = msg["type"]
+        if kind == "ping":
+            ping_id = msg.get("id")
+            self.events.send({"type": "pong", "id": ping_id if isinstance(ping_id, (int, float, str)) and len(str(ping_id)) <= 64 else None})
         else:
-            self.events.send({"type": "error", "code": "unknown_type", "message": f"unknown message type {msg['type']!r}"})
+            shown = kind if len(kind) <= 64 else kind[:61] + "..."
+            self.events.send({"type": "error", "code": "unknown_type", "message": f"unknown message type {shown!r}"})
 
     def close(self, reason: StopReasonKind) -> asyncio.Task[None]:
         """Free everything once; later calls return the same closing task."""
@@ -231,16 +309,18 @@ class PeerSession:
         try:
             if self._watchdog is not None:
                 self._watchdog.cancel()
-            if self._task is not None:  # None: no audio ever arrived, no turn opened
+            if self._task is not None:  # None: the agent never started, no turn opened
                 # Stop the agent first: it settles every open turn with
                 # close_reason and its last events still reach a client that
                 # is there (e.g. on server shutdown).
                 self._task.cancel()
                 await asyncio.wait({self._task})
                 await self.events.drain(CLOSE_WAIT_S)
-            await self.pc.close()
+            try:
+                await self.pc.close()
+            except Exception:  # aiortc can trip over offers it half-accepted
+                log.exception("session %s: error while closing the peer connection", self.id)
             self.outbound.stop()
-            await self.providers.stt.aclose()
         finally:
             self.closed.set()
             self._on_closed(self)

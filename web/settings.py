@@ -10,7 +10,10 @@ Every field documents its unit; README.md lists them all.
 from __future__ import annotations
 
 import contextvars
+import difflib
 import os
+import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,9 @@ class Settings(BaseSettings):
         max_sessions: concurrent WebRTC sessions; more get 503.
         connect_timeout_s: a peer that is not connected this many seconds
             after its offer is closed.
+        media_timeout_s: a connected peer whose audio stops arriving for this
+            many seconds is closed (0 turns this off; clients that use Opus
+            DTX, sending nothing in silence, need 0 or a long timeout).
         jitter_prefetch_packets: inbound jitter buffer prefetch, 20 ms packets
             (see ``media.inbound.set_jitter_prefetch`` for the trade-off).
         log_level: Python logging level name.
@@ -60,7 +66,8 @@ class Settings(BaseSettings):
     store: str = "sqlite:///var/turnkeeper.db"
     max_offer_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024)
     max_sessions: int = Field(32, ge=1, le=10_000)
-    connect_timeout_s: float = Field(30.0, gt=0, le=600)
+    connect_timeout_s: float = Field(15.0, gt=0, le=600)
+    media_timeout_s: float = Field(5.0, ge=0, le=3600)
     jitter_prefetch_packets: int = Field(1, ge=0, le=8)
     log_level: str = "INFO"
     vad: VadConfig = VadConfig()
@@ -98,8 +105,35 @@ def load_settings(config: str | Path | None = None, **overrides: Any) -> Setting
     toml_path = Path(path) if path else None
     if toml_path is not None and not toml_path.is_file():
         raise FileNotFoundError(f"config file not found: {toml_path}")
+    check_environment(os.environ)
     token = _CONFIG_FILE.set(toml_path)
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {toml_path} is not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"config file {toml_path} is not UTF-8 text") from exc
     finally:
         _CONFIG_FILE.reset(token)
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """Refuse ``TURNKEEPER_*`` variables that name no setting, so a typo does
+    not silently leave a default in place.
+
+    Raises:
+        ValueError: naming the unknown variables and the known ones.
+    """
+    known = {"TURNKEEPER_CONFIG"}
+    for name, field in Settings.model_fields.items():
+        known.add(f"TURNKEEPER_{name.upper()}")
+        sub_fields = getattr(field.annotation, "model_fields", None)
+        if sub_fields:
+            known.update(f"TURNKEEPER_{name.upper()}__{sub.upper()}" for sub in sub_fields)
+    unknown = sorted(k for k in environ if k.upper().startswith("TURNKEEPER_") and k.upper() not in known)
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name.upper(), known, n=1)
+            hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
+        raise ValueError(f"unknown setting in the environment: {', '.join(hints)}; README.md lists the settings")

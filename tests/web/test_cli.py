@@ -1,0 +1,71 @@
+"""The turnkeeper command's error handling: one clear line, exit status 2,
+never a traceback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(args: list[str], tmp_path: Path, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("TURNKEEPER_")}
+    e.update(env or {})
+    e["PYTHONPATH"] = str(ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "web.cli", *args], cwd=tmp_path, env=e, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("turnkeeper: ")
+    for n in needles:
+        assert n in proc.stderr
+
+
+def test_call_unreachable_server(tmp_path: Path, say) -> None:
+    proc = run(["call", "--server", "http://127.0.0.1:1", "--wav", str(say("hello there"))], tmp_path)
+    assert_clean_error(proc, "cannot reach")
+
+
+def test_call_missing_and_bad_files(tmp_path: Path, say) -> None:
+    assert_clean_error(run(["call", "--local", "--wav", "missing.wav"], tmp_path), "file not found", "missing.wav")
+    junk = tmp_path / "junk.wav"
+    junk.write_bytes(b"\x00\x01" * 500)
+    assert_clean_error(run(["call", "--local", "--wav", str(junk)], tmp_path), "junk.wav")
+    proc = run(["call", "--local", "--wav", str(say("hello there")), "--out", "/nonexistent/dir/heard.wav"], tmp_path)
+    assert_clean_error(proc, "/nonexistent/dir")
+
+
+def test_serve_bad_settings(tmp_path: Path) -> None:
+    assert_clean_error(run(["serve"], tmp_path, {"TURNKEEPER_PORT": "abc"}), "port")
+    assert_clean_error(run(["serve"], tmp_path, {"TURNKEEPER_VAD__ONSET_MS": "55"}), "onset_ms")
+    assert_clean_error(run(["serve"], tmp_path, {"TURNKEEPER_VAD__ONSETMS": "60"}), "TURNKEEPER_VAD__ONSET_MS?")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("port = \n")
+    assert_clean_error(run(["serve", "--config", str(bad)], tmp_path), "bad.toml", "not valid TOML")
+    assert_clean_error(run(["serve", "--config", "missing.toml"], tmp_path), "missing.toml")
+
+
+def test_serve_bad_grammar_fails_before_serving(tmp_path: Path) -> None:
+    proc = run(["serve", "--port", "0"], tmp_path, {"TURNKEEPER_STT__GRAMMAR": "/nonexistent.gram"})
+    assert_clean_error(proc, "grammar not found")
+    assert "serving on" not in proc.stdout
+
+
+def test_serve_port_in_use(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = run(["serve", "--port", str(port)], tmp_path)
+    assert_clean_error(proc, f"cannot listen on 127.0.0.1:{port}")
+    assert "serving on" not in proc.stdout
