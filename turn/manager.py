@@ -54,8 +54,9 @@ class TurnManager:
     """Creates turns and moves them through DESIGN.md's states.
 
     Every method may raise :class:`turn.store.StoreUnavailable` once the store
-    stayed unavailable through ``store_attempts`` tries, and ``RuntimeError``
-    if the store is not open.
+    stayed unavailable through ``store_attempts`` tries, ``RuntimeError`` if
+    the store is not open, and those taking a ``turn_id`` raise
+    :class:`turn.store.UnknownTurn` for an id that does not exist.
 
     Args:
         store: the authority (e.g. :class:`turn.sqlite_store.SqliteStore`), opened.

@@ -7,10 +7,12 @@ records everything: the agent's audio (to a WAV file if asked), the events
 from the data channel, and for each barge-in the audible stop time.
 
 Audible stop time = from the moment the first sample of barge-in speech was
-handed to the RTP sender, to the arrival of the first decoded agent frame
-after which the agent stays silent (``SILENT_RUN_MS``). The client's own
-jitter buffer is set to its minimum (one 20 ms packet), so the figure
-includes that 20 ms.
+handed to the RTP sender, to the point where the agent's sound ends in the
+audio received, on the packet-arrival timeline: the arrival of the last
+frame with agent sound plus where in that frame the sound ends (Opus carries
+a few ms of tail into the frame after the last one sent), provided the agent
+then stays silent for ``SILENT_RUN_MS``. The client's own jitter buffer is set
+to its minimum (one 20 ms packet), so the figure includes that 20 ms.
 """
 
 from __future__ import annotations
@@ -170,7 +172,8 @@ class CallClient:
         self._turns: dict[str, TurnView] = {}
         self._events: list[dict[str, Any]] = []
         self._event_cond = asyncio.Condition()
-        self._received: list[tuple[float, float]] = []  # (arrival, dBFS) per 20 ms
+        #: per 20 ms frame received: (arrival, dBFS, ms into the frame where its sound ends)
+        self._received: list[tuple[float, float, float]] = []
         self._pcm_out = bytearray()
         self._sound_cond = asyncio.Condition()
         self._onsets: dict[int, int] = {}  # utterance index -> onset sample
@@ -337,7 +340,7 @@ class CallClient:
         async with self._sound_cond:
             while True:
                 while i < len(self._received):
-                    at, level = self._received[i]
+                    at, level, _ = self._received[i]
                     i += 1
                     if at > t and level > SILENCE_DBFS:
                         return at
@@ -365,7 +368,7 @@ class CallClient:
             at = self.clock.monotonic()
             for f in reframer.push(resampler.frame(frame)):
                 self._pcm_out += f
-                self._received.append((at, rms_dbfs(f)))
+                self._received.append((at, rms_dbfs(f), sound_end_ms(f)))
             async with self._sound_cond:
                 self._sound_cond.notify_all()
 
@@ -416,13 +419,28 @@ class CallClient:
             m.onset_sent_at = t
             if t is None:
                 continue
-            m.speaking_at_onset = any(t - 0.1 <= at <= t and lv > SILENCE_DBFS for at, lv in self._received)
-            after = [(at, lv) for at, lv in self._received if at >= t]
-            for i in range(len(after)):
-                window = after[i : i + run]
-                if len(window) == run and all(lv <= SILENCE_DBFS for _, lv in window):
-                    m.silent_at = after[i][0]
+            m.speaking_at_onset = any(t - 0.1 <= at <= t and lv > SILENCE_DBFS for at, lv, _ in self._received)
+            rx = self._received
+            start = next((i for i, (at, _, _) in enumerate(rx) if at >= t), len(rx))
+            for i in range(start, len(rx)):
+                window = rx[i : i + run]
+                if len(window) == run and all(lv <= SILENCE_DBFS for _, lv, _ in window):
+                    # The agent's sound ends inside the frame before the silent
+                    # run (codec overlap carries a few ms into it): count the
+                    # stop at that point, not at the next frame's arrival.
+                    prev = rx[i - 1] if i > start else None
+                    m.silent_at = prev[0] + prev[2] / 1000 if prev is not None else rx[i][0]
                     break
+
+
+def sound_end_ms(pcm: bytes, window: int = 120) -> float:
+    """Where the sound in a 48 kHz s16 frame ends, in ms from its start: the
+    end of its last 2.5 ms window louder than ``SILENCE_DBFS`` (0 if none)."""
+    n = len(pcm) // 2
+    for start in range((n - 1) // window * window, -1, -window):
+        if rms_dbfs(pcm[start * 2 : (start + window) * 2]) > SILENCE_DBFS:
+            return min(n, start + window) * 1000 / PLAYOUT_RATE
+    return 0.0
 
 
 def _write_wav(path: Path, pcm: bytes, rate: int) -> None:
