@@ -3,15 +3,20 @@ server on loopback."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 import subprocess
-from collections.abc import AsyncIterator, Callable
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
 from turn.clock import VirtualClock
+from turn.redis_store import RedisStore
 from turn.sqlite_store import SqliteStore
 
 ALSA_SOUNDS = Path("/usr/share/sounds/alsa")
@@ -99,3 +104,63 @@ async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return runner, f"http://127.0.0.1:{port}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Redis: ``$TEST_REDIS_URL`` if set (CI starts one), otherwise a
+    redis-server (Debian package) started here on a free loopback port with
+    AOF on, and stopped at the end."""
+    url = os.environ.get("TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed (make test installs it)")
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--appendonly", "yes", "--save", ""],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail("redis-server did not start")
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+async def redis_store(redis_url: str) -> AsyncIterator[RedisStore]:
+    s = RedisStore(redis_url, prefix=f"t{uuid.uuid4().hex[:10]}")
+    await s.open()
+    yield s
+    await s.close()
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+async def any_store(request: pytest.FixtureRequest, tmp_path: Path, redis_url: str) -> AsyncIterator[SqliteStore | RedisStore]:
+    """Each store implementation in turn, for the contract suite."""
+    if request.param == "sqlite":
+        s: SqliteStore | RedisStore = SqliteStore(tmp_path / "var" / "contract.db")
+    else:
+        s = RedisStore(redis_url, prefix=f"t{uuid.uuid4().hex[:10]}")
+    await s.open()
+    yield s
+    await s.close()

@@ -1,16 +1,22 @@
-"""The store protocol: the authority for every turn.
+"""The store protocol: the authority for every turn, session and event.
 
-Implementations must apply :meth:`TurnStore.transition` atomically as a
-compare-and-set against :func:`turn.states.sources_of`, so that the
-exactly-one-terminal-state invariant holds however callers race.
+Two implementations pass one contract suite (tests/turn/test_store_contract.py):
+:class:`turn.sqlite_store.SqliteStore` (embedded default, one instance) and
+:class:`turn.redis_store.RedisStore` (many instances). Both apply every state
+change atomically as a compare-and-set against
+:func:`turn.states.sources_of`, so the exactly-one-terminal-state invariant
+holds however callers race, and neither trusts callers to check first.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
+from enum import StrEnum
 from typing import Any, Protocol
 
-from turn.models import StopReason, Turn, TurnStatus
+from pydantic import BaseModel
+
+from turn.models import EventRecord, Session, StopReason, Turn, TurnStatus
 from turn.states import TransitionResult
 
 
@@ -29,30 +35,114 @@ class UnknownTurn(StoreError, KeyError):
         return f"unknown turn {self.turn_id!r}"
 
 
+class UnknownSession(StoreError, KeyError):
+    """No session has that id."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(session_id)
+        self.session_id = session_id
+
+    def __str__(self) -> str:
+        return f"unknown session {self.session_id!r}"
+
+
 class DuplicateTurn(StoreError):
     """A turn with that id already exists."""
 
 
+class DuplicateSession(StoreError):
+    """A session with that id already exists."""
+
+
 class StoreUnavailable(StoreError):
     """The store could not be reached or was busy; nothing was written, so
-    the call may be retried (e.g. SQLite "database is locked")."""
+    the call may be retried (e.g. SQLite "database is locked", Redis
+    connection refused)."""
+
+
+class IdempotencyConflict(StoreError):
+    """A request id (idempotency key) was reused with different parameters."""
 
 
 #: Fields a caller may set outside a state transition.
-MUTABLE_FIELDS = frozenset({"transcript", "reply"})
+MUTABLE_FIELDS = frozenset(
+    {"transcript", "reply", "spent", "usage", "step_count", "lease_owner", "heartbeat_at", "deadline_at", "budget"}
+)
+
+
+class StopAnswer(StrEnum):
+    """The answer to a stop request, from the facts at the time it first
+    arrived (a repeat with the same request id gets the same answer)."""
+
+    #: this request stopped it: RUNNING -> CANCEL_REQUESTED (or QUEUED -> CANCELLED)
+    ACCEPTED = "accepted"
+    #: accepted, but a stop was already under way
+    ALREADY_STOPPING = "already_stopping"
+    #: it had ended (COMPLETED, FAILED, CANCELLED) before the request
+    ALREADY_TERMINAL = "already_terminal"
+    #: it ended in RECONCILE_REQUIRED: an external effect may have happened
+    RECONCILE_REQUIRED = "reconcile_required"
+
+
+class StopResult(BaseModel):
+    """Result of :meth:`TurnStore.request_stop`.
+
+    Attributes:
+        answer: see :class:`StopAnswer`.
+        first: True for exactly one request per turn: the one whose
+            transition applied. The stop's effects (signal, cleanup) are done
+            by that caller only.
+        repeat: the request id had been seen; ``answer`` is the stored one.
+        turn: the turn as stored now.
+    """
+
+    answer: StopAnswer
+    first: bool
+    repeat: bool
+    turn: Turn
 
 
 class TurnStore(Protocol):
-    """Where turns live. All methods are coroutines and safe to call
-    concurrently from one event loop."""
+    """Where turns, sessions and event logs live. All methods are coroutines,
+    safe to call concurrently. Unless noted they raise
+    :class:`StoreUnavailable` when the backend is busy or unreachable (nothing
+    written) and ``RuntimeError`` when the store is not open."""
 
     async def open(self) -> None:
-        """Create files and schema as needed. Idempotent."""
+        """Connect, create schema as needed. Idempotent."""
         ...
 
     async def close(self) -> None:
         """Release connections. Idempotent."""
         ...
+
+    # -- sessions --------------------------------------------------------------
+
+    async def create_session(self, session: Session) -> Session:
+        """Insert a session.
+
+        Raises:
+            DuplicateSession: the id exists already.
+        """
+        ...
+
+    async def get_session(self, session_id: str) -> Session:
+        """Read a session.
+
+        Raises:
+            UnknownSession: no such id.
+        """
+        ...
+
+    async def next_generation(self, session_id: str) -> int:
+        """Atomically add 1 to the session's generation and return it.
+
+        Raises:
+            UnknownSession: no such id.
+        """
+        ...
+
+    # -- turns -----------------------------------------------------------------
 
     async def create(self, turn: Turn) -> Turn:
         """Insert a new turn.
@@ -89,19 +179,74 @@ class TurnStore(Protocol):
     ) -> TransitionResult:
         """Move the turn to ``target`` if its status is a legal source.
 
-        ``stop_reason`` is recorded only if the turn has none yet (the first
-        stop wins); ``terminal_at`` is set when ``target`` is terminal.
+        ``stop_reason`` and ``error`` are recorded only if the turn has none
+        yet (the first wins); ``terminal_at`` is set when ``target`` is
+        terminal.
 
         Raises:
             UnknownTurn: no such id.
         """
         ...
 
+    async def request_stop(
+        self, turn_id: str, request_id: str, reason: StopReason, *, at: datetime, fingerprint: str = ""
+    ) -> StopResult:
+        """Idempotent stop request, in one atomic step: RUNNING moves to
+        CANCEL_REQUESTED and QUEUED to CANCELLED (recording ``reason`` if the
+        turn has no stop reason yet); the answer is stored under
+        ``request_id`` so a repeat gets the same answer and changes nothing.
+
+        Args:
+            fingerprint: the request's parameters (e.g. a hash); reusing
+                ``request_id`` with another turn or fingerprint is refused.
+
+        Raises:
+            UnknownTurn: no such id.
+            IdempotencyConflict: ``request_id`` was used with other parameters.
+        """
+        ...
+
     async def update(self, turn_id: str, *, at: datetime, **fields: Any) -> Turn:
-        """Set non-state fields (see ``MUTABLE_FIELDS``).
+        """Set non-state fields (see ``MUTABLE_FIELDS``); ``updated_at`` = at.
 
         Raises:
             UnknownTurn: no such id.
             ValueError: a field outside ``MUTABLE_FIELDS``.
         """
+        ...
+
+    async def heartbeat(self, owner: str, turn_ids: list[str], *, at: datetime) -> int:
+        """Renew the lease of those turns that ``owner`` holds and that are not
+        terminal; returns how many were renewed."""
+        ...
+
+    # -- event log -------------------------------------------------------------
+
+    async def append_event(self, event: EventRecord) -> EventRecord:
+        """Persist an event; the store assigns the next ``seq`` of the
+        session's log (1, 2, 3, ... with no gaps).
+
+        Raises:
+            UnknownSession: no such session.
+        """
+        ...
+
+    async def read_events(self, session_id: str, after_seq: int = 0, limit: int = 1000) -> list[EventRecord]:
+        """Events with ``seq > after_seq``, in order, at most ``limit``."""
+        ...
+
+    async def mark_fenced(self, session_id: str, seq: int) -> None:
+        """Mark a logged event as withheld by the delivery gate."""
+        ...
+
+    async def wait_events(self, session_id: str, after_seq: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for an event after ``after_seq``; True if
+        there may be one now (callers then read)."""
+        ...
+
+    # -- shared secrets --------------------------------------------------------
+
+    async def secret(self, name: str) -> bytes:
+        """A 32-byte random secret created on first use and the same for
+        every instance sharing this store afterwards."""
         ...
