@@ -26,7 +26,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
@@ -36,7 +36,7 @@ from media.playout import PlayoutBuffer, PlayoutFrame
 from media.vad import VadConfig, VadEvent, VadEventKind
 from turn.clock import Clock
 from turn.generation import GenerationFence
-from turn.manager import StopOutcome, TurnManager
+from turn.manager import TurnManager
 from turn.models import StopReason, StopReasonKind, Turn
 from turn.store import UnknownTurn
 from voice.providers import LanguageModel, Message, SpeechToText, SttStream, TextToSpeech
@@ -44,7 +44,13 @@ from voice.text import SentenceSplitter
 
 log = logging.getLogger(__name__)
 
-EventSink = Callable[[dict[str, Any]], None]
+class EventSink(Protocol):
+    """Where the session's events go (e.g. ``turn.events.SessionEventLog.emit``):
+    persisted, then delivered; ``output=True`` events pass the delivery gate."""
+
+    def __call__(
+        self, type: str, *, generation: int, turn_id: str | None = None, output: bool = False, **payload: Any
+    ) -> None: ...
 
 
 class SessionConfig(BaseModel):
@@ -85,6 +91,8 @@ class TurnRun:
     stt_final: asyncio.Future[str] | None = None
     #: writes the turn; None as result if the store refused it
     open_task: asyncio.Task[Turn | None] | None = None
+    #: waits for a stop asked from outside (REST, another instance)
+    watch_task: asyncio.Task[None] | None = None
     work: asyncio.Task[None] | None = None
     stop_task: asyncio.Task[None] | None = None
     transcript: str | None = None
@@ -122,8 +130,7 @@ class AgentSession:
         playout: the outbound playout buffer of this session.
         fence: this session's generation fence (the delivery gate's rule).
         clock: time source.
-        emit: called with each event (a JSON-able dict) for the client; must
-            not block.
+        emit: where events go (see :class:`EventSink`); must not block.
         vad: VAD settings (for the pre-roll length).
         config: session settings.
     """
@@ -154,7 +161,6 @@ class AgentSession:
         self.close_reason = StopReasonKind.TRANSPORT_DISCONNECTED
         self.history: list[Message] = []
         self.barge_ins: list[BargeInRecord] = []
-        self.fenced_events = 0
         self._preroll: deque[bytes] = deque(maxlen=max(1, self.vad.preroll_frames))
         self._runs: list[TurnRun] = []
         self._listening: TurnRun | None = None
@@ -175,13 +181,14 @@ class AgentSession:
                 self._tg = tg
                 try:
                     await self.providers.stt.start()
-                    self._send({"type": "session.ready", "session_id": self.session_id})
+                    self._send("session.ready", session_id=self.session_id)
                     async for frame in frames:
                         self._on_frame(frame)
                 finally:
                     for run in self._runs:
-                        if run.work is not None:
-                            run.work.cancel()
+                        for task in (run.work, run.watch_task):
+                            if task is not None:
+                                task.cancel()
         finally:
             self._tg = None
             # Settle even if cancelled again meanwhile: returning earlier would
@@ -207,7 +214,7 @@ class AgentSession:
         else:
             self._preroll.append(frame.pcm)
         if ev is not None and ev.kind is VadEventKind.SPEECH_STOPPED:
-            self._send({"type": "vad", "event": "speech_stopped", "generation": self.fence.active})
+            self._send("vad", event="speech_stopped")
             run, self._listening = self._listening, None
             if run is not None:
                 self._end_utterance(run)
@@ -260,16 +267,13 @@ class AgentSession:
             rec = BargeInRecord(old.turn_id, old_generation, generation, ev.onset_at, fenced_at)
             self.barge_ins.append(rec)
             self._send(
-                {
-                    "type": "barge_in",
-                    "old_turn_id": old.turn_id,
-                    "old_generation": old_generation,
-                    "generation": generation,
-                    "onset_to_fence_ms": round(rec.onset_to_fence_ms, 2),
-                    "cleared_ms": cleared * 20,
-                }
+                "barge_in",
+                old_turn_id=old.turn_id,
+                old_generation=old_generation,
+                onset_to_fence_ms=round(rec.onset_to_fence_ms, 2),
+                cleared_ms=cleared * 20,
             )
-        self._send({"type": "vad", "event": "speech_started", "generation": generation})
+        self._send("vad", event="speech_started")
         run = TurnRun(generation=generation, stt=self.providers.stt.open_stream())
         for pcm in self._preroll:
             run.stt.feed(pcm)
@@ -298,7 +302,7 @@ class AgentSession:
             return await self.manager.open_turn(self.session_id, run.generation, turn_id=run.turn_id)
         except Exception as exc:
             log.exception("turn %s could not be written", run.turn_id)
-            self._send({"type": "error", "code": "store_error", "turn_id": run.turn_id, "message": describe_error(exc)})
+            self._send("error", turn_id=run.turn_id, code="store_error", message=describe_error(exc))
             return None
 
     async def _work(self, run: TurnRun) -> None:
@@ -310,12 +314,14 @@ class AgentSession:
             if turn is None:
                 run.settled = True
                 return  # not recorded; the client was told
+            assert self._tg is not None
+            run.watch_task = self._tg.create_task(self._watch_stop(run, turn.id))
             await run.utterance_ended.wait()
             self._phase(run, "thinking")
             assert run.stt_final is not None
             run.transcript = transcript = await asyncio.shield(run.stt_final)
             await self.manager.record(turn.id, transcript=transcript)
-            self._send_output(run, {"type": "transcript", "role": "user", "text": transcript})
+            self._output(run, "transcript", role="user", text=transcript)
             if not transcript:
                 await self.manager.fail(turn.id, "no_speech_recognized")
                 run.settled = True
@@ -328,7 +334,7 @@ class AgentSession:
             self._remember(run, interrupted=False)
             await self.manager.complete(turn.id)
             run.settled = True
-            self._send_output(run, {"type": "agent.done", "text": reply})
+            self._output(run, "agent.done", text=reply)
         except asyncio.CancelledError:
             self._remember(run, interrupted=True)
             raise
@@ -341,9 +347,11 @@ class AgentSession:
                     run.settled = True
                 except Exception:
                     log.exception("turn %s: could not record its failure", run.turn_id)
-            self._send({"type": "error", "code": "turn_failed", "turn_id": run.turn_id, "message": error})
+            self._send("error", turn_id=run.turn_id, code="turn_failed", message=error)
         finally:
             run.finished = True
+            if run.watch_task is not None:
+                run.watch_task.cancel()  # a stop from now on is handled by the stop task or the settle
             self._phase(run, "idle")
             await run.stt.aclose()
 
@@ -358,7 +366,7 @@ class AgentSession:
                 async with contextlib.aclosing(self.providers.llm.stream(messages)) as tokens:  # type: ignore[type-var]
                     async for token in tokens:
                         run.reply.append(token)
-                        self._send_output(run, {"type": "agent.delta", "text": token})
+                        self._output(run, "agent.delta", text=token)
                         for piece in splitter.feed(token):
                             sentences.put_nowait(piece)
                 rest = splitter.flush()
@@ -387,7 +395,22 @@ class AgentSession:
         if tail is not None:
             self.playout.push(PlayoutFrame(tail, run.generation, position))
 
-    async def _stop_run(self, run: TurnRun, reason: StopReason) -> None:
+    async def _watch_stop(self, run: TurnRun, turn_id: str) -> None:
+        """A stop asked from outside this session (the REST API, another
+        instance) silences the turn like a barge-in does: the playout buffer
+        is cleared and the work cancelled at once; then the stop is recorded.
+        The generation stays: nothing of this turn is produced any more."""
+        await self.manager.stop_event(turn_id).wait()
+        if run.stop_task is not None or run.finished:
+            return
+        if self._active_run() is run:
+            self.playout.clear()
+        if run.work is not None:
+            run.work.cancel()
+        assert self._tg is not None
+        run.stop_task = self._tg.create_task(self._stop_run(run, None))
+
+    async def _stop_run(self, run: TurnRun, reason: StopReason | None) -> None:
         """Record a stop: CANCEL_REQUESTED, bounded wait for the work to end,
         then CANCELLED (or whatever the store says already happened)."""
         assert run.open_task is not None
@@ -399,11 +422,17 @@ class AgentSession:
         except Exception as exc:
             # The session's final settle tries again; the turn must not end the session.
             log.exception("turn %s: could not record its stop", turn.id)
-            self._send({"type": "error", "code": "store_error", "turn_id": turn.id, "message": describe_error(exc)})
+            self._send("error", turn_id=turn.id, code="store_error", message=describe_error(exc))
 
-    async def _record_stop(self, run: TurnRun, turn_id: str, reason: StopReason) -> None:
-        answer = await self.manager.request_stop(turn_id, reason)
-        if answer.outcome not in (StopOutcome.ACCEPTED, StopOutcome.ALREADY_STOPPING):
+    async def _record_stop(self, run: TurnRun, turn_id: str, reason: StopReason | None) -> None:
+        """Stop ``turn_id`` with ``reason`` (None: it was asked from outside;
+        its stored reason stands) and write its terminal state."""
+        if reason is None:
+            reason = (await self.manager.get(turn_id)).stop_reason or StopReason(
+                kind=StopReasonKind.USER_CANCEL, initiator="unknown", at=self.clock.now()
+            )
+        res = await self.manager.request_stop(turn_id, reason)
+        if res.turn.is_terminal:  # it had ended, or was only queued
             run.settled = True
             return
         if run.work is not None and not run.work.done():
@@ -459,37 +488,29 @@ class AgentSession:
         if run.phase == phase:
             return
         run.phase = phase
-        self._send({"type": "agent.state", "turn_id": run.turn_id, "generation": run.generation, "phase": phase})
+        self._send("agent.state", turn_id=run.turn_id, generation=run.generation, phase=phase)
 
     def _on_turn_change(self, turn: Turn) -> None:
         self._send(
-            {
-                "type": "turn",
-                "turn_id": turn.id,
-                "generation": turn.generation,
-                "status": turn.status.value,
-                "label": turn.status.label,
-                "stop_reason": turn.stop_reason.model_dump(mode="json") if turn.stop_reason else None,
-                "error": turn.error,
-                "transcript": turn.transcript,
-                "reply": turn.reply,
-            }
+            "turn",
+            turn_id=turn.id,
+            generation=turn.generation,
+            status=turn.status.value,
+            label=turn.status.label,
+            stop_reason=turn.stop_reason.model_dump(mode="json") if turn.stop_reason else None,
+            error=turn.error,
+            transcript=turn.transcript,
+            reply=turn.reply,
         )
 
-    def _send_output(self, run: TurnRun, event: dict[str, Any]) -> None:
-        """Output of a turn passes the delivery gate: dropped (and counted) if
-        its generation is no longer active."""
-        if not self.fence.passes(run.generation):
-            self.fenced_events += 1
-            return
-        event.setdefault("turn_id", run.turn_id)
-        event.setdefault("generation", run.generation)
-        self._send(event)
+    def _output(self, run: TurnRun, type: str, **payload: Any) -> None:
+        """A turn's output: the delivery gate withholds it once its
+        generation is obsolete (it is still logged, marked fenced)."""
+        self._send(type, turn_id=run.turn_id, generation=run.generation, output=True, **payload)
 
-    def _send(self, event: dict[str, Any]) -> None:
-        event.setdefault("at", round(self.clock.now().timestamp(), 3))
+    def _send(self, type: str, *, generation: int | None = None, **payload: Any) -> None:
         try:
-            self._emit(event)
+            self._emit(type, generation=self.fence.active if generation is None else generation, **payload)
         except Exception:
             log.exception("event sink failed")
 

@@ -25,6 +25,8 @@ from pydantic import BaseModel, Field, ValidationError
 from turn.clock import Clock, SystemClock
 from turn.manager import TurnManager
 from turn.models import StopReason, StopReasonKind
+from turn.redis_store import RedisStore
+from turn.signals import RedisStopSignals, StopSignals
 from turn.sqlite_store import SqliteStore, path_from_url
 from voice.llm import LocalAgent
 from voice.session import Providers
@@ -39,7 +41,8 @@ STATIC_DIR = Path(__file__).parent / "static"
 
 SETTINGS = web.AppKey("settings", Settings)
 CLOCK = web.AppKey("clock", Clock)  # type: ignore[type-abstract]
-STORE = web.AppKey("store", SqliteStore)
+STORE = web.AppKey("store", object)  # SqliteStore | RedisStore
+LEASES = web.AppKey("lease_keeper", asyncio.Task)
 MANAGER = web.AppKey("manager", TurnManager)
 PEERS = web.AppKey("peers", dict)  # session id -> PeerSession
 
@@ -102,6 +105,35 @@ class EmbeddedProviders:
 PROVIDERS = web.AppKey("providers", EmbeddedProviders)
 
 
+def open_store(settings: Settings) -> tuple[SqliteStore | RedisStore, StopSignals]:
+    """The store and stop signals ``settings.store`` names:
+    ``sqlite:///path`` (embedded, one instance) or ``redis://host:port/db``
+    (many instances; signals over pub/sub).
+
+    Raises:
+        ValueError: any other URL.
+    """
+    url = settings.store
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        store = RedisStore(url, prefix=settings.redis_prefix)
+        return store, _LazyRedisSignals(store, f"{settings.redis_prefix}:stops")
+    if url.startswith("sqlite:"):
+        return SqliteStore(path_from_url(url)), StopSignals()
+    raise ValueError(f"unsupported store URL {url!r}: use sqlite:///path or redis://host:port/db")
+
+
+class _LazyRedisSignals(RedisStopSignals):
+    """Redis signals on the store's client, which exists once the store is open."""
+
+    def __init__(self, store: RedisStore, channel: str) -> None:
+        super().__init__(None, channel)
+        self._store = store
+
+    async def start(self) -> None:
+        self.client = self._store.client
+        await super().start()
+
+
 def create_app(
     settings: Settings | None = None,
     *,
@@ -124,8 +156,15 @@ def create_app(
     app = web.Application(client_max_size=settings.max_offer_bytes, middlewares=[_json_errors])
     app[SETTINGS] = settings
     app[CLOCK] = clock or SystemClock()
-    app[STORE] = SqliteStore(path_from_url(settings.store))
-    app[MANAGER] = TurnManager(app[STORE], app[CLOCK])
+    store, signals = open_store(settings)
+    app[STORE] = store
+    app[MANAGER] = TurnManager(
+        store,
+        app[CLOCK],
+        signals=signals,
+        lease_ttl_s=settings.lease_ttl_s,
+        flag_staleness_s=settings.stop_flag_staleness_ms / 1000,
+    )
     app[PEERS] = {}
     app[PROVIDERS] = providers or EmbeddedProviders(settings, app[CLOCK])
     app.router.add_get("/", _index)
@@ -139,19 +178,24 @@ def create_app(
 
 
 async def _startup(app: web.Application) -> None:
+    store = app[STORE]
     try:
-        await app[STORE].open()
+        await store.open()  # type: ignore[attr-defined]
     except Exception as exc:
         raise RuntimeError(f"cannot open the store {app[SETTINGS].store}: {exc}") from exc
-    # One process serves this store, so any turn still open belonged to a
-    # process that died (crash, SIGKILL): record that honestly.
+    manager = app[MANAGER]
+    await manager.signals.start()
+    # Turns whose worker died (crash, SIGKILL) must not stay open forever:
+    # with one process per store (SQLite) every open turn is such a turn;
+    # with many (Redis), those whose lease expired.
     reason = StopReason(
         kind=StopReasonKind.WORKER_SHUTDOWN,
         initiator="server",
         at=app[CLOCK].now(),
         detail="recovered at startup: the process running it ended without recording its end",
     )
-    await app[MANAGER].recover_abandoned(reason)
+    await manager.recover_abandoned(reason, all_open=store.single_instance)  # type: ignore[attr-defined]
+    app[LEASES] = asyncio.get_running_loop().create_task(manager.keep_leases(), name="lease-keeper")
     await app[PROVIDERS].start()
 
 
@@ -163,8 +207,11 @@ async def _shutdown(app: web.Application) -> None:
 
 
 async def _cleanup(app: web.Application) -> None:
+    if LEASES in app:
+        app[LEASES].cancel()
     await app[PROVIDERS].aclose()
-    await app[STORE].close()
+    await app[MANAGER].signals.aclose()
+    await app[STORE].close()  # type: ignore[attr-defined]
 
 
 @web.middleware

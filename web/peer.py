@@ -25,9 +25,10 @@ from media.inbound import InboundAudio, set_jitter_prefetch
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer
 from turn.clock import Clock
+from turn.events import SessionEventLog, event_json
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
-from turn.models import StopReasonKind
+from turn.models import EventRecord, StopReasonKind, TurnKind
 from voice.session import AgentSession, Providers
 from web.settings import Settings
 
@@ -159,6 +160,8 @@ class PeerSession:
         self.playout = PlayoutBuffer()
         self.outbound = PacedAudioTrack(self.playout, self.fence, clock)
         self.providers = providers
+        self.manager = manager
+        self.log = SessionEventLog(manager.store, self.id, clock, self.fence, self._deliver, retry=manager.store_call)
         self.agent = AgentSession(
             session_id=self.id,
             manager=manager,
@@ -166,7 +169,7 @@ class PeerSession:
             playout=self.playout,
             fence=self.fence,
             clock=clock,
-            emit=self.events.send,
+            emit=self.log.emit,
             vad=settings.vad,
             config=settings.session,
         )
@@ -229,8 +232,12 @@ class PeerSession:
         self.inbound = InboundAudio(self._track, self.clock, self.settings.vad)
         self._task = asyncio.get_running_loop().create_task(self._run(self.inbound), name=f"session-{self.id}")
 
+    def _deliver(self, event: EventRecord) -> None:
+        self.events.send(event_json(event))
+
     async def _run(self, inbound: InboundAudio) -> None:
         try:
+            await self.manager.ensure_session(self.id, kind=TurnKind.VOICE)
             await self.agent.run(inbound.frames())
         except asyncio.CancelledError:
             raise
@@ -315,6 +322,7 @@ class PeerSession:
                 # is there (e.g. on server shutdown).
                 self._task.cancel()
                 await asyncio.wait({self._task})
+                await self.log.aclose()
                 await self.events.drain(CLOSE_WAIT_S)
             try:
                 await self.pc.close()

@@ -53,6 +53,12 @@ class Settings(BaseSettings):
         jitter_prefetch_packets: inbound jitter buffer prefetch, 20 ms packets
             (see ``media.inbound.set_jitter_prefetch`` for the trade-off).
         log_level: Python logging level name.
+        redis_prefix: key prefix in Redis (several deployments can share a server).
+        lease_ttl_s: a running turn whose worker has not heartbeated for this
+            many seconds is taken to have lost its worker.
+        stop_flag_staleness_ms: how old a cached read of a turn's stop flag may
+            be at a checkpoint, ms (a worker that missed the stop signal sees
+            the stop within this long).
     """
 
     model_config = SettingsConfigDict(
@@ -70,6 +76,9 @@ class Settings(BaseSettings):
     media_timeout_s: float = Field(5.0, ge=0, le=3600)
     jitter_prefetch_packets: int = Field(1, ge=0, le=8)
     log_level: str = "INFO"
+    redis_prefix: str = Field("tk", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    lease_ttl_s: float = Field(10.0, ge=1, le=3600)
+    stop_flag_staleness_ms: int = Field(100, ge=0, le=60_000)
     vad: VadConfig = VadConfig()
     session: SessionConfig = SessionConfig()
     stt: PocketsphinxConfig = PocketsphinxConfig()
