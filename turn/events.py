@@ -1,27 +1,38 @@
-"""The event log's writer: persist first, then deliver, in order.
+"""The event log: written in order, read by followers.
 
-Every event a client sees goes through :class:`SessionEventLog`: it is
-appended to the session's log in the store (which assigns ``seq``), and only
-then delivered (data channel, SSE followers). Output of a generation that is
-no longer active is still logged, marked fenced, as audit evidence, and is
-never delivered: the delivery gate is checked when the event is made and
-again after it was persisted, however late it arrives.
+Every event a client sees is first appended to its session's log in the
+store (which assigns ``seq``: 1, 2, 3, ... per session); clients only ever
+receive events read back from the log, by a :class:`EventFollower` (the
+WebRTC data channel, an SSE stream). So each event is persisted before it is
+sent, a reconnecting client can replay exactly what it missed, and events
+written by any instance (a stop accepted elsewhere) reach every follower.
+
+The delivery gate: a turn's output (``OUTPUT_TYPES``) whose generation is no
+longer active is logged marked ``fenced`` (audit evidence) and never
+delivered. The gate is checked when the event is made, again once it is
+persisted, and by a follower that holds the session's fence, however late
+the event arrives.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
+
+from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, wait_exponential
 
 from turn.clock import Clock
 from turn.models import EventRecord
-from turn.store import TurnStore
+from turn.store import StoreUnavailable, TurnStore
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: event types that are a turn's output (gated by generation)
+OUTPUT_TYPES = frozenset({"transcript", "agent.delta", "agent.done", "audio.start", "audio.end", "tool.output"})
 
 
 class Gate(Protocol):
@@ -30,7 +41,13 @@ class Gate(Protocol):
     def passes(self, generation: int) -> bool: ...
 
 
-Deliver = Callable[[EventRecord], None]
+class OpenGate:
+    """A gate that passes everything (a session nobody fences here)."""
+
+    def passes(self, generation: int) -> bool:
+        return True
+
+
 Retry = Callable[[Callable[[], Awaitable[T]]], Awaitable[T]]
 
 
@@ -53,18 +70,17 @@ def event_json(event: EventRecord) -> dict[str, Any]:
 
 
 class SessionEventLog:
-    """One session's ordered event pipeline.
+    """One session's ordered writer: events are appended in the order they
+    were emitted, one at a time.
 
     Args:
         store: where the log lives.
         session_id: whose log (the session must exist in the store).
         clock: stamps ``at``.
-        gate: the session's delivery gate.
-        deliver: called with each persisted, unfenced event, in seq order;
-            must not block.
-        retry: wraps each store call (e.g. ``TurnManager._call`` for backoff).
-        max_queue: events waiting to be written at most; beyond that the
-            oldest waiting output events are dropped (and counted).
+        gate: the session's delivery gate (an open gate if None).
+        retry: wraps each store call (e.g. ``TurnManager.store_call``).
+        max_queue: events waiting to be written at most; more are dropped
+            (and counted in ``lost``).
     """
 
     def __init__(
@@ -72,8 +88,7 @@ class SessionEventLog:
         store: TurnStore,
         session_id: str,
         clock: Clock,
-        gate: Gate,
-        deliver: Deliver | None = None,
+        gate: Gate | None = None,
         *,
         retry: Retry[Any] = _no_retry,
         max_queue: int = 10_000,
@@ -81,30 +96,21 @@ class SessionEventLog:
         self.store = store
         self.session_id = session_id
         self.clock = clock
-        self.gate = gate
-        self.deliver = deliver
+        self.gate: Gate = gate or OpenGate()
         self.retry = retry
         self.max_queue = max_queue
-        self._queue: asyncio.Queue[tuple[EventRecord, bool] | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[EventRecord | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
         self.persisted = 0
         self.fenced = 0
         self.lost = 0
+        self.last_seq = 0
 
-    def emit(
-        self,
-        type: str,
-        *,
-        generation: int,
-        turn_id: str | None = None,
-        output: bool = False,
-        **payload: Any,
-    ) -> None:
-        """Queue an event; never blocks. ``output=True`` marks a turn's output
-        (model deltas, transcripts, audio segments), which the delivery gate
-        withholds once its generation is obsolete; state changes are not
-        output and always reach the client."""
-        fenced = output and not self.gate.passes(generation)
+    def emit(self, type: str, *, generation: int, turn_id: str | None = None, **payload: Any) -> None:
+        """Queue an event; never blocks. Output types are fenced at once if
+        their generation is already obsolete."""
         event = EventRecord(
             session_id=self.session_id,
             turn_id=turn_id,
@@ -112,50 +118,57 @@ class SessionEventLog:
             type=type,
             at=self.clock.now(),
             payload=payload,
-            fenced=fenced,
+            fenced=type in OUTPUT_TYPES and not self.gate.passes(generation),
         )
         if self._queue.qsize() >= self.max_queue:
             self.lost += 1
             log.warning("session %s: event queue full, dropping %s", self.session_id, type)
             return
-        self._queue.put_nowait((event, output))
-        if self._task is None:
+        self._idle.clear()
+        self._queue.put_nowait(event)
+        if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._write(), name=f"events-{self.session_id}")
 
     async def _write(self) -> None:
         while True:
-            item = await self._queue.get()
-            if item is None:
+            if self._queue.empty():
+                self._idle.set()
+            event = await self._queue.get()
+            if event is None:
+                self._idle.set()
                 return
-            event, output = item
             try:
                 stored = await self.retry(lambda: self.store.append_event(event))
             except asyncio.CancelledError:
                 raise
             except Exception:
-                # Not persisted, so not sent: the log is what clients replay.
+                # Not persisted, so never sent: the log is what clients read.
                 self.lost += 1
                 log.exception("session %s: could not log a %s event", self.session_id, event.type)
                 continue
             self.persisted += 1
-            if output and not stored.fenced and not self.gate.passes(stored.generation):
-                stored = stored.model_copy(update={"fenced": True})
+            self.last_seq = max(self.last_seq, stored.seq)
+            if stored.type in OUTPUT_TYPES and not stored.fenced and not self.gate.passes(stored.generation):
                 try:
                     await self.retry(lambda: self.store.mark_fenced(self.session_id, stored.seq))
+                    stored = stored.model_copy(update={"fenced": True})
                 except Exception:
                     log.exception("session %s: could not mark event %d fenced", self.session_id, stored.seq)
             if stored.fenced:
                 self.fenced += 1
-                continue
-            if self.deliver is not None:
-                try:
-                    self.deliver(stored)
-                except Exception:
-                    log.exception("session %s: delivering event %d failed", self.session_id, stored.seq)
+
+    async def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until everything emitted so far is written; False on timeout."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+            return True
+        except TimeoutError:
+            return False
 
     async def aclose(self, timeout_s: float = 5.0) -> None:
         """Write what is queued (at most ``timeout_s``), then stop."""
-        if self._task is None:
+        if self._task is None or self._task.done():
             return
         self._queue.put_nowait(None)
         done, _ = await asyncio.wait({self._task}, timeout=timeout_s)
@@ -163,4 +176,129 @@ class SessionEventLog:
             self._task.cancel()
             await asyncio.wait({self._task})
             log.warning("session %s: %d events not logged at close", self.session_id, self._queue.qsize())
-        self._task = None
+
+
+class EventLogs:
+    """The writers of this process, one per session.
+
+    Args:
+        store / clock / retry: as for :class:`SessionEventLog`.
+    """
+
+    def __init__(self, store: TurnStore, clock: Clock, retry: Retry[Any] = _no_retry) -> None:
+        self.store = store
+        self.clock = clock
+        self.retry = retry
+        self._logs: dict[str, SessionEventLog] = {}
+
+    def log(self, session_id: str, gate: Gate | None = None) -> SessionEventLog:
+        """The session's writer (made on first use); ``gate`` installs the
+        session's delivery gate."""
+        lg = self._logs.get(session_id)
+        if lg is None:
+            lg = self._logs[session_id] = SessionEventLog(self.store, session_id, self.clock, gate, retry=self.retry)
+        elif gate is not None:
+            lg.gate = gate
+        return lg
+
+    async def close(self, session_id: str) -> None:
+        """Flush and forget the session's writer."""
+        lg = self._logs.pop(session_id, None)
+        if lg is not None:
+            await lg.aclose()
+
+    async def aclose(self) -> None:
+        """Flush and forget every writer."""
+        for session_id in list(self._logs):
+            await self.close(session_id)
+
+
+class EventFollower:
+    """Reads a session's log from a cursor onward, live.
+
+    Args:
+        store: the log.
+        session_id: whose.
+        after_seq: the cursor (events with a greater seq are read).
+        gate: a follower holding the session's fence also withholds output
+            it finds obsolete (the writer may not have known yet).
+        poll_s: longest wait for new events before yielding control (the
+            caller can send a keep-alive).
+    """
+
+    def __init__(
+        self,
+        store: TurnStore,
+        session_id: str,
+        after_seq: int = 0,
+        *,
+        gate: Gate | None = None,
+        poll_s: float = 15.0,
+        batch: int = 500,
+    ) -> None:
+        self.store = store
+        self.session_id = session_id
+        self.cursor = after_seq
+        self.gate = gate
+        self.poll_s = poll_s
+        self.batch = batch
+
+    async def _patiently(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """A store read, retried with backoff (50 ms doubling, at most 2 s
+        apart) for as long as the store is unavailable: a follower outlives
+        an outage and resumes from its cursor."""
+        async for attempt in AsyncRetrying(
+            wait=wait_exponential(multiplier=0.05, max=2.0),
+            retry=retry_if_exception_type(StoreUnavailable),
+            before_sleep=before_sleep_log(log, logging.WARNING),
+            reraise=True,
+        ):
+            with attempt:
+                return await fn()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def read_batch(self) -> tuple[list[EventRecord], bool]:
+        """The deliverable events of the next batch after the cursor, and
+        whether more may follow at once. The cursor moves only once a batch
+        was read whole, so a failed read loses nothing.
+
+        Raises:
+            turn.store.StoreUnavailable: the store is unavailable (only
+                :meth:`follow` waits that out).
+        """
+        events = await self.store.read_events(self.session_id, self.cursor, self.batch)
+        if events:
+            self.cursor = events[-1].seq
+        return [ev for ev in events if self._deliverable(ev)], len(events) == self.batch
+
+    async def read_available(self) -> list[EventRecord]:
+        """Every deliverable event after the cursor that is in the log now.
+
+        Raises:
+            turn.store.StoreUnavailable: the store is unavailable.
+        """
+        out: list[EventRecord] = []
+        more = True
+        while more:
+            got, more = await self.read_batch()
+            out += got
+        return out
+
+    def _deliverable(self, ev: EventRecord) -> bool:
+        if ev.fenced:
+            return False
+        if self.gate is not None and ev.type in OUTPUT_TYPES and not self.gate.passes(ev.generation):
+            return False
+        return True
+
+    async def follow(self) -> AsyncIterator[list[EventRecord]]:
+        """Yield batches of new deliverable events as they are logged; an
+        empty batch means ``poll_s`` passed with nothing new."""
+        while True:
+            got, more = await self._patiently(self.read_batch)
+            if got:
+                yield got
+            if got or more:
+                continue
+            if not await self._patiently(lambda: self.store.wait_events(self.session_id, self.cursor, self.poll_s)):
+                yield []

@@ -17,11 +17,12 @@ import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from turn.clock import Clock
+from turn.events import EventLogs
 from turn.models import Budget, Session, StopReason, Turn, TurnKind, TurnStatus
 from turn.signals import StopSignals
 from turn.states import TransitionResult
@@ -55,6 +56,21 @@ class TurnStopped(Exception):
 class _FlagCache:
     stopping: bool
     read_at: float
+
+
+def turn_event(turn: Turn) -> dict[str, Any]:
+    """The fields of a "turn" event: a turn's state as clients see it
+    (CANCEL_REQUESTED is labelled "stopping", never "cancelled")."""
+    return {
+        "turn_id": turn.id,
+        "generation": turn.generation,
+        "status": turn.status.value,
+        "label": turn.status.label,
+        "stop_reason": turn.stop_reason.model_dump(mode="json") if turn.stop_reason else None,
+        "error": turn.error,
+        "transcript": turn.transcript,
+        "reply": turn.reply,
+    }
 
 
 def default_owner() -> str:
@@ -102,6 +118,9 @@ class TurnManager:
         self.lease_ttl_s = lease_ttl_s
         self.flag_staleness_s = flag_staleness_s
         self.store_attempts = store_attempts
+        #: the session event logs this process writes; every applied change
+        #: of a turn is logged there as a "turn" event
+        self.events = EventLogs(store, clock, self.store_call)
         self._listeners: dict[str, list[TurnListener]] = {}
         self._owned: set[str] = set()
         self._flags: dict[str, _FlagCache] = {}
@@ -145,6 +164,7 @@ class TurnManager:
     def _notify(self, turn: Turn) -> None:
         if turn.is_terminal:
             self.release(turn.id)
+        self.events.log(turn.session_id).emit("turn", **turn_event(turn))
         for listener in list(self._listeners.get(turn.session_id, ())):
             try:
                 listener(turn)

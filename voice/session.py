@@ -45,12 +45,10 @@ from voice.text import SentenceSplitter
 log = logging.getLogger(__name__)
 
 class EventSink(Protocol):
-    """Where the session's events go (e.g. ``turn.events.SessionEventLog.emit``):
-    persisted, then delivered; ``output=True`` events pass the delivery gate."""
+    """Where the session's events go (``turn.events.SessionEventLog.emit``):
+    logged, then read by the client's follower."""
 
-    def __call__(
-        self, type: str, *, generation: int, turn_id: str | None = None, output: bool = False, **payload: Any
-    ) -> None: ...
+    def __call__(self, type: str, *, generation: int, turn_id: str | None = None, **payload: Any) -> None: ...
 
 
 class SessionConfig(BaseModel):
@@ -175,7 +173,6 @@ class AgentSession:
         Raises:
             asyncio.CancelledError: when cancelled, after the turns are settled.
         """
-        unsubscribe = self.manager.subscribe(self.session_id, self._on_turn_change)
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
@@ -200,7 +197,6 @@ class AgentSession:
                     await asyncio.shield(settle)
                 except asyncio.CancelledError:
                     interrupted = True
-            unsubscribe()
             if interrupted:
                 raise asyncio.CancelledError
 
@@ -490,23 +486,10 @@ class AgentSession:
         run.phase = phase
         self._send("agent.state", turn_id=run.turn_id, generation=run.generation, phase=phase)
 
-    def _on_turn_change(self, turn: Turn) -> None:
-        self._send(
-            "turn",
-            turn_id=turn.id,
-            generation=turn.generation,
-            status=turn.status.value,
-            label=turn.status.label,
-            stop_reason=turn.stop_reason.model_dump(mode="json") if turn.stop_reason else None,
-            error=turn.error,
-            transcript=turn.transcript,
-            reply=turn.reply,
-        )
-
     def _output(self, run: TurnRun, type: str, **payload: Any) -> None:
-        """A turn's output: the delivery gate withholds it once its
-        generation is obsolete (it is still logged, marked fenced)."""
-        self._send(type, turn_id=run.turn_id, generation=run.generation, output=True, **payload)
+        """A turn's output (``turn.events.OUTPUT_TYPES``): the delivery gate
+        withholds it once its generation is obsolete (still logged, fenced)."""
+        self._send(type, turn_id=run.turn_id, generation=run.generation, **payload)
 
     def _send(self, type: str, *, generation: int | None = None, **payload: Any) -> None:
         try:

@@ -25,10 +25,10 @@ from media.inbound import InboundAudio, set_jitter_prefetch
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer
 from turn.clock import Clock
-from turn.events import SessionEventLog, event_json
+from turn.events import EventFollower, event_json
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
-from turn.models import EventRecord, StopReasonKind, TurnKind
+from turn.models import StopReasonKind, TurnKind
 from voice.session import AgentSession, Providers
 from web.settings import Settings
 
@@ -161,7 +161,9 @@ class PeerSession:
         self.outbound = PacedAudioTrack(self.playout, self.fence, clock)
         self.providers = providers
         self.manager = manager
-        self.log = SessionEventLog(manager.store, self.id, clock, self.fence, self._deliver, retry=manager.store_call)
+        self.log = manager.events.log(self.id, gate=self.fence)
+        self.follower = EventFollower(manager.store, self.id, gate=self.fence)
+        self._follow_task: asyncio.Task[None] | None = None
         self.agent = AgentSession(
             session_id=self.id,
             manager=manager,
@@ -232,12 +234,17 @@ class PeerSession:
         self.inbound = InboundAudio(self._track, self.clock, self.settings.vad)
         self._task = asyncio.get_running_loop().create_task(self._run(self.inbound), name=f"session-{self.id}")
 
-    def _deliver(self, event: EventRecord) -> None:
-        self.events.send(event_json(event))
+    async def _follow(self) -> None:
+        """Deliver the session's log to the data channel as it grows: the
+        client sees only what was persisted, in order."""
+        async for batch in self.follower.follow():
+            for ev in batch:
+                self.events.send(event_json(ev))
 
     async def _run(self, inbound: InboundAudio) -> None:
         try:
             await self.manager.ensure_session(self.id, kind=TurnKind.VOICE)
+            self._follow_task = asyncio.get_running_loop().create_task(self._follow(), name=f"follow-{self.id}")
             await self.agent.run(inbound.frames())
         except asyncio.CancelledError:
             raise
@@ -322,8 +329,19 @@ class PeerSession:
                 # is there (e.g. on server shutdown).
                 self._task.cancel()
                 await asyncio.wait({self._task})
-                await self.log.aclose()
+                # Log the last events (the settled turns), send them, then close.
+                await self.manager.events.close(self.id)
+                if self._follow_task is not None:
+                    self._follow_task.cancel()
+                    await asyncio.wait({self._follow_task})
+                    try:
+                        for ev in await self.follower.read_available():
+                            self.events.send(event_json(ev))
+                    except Exception:
+                        log.exception("session %s: could not read its last events", self.id)
                 await self.events.drain(CLOSE_WAIT_S)
+            else:
+                await self.manager.events.close(self.id)
             try:
                 await self.pc.close()
             except Exception:  # aiortc can trip over offers it half-accepted

@@ -18,7 +18,7 @@ from media.inbound import InboundAudio
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer
 from turn.clock import SystemClock
-from turn.events import SessionEventLog, event_json
+from turn.events import EventFollower, event_json
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import StopReasonKind, TurnStatus
@@ -78,10 +78,8 @@ class Harness:
         self.track = PacedAudioTrack(self.playout, self.fence, self.clock)
         self.tts = EspeakTTS()
         self.events: list[dict[str, Any]] = []
-        self.log = SessionEventLog(
-            store, "sess-1", self.clock, self.fence, lambda rec: self.events.append(event_json(rec)),
-            retry=self.manager.store_call,
-        )
+        self.log = self.manager.events.log("sess-1", gate=self.fence)
+        self.follower = EventFollower(store, "sess-1", gate=self.fence, poll_s=0.5)
         self.mic = Mic()
         self.session = AgentSession(
             session_id="sess-1",
@@ -103,10 +101,15 @@ class Harness:
         while True:
             await self.track.recv()
 
+    async def _follow(self) -> None:
+        async for batch in self.follower.follow():
+            self.events.extend(event_json(e) for e in batch)
+
     async def start(self) -> None:
         await self.manager.ensure_session("sess-1")
         self.run_task = asyncio.create_task(self.session.run(InboundAudio(self.mic, self.clock).frames()))
         self.drain_task = asyncio.create_task(self._drain())
+        self.follow_task = asyncio.create_task(self._follow())
 
     async def stop(self) -> None:
         self.mic.close()
@@ -114,7 +117,13 @@ class Harness:
             await asyncio.wait_for(self.run_task, 10)
         self.drain_task.cancel()
         await asyncio.gather(self.drain_task, return_exceptions=True)
-        await self.log.aclose()
+        await self.manager.events.close("sess-1")
+        self.follow_task.cancel()
+        await asyncio.gather(self.follow_task, return_exceptions=True)
+        try:
+            self.events.extend(event_json(e) for e in await self.follower.read_available())
+        except Exception:
+            pass  # the store may be down in a test
         await self.session.providers.stt.aclose()
 
     async def wait_for(self, pred: Callable[[], bool], timeout: float = 20) -> None:
