@@ -20,11 +20,10 @@ with a structured reason before :meth:`run` returns, even if it was cancelled.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,10 +35,11 @@ from media.playout import PlayoutBuffer, PlayoutFrame
 from media.vad import VadConfig, VadEvent, VadEventKind
 from turn.clock import Clock
 from turn.generation import GenerationFence
-from turn.manager import TurnManager
+from turn.manager import TurnManager, TurnStopped
 from turn.models import StopReason, StopReasonKind, Turn
 from turn.store import UnknownTurn
 from voice.providers import LanguageModel, Message, SpeechToText, SttStream, TextToSpeech
+from voice.respond import stream_reply
 from voice.text import SentenceSplitter
 
 log = logging.getLogger(__name__)
@@ -335,6 +335,15 @@ class AgentSession:
             self._remember(run, interrupted=True)
             raise
         except Exception as exc:
+            if stopped_by(exc):
+                # A checkpoint found the stop in the store (its signal was
+                # missed): stop here as a signal would have.
+                self._remember(run, interrupted=True)
+                if run.stop_task is None and self._tg is not None:
+                    if self._active_run() is run:
+                        self.playout.clear()
+                    run.stop_task = self._tg.create_task(self._stop_run(run, None))
+                return
             log.exception("turn %s failed", run.turn_id)
             error = describe_error(exc)
             if turn is not None:
@@ -358,13 +367,16 @@ class AgentSession:
         splitter = SentenceSplitter()
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._speak(run, sentences))
+            def on_token(token: str) -> None:
+                run.reply.append(token)
+                self._output(run, "agent.delta", text=token)
+                for piece in splitter.feed(token):
+                    sentences.put_nowait(piece)
+
             try:
-                async with contextlib.aclosing(self.providers.llm.stream(messages)) as tokens:  # type: ignore[type-var]
-                    async for token in tokens:
-                        run.reply.append(token)
-                        self._output(run, "agent.delta", text=token)
-                        for piece in splitter.feed(token):
-                            sentences.put_nowait(piece)
+                await stream_reply(
+                    self.providers.llm, messages, manager=self.manager, turn_id=run.turn_id, on_token=on_token, clock=self.clock
+                )
                 rest = splitter.flush()
                 if rest:
                     sentences.put_nowait(rest)
@@ -496,6 +508,15 @@ class AgentSession:
             self._emit(type, generation=self.fence.active if generation is None else generation, **payload)
         except Exception:
             log.exception("event sink failed")
+
+
+def stopped_by(exc: BaseException) -> bool:
+    """True if ``exc`` is (or a TaskGroup's group holds only) TurnStopped."""
+    if isinstance(exc, TurnStopped):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return all(stopped_by(e) for e in exc.exceptions)
+    return False
 
 
 def describe_error(exc: BaseException) -> str:
