@@ -10,7 +10,6 @@ cleared buffer is silent on the very next tick.
 
 from __future__ import annotations
 
-import fractions
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol

@@ -28,34 +28,27 @@ from turn.models import StopReason, StopReasonKind
 from turn.redis_store import RedisStore
 from turn.signals import RedisStopSignals, StopSignals
 from turn.sqlite_store import SqliteStore, path_from_url
+from turn.store import StoreUnavailable
 from voice.llm import LocalAgent
 from voice.session import Providers
 from voice.stt import PocketsphinxSTT
 from voice.tts import EspeakTTS
+from voice.text_turns import TextTurns
+from web import api
+from web.auth import Auth
+from web.errors import ApiError
 from web.peer import OfferRejected, PeerSession
 from web.settings import Settings
+from web.state import AUTH, CLOCK, LEASES, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE, STREAMS, TEXT_TURNS
 
 log = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).parent / "static"
 
-SETTINGS = web.AppKey("settings", Settings)
-CLOCK = web.AppKey("clock", Clock)  # type: ignore[type-abstract]
-STORE = web.AppKey("store", object)  # SqliteStore | RedisStore
-LEASES = web.AppKey("lease_keeper", asyncio.Task)
-MANAGER = web.AppKey("manager", TurnManager)
-PEERS = web.AppKey("peers", dict)  # session id -> PeerSession
-
-
-class ApiError(web.HTTPException):
-    """A JSON error response ``{"error": {"code", "message"}}``."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        self.status_code = status
-        super().__init__(
-            text=json.dumps({"error": {"code": code, "message": message}}),
-            content_type="application/json",
-        )
+__all__ = [
+    "AUTH", "CLOCK", "LEASES", "MANAGER", "PEERS", "PROVIDERS", "SETTINGS", "STORE", "STREAMS", "TEXT_TURNS",
+    "ApiError", "EmbeddedProviders", "create_app", "open_store",
+]
 
 
 class OfferRequest(BaseModel):
@@ -95,14 +88,17 @@ class EmbeddedProviders:
             raise RuntimeError(f"speech recogniser cannot start: {exc}") from exc
 
     def for_session(self) -> Providers:
-        """Providers for one new session."""
-        return Providers(stt=self.stt, llm=LocalAgent(self.settings.llm, self.clock), tts=EspeakTTS(self.settings.tts))
+        """Providers for one new voice session."""
+        return Providers(stt=self.stt, llm=self.llm_for_session(), tts=EspeakTTS(self.settings.tts))
+
+    def llm_for_session(self) -> LocalAgent:
+        """The model for one session or text turn."""
+        return LocalAgent(self.settings.llm, self.clock)
 
     async def aclose(self) -> None:
         await self.stt.aclose()
 
 
-PROVIDERS = web.AppKey("providers", EmbeddedProviders)
 
 
 def open_store(settings: Settings) -> tuple[SqliteStore | RedisStore, StopSignals]:
@@ -166,11 +162,16 @@ def create_app(
         flag_staleness_s=settings.stop_flag_staleness_ms / 1000,
     )
     app[PEERS] = {}
-    app[PROVIDERS] = providers or EmbeddedProviders(settings, app[CLOCK])
+    app[STREAMS] = set()
+    app[PROVIDERS] = provs = providers or EmbeddedProviders(settings, app[CLOCK])
+    app[TEXT_TURNS] = TextTurns(
+        app[MANAGER], provs.llm_for_session, app[CLOCK], stop_grace_s=settings.session.stop_grace_ms / 1000
+    )
     app.router.add_get("/", _index)
     app.router.add_static("/static", STATIC_DIR)
     app.router.add_get("/healthz", _healthz)
     app.router.add_post("/v1/webrtc/offer", _offer)
+    api.add_routes(app)
     app.on_startup.append(_startup)
     app.on_shutdown.append(_shutdown)
     app.on_cleanup.append(_cleanup)
@@ -195,15 +196,24 @@ async def _startup(app: web.Application) -> None:
         detail="recovered at startup: the process running it ended without recording its end",
     )
     await manager.recover_abandoned(reason, all_open=store.single_instance)  # type: ignore[attr-defined]
+    settings = app[SETTINGS]
+    app[AUTH] = Auth(
+        settings.tenants_by_token, await manager.store_call(lambda: store.secret("resume-token")),  # type: ignore[attr-defined]
+        app[CLOCK], settings.resume_token_ttl_s,
+    )
     app[LEASES] = asyncio.get_running_loop().create_task(manager.keep_leases(), name="lease-keeper")
     await app[PROVIDERS].start()
 
 
 async def _shutdown(app: web.Application) -> None:
+    for task in list(app[STREAMS]):
+        task.cancel()  # event streams end; clients resume elsewhere or later
     peers = list(app[PEERS].values())
     closing = [p.close(StopReasonKind.WORKER_SHUTDOWN) for p in peers]
     if closing:
         await asyncio.wait(closing, timeout=10)
+    await app[TEXT_TURNS].aclose()
+    await app[MANAGER].events.aclose()
 
 
 async def _cleanup(app: web.Application) -> None:
@@ -219,15 +229,26 @@ async def _json_errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """Turn aiohttp's plain-text errors into JSON ones on the API paths."""
+    api = request.path.startswith(("/v1/", "/healthz"))
     try:
         return await handler(request)
     except ApiError:
         raise
     except web.HTTPException as exc:
-        if not request.path.startswith(("/v1/", "/healthz")) or exc.status < 400:
+        if not api or exc.status < 400:
             raise
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status, "http_error")
         raise ApiError(exc.status, code, exc.reason) from exc
+    except StoreUnavailable as exc:
+        if not api:
+            raise
+        log.warning("store unavailable: %s", exc)
+        raise ApiError(503, "store_unavailable", "the turn store is unavailable; try again", headers={"Retry-After": "1"}) from exc
+    except Exception as exc:
+        if not api:
+            raise
+        log.exception("error in %s %s", request.method, request.path)
+        raise ApiError(500, "internal_error", "unexpected error; it was logged") from exc
 
 
 async def _index(request: web.Request) -> web.StreamResponse:

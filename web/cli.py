@@ -13,7 +13,6 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 

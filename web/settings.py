@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -59,6 +59,9 @@ class Settings(BaseSettings):
         stop_flag_staleness_ms: how old a cached read of a turn's stop flag may
             be at a checkpoint, ms (a worker that missed the stop signal sees
             the stop within this long).
+        api_tokens: bearer tokens of the REST API, ``tenant:token`` pairs
+            separated by commas; empty disables the REST turn API.
+        resume_token_ttl_s: lifetime of an event-stream resume token, s.
     """
 
     model_config = SettingsConfigDict(
@@ -79,6 +82,19 @@ class Settings(BaseSettings):
     redis_prefix: str = Field("tk", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     lease_ttl_s: float = Field(10.0, ge=1, le=3600)
     stop_flag_staleness_ms: int = Field(100, ge=0, le=60_000)
+    api_tokens: str = Field("", repr=False)
+    resume_token_ttl_s: int = Field(3600, ge=10, le=7 * 24 * 3600)
+
+    @field_validator("api_tokens")
+    @classmethod
+    def _tokens_parse(cls, value: str) -> str:
+        parse_api_tokens(value)  # raises ValueError with the reason
+        return value
+
+    @property
+    def tenants_by_token(self) -> dict[str, str]:
+        """``api_tokens`` as token -> tenant."""
+        return parse_api_tokens(self.api_tokens)
     vad: VadConfig = VadConfig()
     session: SessionConfig = SessionConfig()
     stt: PocketsphinxConfig = PocketsphinxConfig()
@@ -99,6 +115,29 @@ class Settings(BaseSettings):
         if path is not None:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
         return tuple(sources)
+
+
+def parse_api_tokens(spec: str) -> dict[str, str]:
+    """Parse ``"tenant_a:token_a,tenant_b:token_b"`` into token -> tenant.
+
+    Raises:
+        ValueError: a pair without ``:``, an empty tenant or token, a token
+            with whitespace, or one token given to two tenants.
+    """
+    out: dict[str, str] = {}
+    for pair in (p.strip() for p in spec.split(",")):
+        if not pair:
+            continue
+        tenant, sep, token = pair.partition(":")
+        tenant, token = tenant.strip(), token.strip()
+        if not sep or not tenant or not token:
+            raise ValueError("api_tokens must be tenant:token pairs separated by commas")
+        if any(c.isspace() for c in token):
+            raise ValueError(f"the token of tenant {tenant!r} contains whitespace")
+        if token in out and out[token] != tenant:
+            raise ValueError("one token is given to two tenants")
+        out[token] = tenant
+    return out
 
 
 def load_settings(config: str | Path | None = None, **overrides: Any) -> Settings:

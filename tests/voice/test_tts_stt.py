@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import stat
 from collections.abc import Callable
 from pathlib import Path

@@ -1,0 +1,342 @@
+"""The REST + SSE API for turns (bearer-token auth per tenant).
+
+    POST /v1/turns                     start a text turn         -> 202
+    GET  /v1/turns/{id}                the turn record            -> 200
+    POST /v1/turns/{id}/stop           idempotent stop (Idempotency-Key header)
+                                       -> 202 accepted, 200 already_terminal,
+                                          409 reconcile_required
+    GET  /v1/sessions/{id}/events      the session's event log as SSE, live;
+                                       resumable with Last-Event-ID or
+                                       ?after_seq=N&resume_token=T
+    GET  /v1/openapi.json              this API described (OpenAPI 3.1)
+
+A turn or session of another tenant answers 404, exactly like one that does
+not exist: nothing about other tenants leaks. A resume token of another
+session or tenant answers 403.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import re
+from typing import Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from turn.events import EventFollower, event_json
+from turn.manager import TurnManager, turn_event
+from turn.models import Session, StopReason, StopReasonKind, Turn
+from turn.store import IdempotencyConflict, StopAnswer, UnknownSession, UnknownTurn
+from web.auth import Auth
+from web.errors import ApiError
+from web.state import AUTH, CLOCK, MANAGER, STREAMS, TEXT_TURNS
+
+log = logging.getLogger(__name__)
+
+SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,128}$")
+#: how often an idle event stream sends a keep-alive comment, s
+KEEPALIVE_S = 15.0
+#: turns of a session a resumed stream's snapshot shows at most
+SNAPSHOT_TURNS = 50
+
+
+class StartTurn(BaseModel):
+    """Body of ``POST /v1/turns``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str = Field(min_length=1, max_length=4000, description="what the user typed")
+    session_id: str | None = Field(
+        default=None, pattern=SESSION_ID.pattern, description="continue this conversation (new one if absent)"
+    )
+    deadline_ms: int | None = Field(default=None, ge=1, le=3_600_000, description="deadline from now, ms")
+
+
+class StopTurn(BaseModel):
+    """Body of ``POST /v1/turns/{id}/stop`` (optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reason: Literal["user_cancel", "safety_abort"] = "user_cancel"
+    detail: str | None = Field(default=None, max_length=500)
+
+
+def turn_view(turn: Turn, manager: TurnManager) -> dict[str, Any]:
+    """The turn as the API shows it: the record, its state's label
+    ("stopping" for CANCEL_REQUESTED) and whether its worker is gone."""
+    out = turn.model_dump(mode="json")
+    out["label"] = turn.status.label
+    out["owner_lost"] = manager.lease_expired(turn)
+    return out
+
+
+async def _body(request: web.Request, model: type[BaseModel], *, optional: bool = False) -> Any:
+    raw = await request.read()
+    if optional and not raw.strip():
+        return model()
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ApiError(400, "bad_json", f"body is not valid JSON: {exc}") from exc
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
+        raise ApiError(400, "invalid_request", problems) from exc
+
+
+async def _own_turn(request: web.Request, tenant: str) -> Turn:
+    manager = request.app[MANAGER]
+    turn_id = request.match_info["turn_id"]
+    try:
+        turn = await manager.get(turn_id)
+    except UnknownTurn:
+        turn = None
+    if turn is None or turn.tenant_id != tenant:
+        raise ApiError(404, "not_found", f"no turn {turn_id!r}")
+    return turn
+
+
+async def start_turn(request: web.Request) -> web.Response:
+    app = request.app
+    auth: Auth = app[AUTH]
+    tenant = auth.require_tenant(request)
+    body: StartTurn = await _body(request, StartTurn)
+    try:
+        turn = await app[TEXT_TURNS].start(
+            tenant_id=tenant,
+            text=body.text,
+            session_id=body.session_id,
+            deadline_s=body.deadline_ms / 1000 if body.deadline_ms else None,
+        )
+    except PermissionError as exc:
+        raise ApiError(404, "not_found", f"no session {body.session_id!r}") from exc
+    except RuntimeError as exc:
+        raise ApiError(503, "shutting_down", str(exc)) from exc
+    return web.json_response(
+        {
+            "turn": turn_view(turn, app[MANAGER]),
+            "session_id": turn.session_id,
+            "events_url": f"/v1/sessions/{turn.session_id}/events",
+            "resume_token": auth.resume_token(tenant, turn.session_id),
+        },
+        status=202,
+    )
+
+
+async def get_turn(request: web.Request) -> web.Response:
+    tenant = request.app[AUTH].require_tenant(request)
+    turn = await _own_turn(request, tenant)
+    return web.json_response(turn_view(turn, request.app[MANAGER]))
+
+
+async def stop_turn(request: web.Request) -> web.Response:
+    app = request.app
+    tenant = app[AUTH].require_tenant(request)
+    key = request.headers.get("Idempotency-Key")
+    if key is None:
+        raise ApiError(400, "idempotency_key_required", "send an Idempotency-Key header (1-128 printable ASCII characters)")
+    if not IDEMPOTENCY_KEY.match(key):
+        raise ApiError(400, "invalid_idempotency_key", "Idempotency-Key must be 1-128 printable ASCII characters, no spaces")
+    body: StopTurn = await _body(request, StopTurn, optional=True)
+    turn = await _own_turn(request, tenant)
+    manager: TurnManager = app[MANAGER]
+    request_id = f"{tenant}:{key}"
+    fingerprint = hashlib.sha256(f"{turn.id}\0{body.reason}\0{body.detail or ''}".encode()).hexdigest()
+    reason = StopReason(
+        kind=StopReasonKind(body.reason), initiator=f"api:{tenant}", at=app[CLOCK].now(), request_id=request_id, detail=body.detail
+    )
+    try:
+        res = await manager.request_stop(turn.id, reason, request_id=request_id, fingerprint=fingerprint)
+    except IdempotencyConflict as exc:
+        raise ApiError(422, "idempotency_key_reused", "this Idempotency-Key was used with other parameters") from exc
+    status = {
+        StopAnswer.ACCEPTED: 202,
+        StopAnswer.ALREADY_STOPPING: 202,
+        StopAnswer.ALREADY_TERMINAL: 200,
+        StopAnswer.RECONCILE_REQUIRED: 409,
+    }[res.answer]
+    return web.json_response({"answer": res.answer.value, "turn": turn_view(res.turn, manager)}, status=status)
+
+
+async def session_events(request: web.Request) -> web.StreamResponse:
+    """The session's event log as Server-Sent Events (WHATWG HTML, "Server-sent
+    events"): first a ``stream.start`` message with a fresh resume token; on
+    a resume, a ``snapshot`` of the session's turns as stored now (the
+    authority) and then every event after the cursor; then events live. Each
+    logged event's ``id`` is its seq. Fenced output is never sent."""
+    app = request.app
+    auth: Auth = app[AUTH]
+    manager: TurnManager = app[MANAGER]
+    session_id = request.match_info["session_id"]
+    bearer_tenant = auth.tenant_of(request)
+    token = request.query.get("resume_token")
+    if token is not None:
+        grant = auth.check_resume_token(token)
+        if grant.session_id != session_id or (bearer_tenant is not None and bearer_tenant != grant.tenant_id):
+            raise ApiError(403, "forbidden", "this resume token is for another session or tenant")
+        tenant = grant.tenant_id
+    elif bearer_tenant is not None:
+        tenant = bearer_tenant
+    else:
+        raise ApiError(401, "unauthorized", "send 'Authorization: Bearer <token>' or a resume_token",
+                       headers={"WWW-Authenticate": 'Bearer realm="turnkeeper"'})
+    after_seq, resumed = _cursor(request)
+    session = await _own_session(manager, session_id, tenant)
+
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+    await resp.prepare(request)
+    task = asyncio.current_task()
+    streams: set[Any] = app[STREAMS]
+    streams.add(task)
+    try:
+        await _send(resp, {"type": "stream.start", "session_id": session.id, "after_seq": after_seq,
+                           "resume_token": auth.resume_token(tenant, session.id), "expires_in_s": auth.resume_ttl_s})
+        if resumed:
+            turns = (await manager.store_call(lambda: manager.store.list_session(session.id)))[-SNAPSHOT_TURNS:]
+            await _send(resp, {"type": "snapshot", "turns": [turn_event(t) | {"owner_lost": manager.lease_expired(t)} for t in turns]})
+        follower = EventFollower(manager.store, session.id, after_seq, poll_s=KEEPALIVE_S)
+        async for batch in follower.follow():
+            if not batch:
+                await resp.write(b": keep-alive\n\n")
+            for ev in batch:
+                await _send(resp, event_json(ev), event_id=ev.seq)
+    except ConnectionResetError:
+        pass  # the client went away
+    finally:  # also when cancelled at shutdown (CancelledError goes on)
+        streams.discard(task)
+    return resp
+
+
+def _cursor(request: web.Request) -> tuple[int, bool]:
+    """(after_seq, resumed) from ``Last-Event-ID`` or ``?after_seq``."""
+    raw = request.headers.get("Last-Event-ID")
+    if raw is None:
+        raw = request.query.get("after_seq")
+    if raw is None:
+        return 0, False
+    if not raw.isdigit() or len(raw) > 18:
+        raise ApiError(400, "invalid_cursor", "after_seq / Last-Event-ID must be a whole number >= 0")
+    return int(raw), True
+
+
+async def _own_session(manager: TurnManager, session_id: str, tenant: str) -> Session:
+    if not SESSION_ID.match(session_id):
+        raise ApiError(404, "not_found", "no such session")
+    try:
+        session = await manager.store_call(lambda: manager.store.get_session(session_id))
+    except UnknownSession:
+        session = None
+    if session is None or session.tenant_id != tenant:
+        raise ApiError(404, "not_found", "no such session")
+    return session
+
+
+async def _send(resp: web.StreamResponse, data: dict[str, Any], event_id: int | None = None) -> None:
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    await resp.write(f"{head}data: {json.dumps(data, separators=(',', ':'))}\n\n".encode())
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(OPENAPI)
+
+
+def add_routes(app: web.Application) -> None:
+    """Register the API routes on ``app``."""
+    app.router.add_post("/v1/turns", start_turn)
+    app.router.add_get("/v1/turns/{turn_id}", get_turn)
+    app.router.add_post("/v1/turns/{turn_id}/stop", stop_turn)
+    app.router.add_get("/v1/sessions/{session_id}/events", session_events)
+    app.router.add_get("/v1/openapi.json", openapi)
+
+
+def _schemas() -> dict[str, Any]:
+    schemas: dict[str, Any] = {}
+    for model in (StartTurn, StopTurn, Turn):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    schemas["Error"] = {
+        "type": "object",
+        "required": ["error"],
+        "properties": {"error": {"type": "object", "required": ["code", "message"],
+                                 "properties": {"code": {"type": "string"}, "message": {"type": "string"}}}},
+    }
+    schemas["TurnView"] = {"allOf": [{"$ref": "#/components/schemas/Turn"}, {"type": "object", "properties": {
+        "label": {"type": "string", "description": "the state as shown to users; CANCEL_REQUESTED is 'stopping'"},
+        "owner_lost": {"type": "boolean", "description": "open, and its worker stopped heartbeating"}}}]}
+    return schemas
+
+
+def _err(desc: str) -> dict[str, Any]:
+    return {"description": desc, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+def _json(ref: str, desc: str) -> dict[str, Any]:
+    return {"description": desc, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}}
+
+
+_STOP_RESULT = {"type": "object", "properties": {"answer": {"enum": [a.value for a in StopAnswer]},
+                                                 "turn": {"$ref": "#/components/schemas/TurnView"}}}
+
+OPENAPI: dict[str, Any] = {
+    "openapi": "3.1.0",
+    "info": {"title": "turnkeeper", "version": "1", "description": "Turns that stop when asked: text turns over REST, events over SSE."},
+    "components": {
+        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        "schemas": _schemas(),
+    },
+    "security": [{"bearer": []}],
+    "paths": {
+        "/v1/turns": {"post": {
+            "summary": "Start a text turn",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/StartTurn"}}}},
+            "responses": {
+                "202": {"description": "accepted and running", "content": {"application/json": {"schema": {"type": "object", "properties": {
+                    "turn": {"$ref": "#/components/schemas/TurnView"}, "session_id": {"type": "string"},
+                    "events_url": {"type": "string"}, "resume_token": {"type": "string"}}}}}},
+                "400": _err("bad JSON or invalid request"), "401": _err("no or unknown token"),
+                "404": _err("the session belongs to nobody you know"), "503": _err("shutting down")}}},
+        "/v1/turns/{turn_id}": {"get": {
+            "summary": "The turn record, with its stop reason and usage",
+            "parameters": [{"name": "turn_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": _json("TurnView", "the turn"), "401": _err("no or unknown token"), "404": _err("unknown turn")}}},
+        "/v1/turns/{turn_id}/stop": {"post": {
+            "summary": "Stop a turn, idempotently",
+            "parameters": [
+                {"name": "turn_id", "in": "path", "required": True, "schema": {"type": "string"}},
+                {"name": "Idempotency-Key", "in": "header", "required": True,
+                 "schema": {"type": "string", "pattern": IDEMPOTENCY_KEY.pattern},
+                 "description": "repeats with the same key get the same answer and cause nothing more"}],
+            "requestBody": {"required": False, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/StopTurn"}}}},
+            "responses": {
+                "202": {"description": "accepted (or already stopping); the turn shows 'stopping' until its worker confirms",
+                        "content": {"application/json": {"schema": _STOP_RESULT}}},
+                "200": {"description": "it had already ended", "content": {"application/json": {"schema": _STOP_RESULT}}},
+                "409": {"description": "it ended in RECONCILE_REQUIRED", "content": {"application/json": {"schema": _STOP_RESULT}}},
+                "400": _err("missing or invalid Idempotency-Key, bad body"), "401": _err("no or unknown token"),
+                "404": _err("unknown turn"), "422": _err("Idempotency-Key reused with other parameters")}}},
+        "/v1/sessions/{session_id}/events": {"get": {
+            "summary": "The session's events as Server-Sent Events, live and resumable",
+            "security": [{"bearer": []}, {}],
+            "parameters": [
+                {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}},
+                {"name": "after_seq", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+                {"name": "resume_token", "in": "query", "schema": {"type": "string"}},
+                {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}}],
+            "responses": {
+                "200": {"description": "text/event-stream: stream.start, then (on resume) snapshot, then events with id = seq",
+                        "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                "400": _err("bad cursor"), "401": _err("no, forged or expired credentials"),
+                "403": _err("resume token of another session or tenant"), "404": _err("unknown session")}}},
+        "/v1/openapi.json": {"get": {"summary": "This document", "security": [],
+                                     "responses": {"200": {"description": "OpenAPI 3.1"}}}},
+    },
+}
