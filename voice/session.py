@@ -36,7 +36,7 @@ from media.vad import VadConfig, VadEvent, VadEventKind
 from turn.clock import Clock
 from turn.generation import GenerationFence
 from turn.manager import TurnManager, TurnStopped
-from turn.models import StopReason, StopReasonKind, Turn
+from turn.models import StopReason, StopReasonKind, Turn, TurnStatus
 from turn.store import UnknownTurn
 from voice.providers import LanguageModel, Message, SpeechToText, SttStream, TextToSpeech
 from voice.respond import stream_reply
@@ -227,6 +227,13 @@ class AgentSession:
         run.stt_final.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     # -- barge-in --------------------------------------------------------------
+
+    def turn_id_of(self, generation: int) -> str | None:
+        """The id of this session's turn of ``generation``, if still known."""
+        for run in reversed(self._runs):
+            if run.generation == generation:
+                return run.turn_id
+        return None
 
     def _active_run(self) -> TurnRun | None:
         """The turn the agent is thinking or speaking for, if any."""
@@ -435,12 +442,14 @@ class AgentSession:
     async def _record_stop(self, run: TurnRun, turn_id: str, reason: StopReason | None) -> None:
         """Stop ``turn_id`` with ``reason`` (None: it was asked from outside;
         its stored reason stands) and write its terminal state."""
-        if reason is None:
-            reason = (await self.manager.get(turn_id)).stop_reason or StopReason(
-                kind=StopReasonKind.USER_CANCEL, initiator="unknown", at=self.clock.now()
-            )
-        res = await self.manager.request_stop(turn_id, reason)
-        if res.turn.is_terminal:  # it had ended, or was only queued
+        if reason is None:  # already requested (and recorded) by whoever asked
+            current = await self.manager.get(turn_id)
+            if current.status is TurnStatus.RUNNING:  # a signal without a request: never leave it half-stopped
+                fallback = StopReason(kind=StopReasonKind.USER_CANCEL, initiator="signal", at=self.clock.now())
+                current = (await self.manager.request_stop(turn_id, fallback)).turn
+        else:
+            current = (await self.manager.request_stop(turn_id, reason)).turn
+        if current.is_terminal:  # it had ended, or was only queued
             run.settled = True
             return
         if run.work is not None and not run.work.done():

@@ -23,7 +23,7 @@ from aiortc.mediastreams import MediaStreamTrack
 
 from media.inbound import InboundAudio, set_jitter_prefetch
 from media.outbound import PacedAudioTrack
-from media.playout import PlayoutBuffer
+from media.playout import PlayoutBuffer, PlayoutFrame
 from turn.clock import Clock
 from turn.events import EventFollower, event_json
 from turn.generation import GenerationFence
@@ -158,7 +158,8 @@ class PeerSession:
         self.events.on_message = self._on_client_message
         self.fence = GenerationFence(clock)
         self.playout = PlayoutBuffer()
-        self.outbound = PacedAudioTrack(self.playout, self.fence, clock)
+        self.outbound = PacedAudioTrack(self.playout, self.fence, clock, on_sent=self._on_sent)
+        self._segment: tuple[int, int] | None = None  # (generation, first sample) of the audio going out
         self.providers = providers
         self.manager = manager
         self.log = manager.events.log(self.id, gate=self.fence)
@@ -201,6 +202,25 @@ class PeerSession:
                 self._start_agent()
             elif state in ("failed", "closed"):
                 self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
+
+    def _on_sent(self, frame: PlayoutFrame | None, at: float) -> None:
+        """Per 20 ms tick: log where agent audio segments start and end on
+        the wire (``audio.start`` / ``audio.end``, positions in 48 kHz
+        samples of the turn's audio). Cheap unless a segment changes."""
+        gen = frame.generation if frame is not None else None
+        current = self._segment
+        if current is not None and current[0] == gen:
+            return
+        emit = self.log.emit
+        if current is not None:
+            end = self.outbound.audit.per_generation.get(current[0])
+            emit("audio.end", generation=current[0], turn_id=self.agent.turn_id_of(current[0]),
+                 samples_sent=end.samples if end else 0)
+            self._segment = None
+        if frame is not None:
+            self._segment = (frame.generation, frame.sample)
+            emit("audio.start", generation=frame.generation, turn_id=self.agent.turn_id_of(frame.generation),
+                 sample=frame.sample)
 
     async def answer(self, sdp: str) -> str:
         """Apply the client's offer and return our answer SDP.

@@ -24,6 +24,7 @@ from web.settings import Settings
 from conftest import requires_espeak, start_app
 
 pytestmark = [pytest.mark.e2e, requires_espeak]
+TOKEN = "tok-default-0123456789"
 
 
 class Server:
@@ -41,7 +42,9 @@ class Server:
 
 @pytest.fixture
 async def server(tmp_path: Path, grammar_file: Path) -> AsyncIterator[Server]:
-    app = create_app(Settings(store=f"sqlite:///{tmp_path}/var/t.db", stt={"grammar": grammar_file}))
+    app = create_app(
+        Settings(store=f"sqlite:///{tmp_path}/var/t.db", stt={"grammar": grammar_file}, api_tokens=f"default:{TOKEN}")
+    )
     runner, url = await start_app(app)
     srv = Server(app, url)
     watcher = asyncio.create_task(srv.watch())
@@ -83,6 +86,12 @@ async def test_barge_in_mid_answer(server: Server, say: Callable[..., Path], tmp
     assert fenced_at is not None and sent_old.frames > 0
     assert sent_old.last_sent_at is not None and sent_old.last_sent_at <= fenced_at
     assert peer.outbound.audit.per_generation[new.generation].frames > 50
+    # audio segments were logged and delivered: the new turn's start and end
+    kinds = [(e["type"], e["generation"]) for e in result.events if e["type"].startswith("audio.")]
+    assert ("audio.start", old.generation) in kinds
+    assert ("audio.start", new.generation) in kinds and ("audio.end", new.generation) in kinds
+    seqs = [e["seq"] for e in result.events if "seq" in e]
+    assert seqs == sorted(seqs) and len(seqs) == len(set(seqs))  # the log's order, nothing twice
     # and the store agrees
     stored = await server.app[MANAGER].store.list_session(result.session_id)
     assert [t.status for t in stored] == [TurnStatus.CANCELLED, TurnStatus.COMPLETED]
@@ -157,3 +166,33 @@ async def test_server_shutdown_mid_answer(tmp_path: Path, grammar_file: Path, sa
     assert stored.stop_reason is not None and stored.stop_reason.kind is StopReasonKind.WORKER_SHUTDOWN
     assert app[PEERS] == {}
     await runner.cleanup()
+
+
+async def test_rest_stop_silences_a_voice_turn(server: Server, say: Callable[..., Path]) -> None:
+    """A stop asked over the REST API (any instance could take it) reaches the
+    voice session: the agent goes silent and the turn ends user_cancel."""
+    import aiohttp
+
+    client = CallClient(server.url)
+    call = asyncio.create_task(client.run(utt(say("tell me a story")), [], timeout_s=60))
+    async with asyncio.timeout(30):
+        while not any(e.get("phase") == "speaking" for e in client._events):
+            await asyncio.sleep(0.05)
+    [turn_id] = {e["turn_id"] for e in client._events if e["type"] == "turn"}
+    [peer] = server.seen.values()
+    async with aiohttp.ClientSession() as http:
+        async with http.post(
+            f"{server.url}/v1/turns/{turn_id}/stop",
+            headers={"Authorization": f"Bearer {TOKEN}", "Idempotency-Key": "stop-voice"},
+            json={"reason": "user_cancel", "detail": "pressed Stop"},
+        ) as r:
+            assert r.status == 202 and (await r.json())["answer"] == "accepted"
+    result = await asyncio.wait_for(call, 30)
+    [turn] = result.turns
+    assert turn.states[-2:] == ["CANCEL_REQUESTED", "CANCELLED"] and turn.stop_reason == "user_cancel"
+    sent = peer.outbound.audit.per_generation[turn.generation]
+    stored = await server.app[MANAGER].get(turn_id)
+    assert stored.stop_reason is not None and stored.stop_reason.detail == "pressed Stop"
+    assert sent.last_sent_at is not None and stored.terminal_at is not None
+    # the audio stopped within a sanity bound of the stop request
+    assert sent.frames < 25 * 50  # far less than the whole story (about a minute)
