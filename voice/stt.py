@@ -5,31 +5,39 @@ The bundled US English acoustic model and language model are used by default
 restricts recognition to its phrases, which makes it exact for a known set of
 test phrases.
 
-One :class:`PocketsphinxSTT` serves the whole server. It keeps a small pool of
-decoders (each about 80 MB, 0.4 s to load), each with its own worker thread,
-because a pocketsphinx decoder must not be used by two utterances at once. An
+One :class:`PocketsphinxSTT` serves the whole server with a pool of
+decoders, each in its own worker process (see :mod:`voice.stt_worker`:
+pocketsphinx holds the GIL while it works, which in-process would stall every
+session's audio pacing and barge-in for up to half a second). All decoders
+load at :meth:`PocketsphinxSTT.start`, before the server serves anyone. An
 utterance holds one decoder from its first frame to its final hypothesis;
-audio is decoded on that thread while the user is still speaking, so
-``finish()`` only waits for the tail. When every decoder is busy, a new
-utterance's audio waits in memory until one is free.
+its audio is sent in ~100 ms batches and decoded while the user still
+speaks, so ``finish()`` only waits for the tail. When every decoder is busy,
+a new utterance's audio waits in memory until one is free. A worker that
+dies is replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
 
 from media.frames import VAD_RATE
+from voice import stt_worker
 
 log = logging.getLogger(__name__)
 
 #: most audio an utterance keeps while it waits for a decoder (s at 16 kHz)
 MAX_PENDING_S = 60
+#: audio sent to the worker per message, bytes (100 ms at 16 kHz s16)
+BATCH_BYTES = VAD_RATE * 2 // 10
 
 
 class PocketsphinxConfig(BaseModel):
@@ -38,55 +46,55 @@ class PocketsphinxConfig(BaseModel):
     Attributes:
         grammar: optional JSGF file; None means free-form with the bundled LM.
         max_decoders: utterances decoded at the same time, across all
-            sessions (each decoder costs about 80 MB and one thread).
+            sessions (each decoder is one worker process of about 80 MB).
     """
 
     grammar: Path | None = None
-    max_decoders: int = Field(4, ge=1, le=64)
+    max_decoders: int = Field(2, ge=1, le=64)
 
 
 class SttError(RuntimeError):
-    """Recognition failed (model not loadable, decoder error)."""
+    """Recognition failed (model not loadable, decoder error, worker died)."""
 
 
 class _Decoder:
-    """One pocketsphinx Decoder and the single thread that may touch it."""
+    """One worker process holding one pocketsphinx decoder."""
 
     def __init__(self, config: PocketsphinxConfig) -> None:
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stt")
-        self.config = config
-        self.decoder: Any = None
+        grammar = str(config.grammar) if config.grammar is not None else None
+        self.executor = ProcessPoolExecutor(
+            max_workers=1,
+            mp_context=multiprocessing.get_context("spawn"),  # never fork an asyncio process
+            initializer=stt_worker.init,
+            initargs=(grammar,),
+        )
         self.broken: BaseException | None = None
-        #: an utterance is open on the decoder (touched only on its thread)
-        self.in_utterance = False
-        self.loaded = self.submit(self._load)
+        self.loaded = self.submit(stt_worker.ping)
+        self.loaded.add_done_callback(self._note)
 
     def submit(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
-        return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
-    def _load(self) -> None:
         try:
-            from pocketsphinx import Decoder
-
-            kwargs: dict[str, Any] = {"samprate": VAD_RATE, "loglevel": "FATAL"}
-            if self.config.grammar is not None:
-                if not self.config.grammar.is_file():
-                    raise FileNotFoundError(f"JSGF grammar not found: {self.config.grammar}")
-                kwargs["jsgf"] = str(self.config.grammar)
-            self.decoder = Decoder(**kwargs)
-        except BaseException as exc:
+            return asyncio.wrap_future(self.executor.submit(fn, *args))
+        except (BrokenProcessPool, RuntimeError) as exc:
             self.broken = exc
-            raise
+            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            fut.set_exception(SttError(f"speech worker is gone: {exc}"))
+            return fut
 
-    def get(self) -> Any:
-        """The decoder, on its own thread (calls queue behind the load)."""
-        if self.decoder is None:
-            raise SttError(f"speech model failed to load: {self.broken}")
-        return self.decoder
+    def _note(self, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self.broken = exc
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
 
 class PocketsphinxSTT:
-    """:class:`voice.providers.SpeechToText` over a pool of pocketsphinx decoders.
+    """:class:`voice.providers.SpeechToText` over a pool of pocketsphinx
+    worker processes.
 
     Args:
         config: grammar and pool size.
@@ -105,7 +113,9 @@ class PocketsphinxSTT:
         return len(self._all)
 
     async def start(self) -> None:
-        """Load one decoder now, so configuration errors show at startup.
+        """Load every decoder now (in parallel worker processes), so
+        configuration errors show at startup and no later utterance waits
+        for a model to load. Idempotent.
 
         Raises:
             FileNotFoundError: the configured grammar file is missing.
@@ -113,11 +123,16 @@ class PocketsphinxSTT:
         """
         if self._started:
             return
-        dec = self._acquire_nowait() or await self._acquire()
-        try:
-            await dec.loaded
-        finally:
-            self._release(dec)
+        if self.config.grammar is not None and not self.config.grammar.is_file():
+            raise FileNotFoundError(f"JSGF grammar not found: {self.config.grammar}")
+        while len(self._all) < self.config.max_decoders:
+            dec = _Decoder(self.config)
+            self._all.append(dec)
+            self._queue().put_nowait(dec)
+        results = await asyncio.gather(*(d.loaded for d in self._all), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise RuntimeError(f"speech model failed to load: {errors[0]}") from errors[0]
         self._started = True
 
     def open_stream(self) -> "PocketsphinxStream":
@@ -131,13 +146,13 @@ class PocketsphinxSTT:
         return PocketsphinxStream(self)
 
     async def aclose(self) -> None:
-        """Stop every decoder thread, after the calls already queued. Idempotent."""
+        """Stop every worker process, after the calls already queued. Idempotent."""
         if self._closed:
             return
         self._closed = True
         loop = asyncio.get_running_loop()
         for dec in self._all:
-            await loop.run_in_executor(None, dec.executor.shutdown, True)
+            await loop.run_in_executor(None, dec.shutdown)
         self._all.clear()
 
     # -- the pool ------------------------------------------------------------------
@@ -171,17 +186,23 @@ class PocketsphinxSTT:
         if self._closed:
             return
         if dec.broken is not None:
-            self._all.remove(dec)  # a decoder that failed to load is not reused
-            dec.executor.shutdown(wait=False)
+            # A worker that failed (crashed, could not load) is replaced.
+            log.warning("speech worker failed (%s); replacing it", dec.broken)
+            self._all.remove(dec)
+            asyncio.get_running_loop().run_in_executor(None, dec.shutdown)
+            if not self._closed and len(self._all) < self.config.max_decoders and self._started:
+                fresh = _Decoder(self.config)
+                self._all.append(fresh)
+                self._queue().put_nowait(fresh)
             return
         self._queue().put_nowait(dec)
 
 
 class PocketsphinxStream:
-    """One utterance. Its calls run in order on its decoder's thread.
+    """One utterance. Its calls run in order on its decoder's worker.
 
     The decoder is held from the first frame until ``finish`` or ``aclose``
-    has run on the thread, and is then handed back to the pool, whatever
+    has run in the worker, and is then handed back to the pool, whatever
     happens to the awaiting task.
     """
 
@@ -190,6 +211,7 @@ class PocketsphinxStream:
         self._decoder: _Decoder | None = None
         self._pending: list[bytes] = []
         self._pending_bytes = 0
+        self._batch = bytearray()
         self._ended = False
         self._error: BaseException | None = None
         self._attached = asyncio.get_running_loop().create_task(self._attach())
@@ -199,32 +221,47 @@ class PocketsphinxStream:
     async def _attach(self) -> None:
         dec = await self._owner._acquire()
         self._decoder = dec
-        self._submit(self._start_utt)
-        for pcm in self._pending:
-            self._submit(self._process, pcm)
+        self._submit(stt_worker.start)
+        if self._pending:
+            self._submit(stt_worker.process, b"".join(self._pending))
         self._pending.clear()
 
     def _submit(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
         assert self._decoder is not None
-        fut = self._decoder.submit(fn, self._decoder, *args)
+        fut = self._decoder.submit(fn, *args)
         fut.add_done_callback(self._note_error)
         return fut
 
     def _note_error(self, fut: asyncio.Future[Any]) -> None:
-        if not fut.cancelled() and fut.exception() is not None and self._error is None:
-            self._error = fut.exception()
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            if self._error is None:
+                self._error = exc
+            if isinstance(exc, BrokenProcessPool) and self._decoder is not None:
+                self._decoder.broken = exc
 
     def feed(self, pcm: bytes) -> None:
-        """Queue 16 kHz mono s16 audio for decoding (never blocks). Audio fed
-        after ``finish``/``aclose`` is ignored; while waiting for a decoder,
-        at most ``MAX_PENDING_S`` seconds are kept (the oldest is dropped)."""
+        """Queue 16 kHz mono s16 audio for decoding (never blocks; sent to the
+        worker in ~100 ms batches). Audio fed after ``finish``/``aclose`` is
+        ignored; while waiting for a decoder, at most ``MAX_PENDING_S``
+        seconds are kept (the oldest is dropped)."""
         if self._ended or not pcm:
             return
-        if self._decoder is not None:
-            self._submit(self._process, pcm)
+        self._batch += pcm
+        if len(self._batch) >= BATCH_BYTES:
+            self._send_batch()
+
+    def _send_batch(self) -> None:
+        if not self._batch:
             return
-        self._pending.append(pcm)
-        self._pending_bytes += len(pcm)
+        chunk, self._batch = bytes(self._batch), bytearray()
+        if self._decoder is not None:
+            self._submit(stt_worker.process, chunk)
+            return
+        self._pending.append(chunk)
+        self._pending_bytes += len(chunk)
         while self._pending_bytes > MAX_PENDING_S * VAD_RATE * 2 and len(self._pending) > 1:
             self._pending_bytes -= len(self._pending.pop(0))
 
@@ -234,14 +271,19 @@ class PocketsphinxStream:
 
         Raises:
             RuntimeError: finished or closed already.
-            SttError: the decoder failed on this utterance.
+            SttError: the decoder or its worker failed on this utterance.
         """
         if self._ended:
             raise RuntimeError("utterance already finished")
+        self._send_batch()
         self._ended = True
         await asyncio.shield(self._attached)  # raises RuntimeError if STT closed meanwhile
-        fut = self._end(self._end_utt)
-        text = await fut
+        try:
+            text = await self._end(stt_worker.end)
+        except BrokenProcessPool as exc:
+            raise SttError(f"speech worker died: {exc}") from exc
+        except RuntimeError as exc:
+            raise SttError(f"recognition failed: {exc}") from exc
         if self._error is not None:
             raise SttError(f"recognition failed: {self._error}") from self._error
         return text
@@ -251,11 +293,12 @@ class PocketsphinxStream:
         if self._ended:
             return
         self._ended = True
+        self._batch.clear()
         if not self._attached.done():
             self._attached.cancel()
         await asyncio.wait({self._attached})  # never raises; we only need it settled
         if self._decoder is not None:
-            await asyncio.wait({self._end(self._abandon)})
+            await asyncio.wait({self._end(stt_worker.abandon)})
 
     def _end(self, fn: Any) -> asyncio.Future[Any]:
         """Run the last call of the utterance and give the decoder back once
@@ -265,37 +308,3 @@ class PocketsphinxStream:
         fut = self._submit(fn)
         fut.add_done_callback(lambda _: self._owner._release(dec))
         return fut
-
-    # -- on the decoder's thread -------------------------------------------------
-
-    # On the decoder's thread. pocketsphinx crashes the process if audio is
-    # processed outside an utterance, so every call checks the state first.
-
-    @staticmethod
-    def _start_utt(dec: _Decoder) -> None:
-        d = dec.get()
-        if dec.in_utterance:  # a previous user never ended it: end it now
-            d.end_utt()
-        d.start_utt()
-        dec.in_utterance = True
-
-    @staticmethod
-    def _process(dec: _Decoder, pcm: bytes) -> None:
-        if dec.in_utterance:
-            dec.get().process_raw(pcm, False, False)
-
-    @staticmethod
-    def _end_utt(dec: _Decoder) -> str:
-        if not dec.in_utterance:
-            raise SttError("no utterance is open on the decoder")
-        d = dec.get()
-        dec.in_utterance = False
-        d.end_utt()
-        hyp = d.hyp()
-        return (hyp.hypstr if hyp is not None else "").strip()
-
-    @staticmethod
-    def _abandon(dec: _Decoder) -> None:
-        if dec.in_utterance:
-            dec.in_utterance = False
-            dec.get().end_utt()

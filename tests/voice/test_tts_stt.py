@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from media.frames import VAD_RATE, load_pcm, rms_dbfs
-from voice.stt import PocketsphinxConfig, PocketsphinxSTT
+from voice.stt import PocketsphinxConfig, PocketsphinxSTT, SttError
 from voice.tts import EspeakConfig, EspeakTTS, TtsError, _read_wav_header
 
 from conftest import requires_espeak
@@ -186,5 +186,61 @@ async def test_stt_cancelled_finish_gives_the_decoder_back(say: Callable[..., Pa
         s2 = stt.open_stream()
         s2.feed(load_pcm(say("count to twenty"), VAD_RATE))
         assert await asyncio.wait_for(s2.finish(), 10) == "count to twenty"
+    finally:
+        await stt.aclose()
+
+
+async def test_recognition_never_stalls_the_event_loop(say: Callable[..., Path]) -> None:
+    """pocketsphinx holds the GIL while loading and decoding; in-process that
+    froze audio pacing for hundreds of ms. Workers are processes, so the loop
+    keeps ticking (the bound is a generous sanity bound, not a benchmark)."""
+    import time
+
+    pcm = load_pcm(say("what is the weather like today"), VAD_RATE) * 3
+    worst = 0.0
+    done = asyncio.Event()
+
+    async def monitor() -> None:
+        nonlocal worst
+        while not done.is_set():
+            t = time.perf_counter()
+            await asyncio.sleep(0.005)
+            worst = max(worst, time.perf_counter() - t - 0.005)
+
+    mon = asyncio.create_task(monitor())
+    stt = PocketsphinxSTT(PocketsphinxConfig(max_decoders=2))
+    try:
+        await stt.start()  # loads two models
+        streams = [stt.open_stream() for _ in range(2)]
+        for i in range(0, len(pcm), 640):
+            for s in streams:
+                s.feed(pcm[i : i + 640])
+        texts = await asyncio.gather(*(s.finish() for s in streams))
+        assert all("weather" in t for t in texts)
+    finally:
+        done.set()
+        await mon
+        await stt.aclose()
+    assert worst < 0.15, f"event loop stalled {worst * 1000:.0f} ms"
+
+
+async def test_a_dead_worker_is_replaced(say: Callable[..., Path], grammar_file: Path) -> None:
+    import os
+    import signal
+
+    stt = PocketsphinxSTT(PocketsphinxConfig(grammar=grammar_file, max_decoders=1))
+    try:
+        await stt.start()
+        [dec] = stt._all
+        s = stt.open_stream()
+        await asyncio.sleep(0.1)
+        for pid in list(dec.executor._processes):  # kill the worker mid-utterance
+            os.kill(pid, signal.SIGKILL)
+        s.feed(load_pcm(say("tell me a story"), VAD_RATE))
+        with pytest.raises(SttError):
+            await s.finish()
+        s2 = stt.open_stream()  # a fresh worker takes over
+        s2.feed(load_pcm(say("count to twenty"), VAD_RATE))
+        assert await asyncio.wait_for(s2.finish(), 20) == "count to twenty"
     finally:
         await stt.aclose()

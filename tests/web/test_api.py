@@ -81,7 +81,10 @@ class Api:
 @pytest.fixture(params=["sqlite", "redis"])
 async def api(request: pytest.FixtureRequest, tmp_path: Path, redis_url: str) -> AsyncIterator[Api]:
     store = f"sqlite:///{tmp_path}/t.db" if request.param == "sqlite" else redis_url
-    settings = Settings(store=store, api_tokens=TOKENS, redis_prefix=f"t{tmp_path.name[-8:]}", llm={"tokens_per_second": 40})
+    settings = Settings(
+        store=store, api_tokens=TOKENS, redis_prefix=f"t{tmp_path.name[-8:]}", llm={"tokens_per_second": 40},
+        stt={"max_decoders": 1},  # text turns need no speech recogniser
+    )
     app = create_app(settings)
     runner, url = await start_app(app)
     async with aiohttp.ClientSession() as http:
