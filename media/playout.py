@@ -24,11 +24,13 @@ class PlayoutFrame:
         generation: the session generation that produced it.
         sample: position of its first sample within that generation's audio
             (samples at 48 kHz), so "how much was played" is exact.
+        audible: it carries sound (not just a pause).
     """
 
     pcm: bytes
     generation: int
     sample: int = 0
+    audible: bool = True
 
 
 class PlayoutBuffer:
@@ -79,6 +81,11 @@ class PlayoutBuffer:
         while self._frames:
             self._empty.clear()
             await self._empty.wait()
+
+    def audible_pending(self, generation: int) -> bool:
+        """True if a frame of ``generation`` with sound is still queued (so a
+        reply has not yet been heard in full)."""
+        return any(f.audible and f.generation == generation for f in self._frames)
 
     def __len__(self) -> int:
         return len(self._frames)

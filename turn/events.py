@@ -92,6 +92,7 @@ class SessionEventLog:
         *,
         retry: Retry[Any] = _no_retry,
         max_queue: int = 10_000,
+        on_idle: Callable[["SessionEventLog"], None] | None = None,
     ) -> None:
         self.store = store
         self.session_id = session_id
@@ -99,6 +100,7 @@ class SessionEventLog:
         self.gate: Gate = gate or OpenGate()
         self.retry = retry
         self.max_queue = max_queue
+        self.on_idle = on_idle
         self._queue: asyncio.Queue[EventRecord | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
@@ -130,10 +132,15 @@ class SessionEventLog:
             self._task = asyncio.get_running_loop().create_task(self._write(), name=f"events-{self.session_id}")
 
     async def _write(self) -> None:
+        """Write until the queue is empty, then end (``emit`` starts a new
+        writer): no task lingers for a session that has gone quiet."""
         while True:
             if self._queue.empty():
                 self._idle.set()
-            event = await self._queue.get()
+                if self.on_idle is not None:
+                    self.on_idle(self)
+                return
+            event = self._queue.get_nowait()
             if event is None:
                 self._idle.set()
                 return
@@ -170,7 +177,6 @@ class SessionEventLog:
         """Write what is queued (at most ``timeout_s``), then stop."""
         if self._task is None or self._task.done():
             return
-        self._queue.put_nowait(None)
         done, _ = await asyncio.wait({self._task}, timeout=timeout_s)
         if not done:
             self._task.cancel()
@@ -193,13 +199,27 @@ class EventLogs:
 
     def log(self, session_id: str, gate: Gate | None = None) -> SessionEventLog:
         """The session's writer (made on first use); ``gate`` installs the
-        session's delivery gate."""
+        session's delivery gate. A writer made without a gate (e.g. for a
+        stop accepted here for a turn another instance runs) is forgotten
+        once it has written everything."""
         lg = self._logs.get(session_id)
         if lg is None:
-            lg = self._logs[session_id] = SessionEventLog(self.store, session_id, self.clock, gate, retry=self.retry)
+            lg = SessionEventLog(
+                self.store, session_id, self.clock, gate, retry=self.retry,
+                on_idle=None if gate is not None else self._forget_idle,
+            )
+            self._logs[session_id] = lg
         elif gate is not None:
             lg.gate = gate
+            lg.on_idle = None  # a session served here: kept until closed
         return lg
+
+    def _forget_idle(self, lg: SessionEventLog) -> None:
+        if self._logs.get(lg.session_id) is lg:
+            del self._logs[lg.session_id]
+
+    def __len__(self) -> int:
+        return len(self._logs)
 
     async def close(self, session_id: str) -> None:
         """Flush and forget the session's writer."""

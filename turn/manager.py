@@ -288,7 +288,8 @@ class TurnManager:
             lambda: self.store.request_stop(turn_id, rid, reason, at=self.clock.now(), fingerprint=fingerprint)
         )
         if res.first:
-            self._flags[turn_id] = _FlagCache(True, self.clock.monotonic())
+            if turn_id in self._owned:  # a turn run elsewhere is not cached here
+                self._flags[turn_id] = _FlagCache(True, self.clock.monotonic())
             self._notify(res.turn)
             await self.signals.publish(turn_id)
         return res

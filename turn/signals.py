@@ -23,8 +23,6 @@ class StopSignals:
 
     def __init__(self) -> None:
         self._events: dict[str, asyncio.Event] = {}
-        #: signals received for turns nobody here watches (counted, then dropped)
-        self.unwatched = 0
 
     def watch(self, turn_id: str) -> asyncio.Event:
         """The event that is set when ``turn_id`` is asked to stop."""
@@ -35,11 +33,10 @@ class StopSignals:
         self._events.pop(turn_id, None)
 
     def fire(self, turn_id: str) -> None:
-        """Set the local event of ``turn_id``, if watched here."""
+        """Set the local event of ``turn_id``, if watched here (a signal for a
+        turn nobody here runs is dropped)."""
         ev = self._events.get(turn_id)
-        if ev is None:
-            self.unwatched += 1
-        else:
+        if ev is not None:
             ev.set()
 
     async def publish(self, turn_id: str) -> None:

@@ -14,6 +14,7 @@ notification, and turns left open at startup belonged to a dead process.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import sqlite3
@@ -39,6 +40,7 @@ from turn.states import Outcome, TransitionResult, sources_of
 from turn.store import (
     MUTABLE_FIELDS,
     DuplicateSession,
+    StoreError,
     DuplicateTurn,
     IdempotencyConflict,
     StopAnswer,
@@ -120,6 +122,11 @@ _SELECT = f"SELECT {', '.join(_COLUMNS)} FROM turns"
 _MODEL_FIELDS = {"stop_reason": StopReason, "budget": Budget, "spent": Spent, "usage": Usage}
 
 
+class StoreInUse(StoreError):
+    """Another process serves this SQLite file (one process per file: it
+    stops open turns at startup, which would cut another server's turns)."""
+
+
 def path_from_url(url: str) -> Path:
     """Parse ``sqlite:///relative/path.db`` or ``sqlite:////abs/path.db``.
 
@@ -149,6 +156,7 @@ class SqliteStore:
         self.busy_timeout_ms = busy_timeout_ms
         self._executor: ThreadPoolExecutor | None = None
         self._conn: sqlite3.Connection | None = None
+        self._lock_fd: int | None = None
         self._event_waiters: dict[str, asyncio.Event] = {}
 
     async def open(self) -> None:
@@ -160,10 +168,22 @@ class SqliteStore:
         except BaseException:
             self._executor.shutdown(wait=False)
             self._executor = None
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
             raise
 
     def _open_sync(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # One process per file, enforced with an advisory lock (flock) on a
+        # sibling file; the kernel drops it if the process dies.
+        fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreInUse(f"another turnkeeper process is using {self.path}") from None
+        self._lock_fd = fd
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
@@ -190,6 +210,9 @@ class SqliteStore:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the lock
+            self._lock_fd = None
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         if self._executor is None:

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from media.frames import PLAYOUT_RATE, Reframer, samples_per_frame
+from media.frames import PLAYOUT_RATE, Reframer, rms_dbfs, samples_per_frame
 from media.inbound import InboundFrame
 from media.playout import PlayoutBuffer, PlayoutFrame
 from media.vad import VadConfig, VadEvent, VadEventKind
@@ -37,12 +38,17 @@ from turn.clock import Clock
 from turn.generation import GenerationFence
 from turn.manager import TurnManager, TurnStopped
 from turn.models import StopReason, StopReasonKind, Turn, TurnStatus
-from turn.store import UnknownTurn
+from turn.store import StoreUnavailable, UnknownTurn
 from voice.providers import LanguageModel, Message, SpeechToText, SttStream, TextToSpeech
 from voice.respond import stream_reply
 from voice.text import SentenceSplitter
 
 log = logging.getLogger(__name__)
+
+#: how long a stop that the store would not take is retried, s
+STOP_RETRY_S = 300.0
+#: a playout frame quieter than this (dBFS) is a pause, not speech
+SILENCE_DBFS = -50.0
 
 class EventSink(Protocol):
     """Where the session's events go (``turn.events.SessionEventLog.emit``):
@@ -91,6 +97,10 @@ class TurnRun:
     open_task: asyncio.Task[Turn | None] | None = None
     #: waits for a stop asked from outside (REST, another instance)
     watch_task: asyncio.Task[None] | None = None
+    #: the stop decided for it (kept until it is recorded)
+    stop_reason: StopReason | None = None
+    #: every frame of its reply is queued for playout
+    tts_done: bool = False
     work: asyncio.Task[None] | None = None
     stop_task: asyncio.Task[None] | None = None
     transcript: str | None = None
@@ -256,6 +266,10 @@ class AgentSession:
             self._end_utterance(self._listening)
             self._listening = None
         old = self._active_run()
+        if old is not None and old.tts_done and not self.playout.audible_pending(old.generation):
+            # Only the pause after its last word is left: the user heard the
+            # reply in full, so it completes; this is a new turn, not a barge-in.
+            old = None
         old_generation = self.fence.active
         generation = self.fence.advance()
         fenced_at = self.clock.monotonic()
@@ -400,7 +414,7 @@ class AgentSession:
         def sink(pcm: bytes) -> None:
             nonlocal position
             for f in reframer.push(pcm):
-                self.playout.push(PlayoutFrame(f, run.generation, position))
+                self.playout.push(PlayoutFrame(f, run.generation, position, audible=rms_dbfs(f) > SILENCE_DBFS))
                 position += per_frame
 
         while (sentence := await sentences.get()) is not None:
@@ -408,7 +422,8 @@ class AgentSession:
             await self.providers.tts.synthesize(sentence, sink)
         tail = reframer.flush()
         if tail is not None:
-            self.playout.push(PlayoutFrame(tail, run.generation, position))
+            self.playout.push(PlayoutFrame(tail, run.generation, position, audible=rms_dbfs(tail) > SILENCE_DBFS))
+        run.tts_done = True
 
     async def _watch_stop(self, run: TurnRun, turn_id: str) -> None:
         """A stop asked from outside this session (the REST API, another
@@ -427,17 +442,40 @@ class AgentSession:
 
     async def _stop_run(self, run: TurnRun, reason: StopReason | None) -> None:
         """Record a stop: CANCEL_REQUESTED, bounded wait for the work to end,
-        then CANCELLED (or whatever the store says already happened)."""
+        then CANCELLED (or whatever the store says already happened). If the
+        store is unavailable for longer than the manager's own retries, the
+        client is told and the same stop (same reason, same time) is retried
+        with backoff for up to ``STOP_RETRY_S``; a failure never ends the
+        session."""
+        if reason is not None:
+            run.stop_reason = reason
         assert run.open_task is not None
         turn = await asyncio.shield(run.open_task)
         if turn is None:
             return  # never written: nothing was started for it
+        told = False
         try:
-            await self._record_stop(run, turn.id, reason)
+            async for attempt in AsyncRetrying(
+                stop=stop_after_delay(STOP_RETRY_S),
+                wait=wait_exponential(multiplier=0.5, max=5.0),
+                retry=retry_if_exception_type(StoreUnavailable),
+                sleep=self.clock.sleep,
+                reraise=True,
+            ):
+                with attempt:
+                    try:
+                        await self._record_stop(run, turn.id, reason)
+                    except StoreUnavailable as exc:
+                        if not told:
+                            told = True
+                            log.warning("turn %s: stop not recorded yet (%s); retrying", turn.id, exc)
+                            self._send("error", turn_id=turn.id, code="store_error", message=describe_error(exc))
+                        raise
         except Exception as exc:
-            # The session's final settle tries again; the turn must not end the session.
+            # The session's final settle tries once more, with this stop's reason.
             log.exception("turn %s: could not record its stop", turn.id)
-            self._send("error", turn_id=turn.id, code="store_error", message=describe_error(exc))
+            if not told:
+                self._send("error", turn_id=turn.id, code="store_error", message=describe_error(exc))
 
     async def _record_stop(self, run: TurnRun, turn_id: str, reason: StopReason | None) -> None:
         """Stop ``turn_id`` with ``reason`` (None: it was asked from outside;
@@ -471,10 +509,13 @@ class AgentSession:
         """Session end: every turn this session began gets a terminal state,
         including one whose record was never written (the user spoke, so it
         is recorded, then cancelled before start)."""
-        reason = StopReason(kind=self.close_reason, initiator="server", at=self.clock.now())
+        closing = StopReason(kind=self.close_reason, initiator="server", at=self.clock.now())
         for run in list(self._runs):
             if run.work is not None and not run.work.done():
                 run.work.cancel()
+            # A stop decided earlier (a barge-in whose record failed) keeps its
+            # own reason and time; only turns nobody stopped get the close reason.
+            reason = run.stop_reason or closing
             try:
                 try:
                     turn = await self.manager.get(run.turn_id)

@@ -15,6 +15,7 @@ import struct
 from pydantic import BaseModel, Field
 
 from media.frames import PLAYOUT_RATE, PcmResampler
+from media.trim import SilenceTrimmer
 from voice.providers import PcmSink
 
 READ_CHUNK = 4096  # bytes per read from espeak-ng's stdout
@@ -28,12 +29,15 @@ class EspeakConfig(BaseModel):
         voice: espeak-ng voice name (``espeak-ng --voices``).
         words_per_minute: speaking rate, 80..450 words per minute.
         pitch: 0..99 (espeak-ng's ``-p``).
+        pause_ms: silence kept after each sentence, ms; espeak-ng's own
+            (about 330 ms) is trimmed to this, and leading silence dropped.
     """
 
     executable: str = "espeak-ng"
     voice: str = "en-us"
     words_per_minute: int = Field(165, ge=80, le=450)
     pitch: int = Field(50, ge=0, le=99)
+    pause_ms: int = Field(120, ge=0, le=2000)
 
 
 class TtsError(RuntimeError):
@@ -93,16 +97,17 @@ class EspeakTTS:
             proc.stdin.close()
             rate = await _read_wav_header(proc.stdout)
             resampler = PcmResampler(self.sample_rate)
+            trimmer = SilenceTrimmer(self.sample_rate, keep_tail_ms=cfg.pause_ms)
             odd = b""
             while chunk := await proc.stdout.read(READ_CHUNK):
                 chunk = odd + chunk
                 cut = len(chunk) - (len(chunk) % 2)
                 chunk, odd = chunk[:cut], chunk[cut:]
                 if chunk:
-                    out = resampler.pcm(chunk, rate)
+                    out = trimmer.push(resampler.pcm(chunk, rate))
                     if out:
                         sink(out)
-            tail = resampler.flush()
+            tail = trimmer.push(resampler.flush()) + trimmer.flush()
             if tail:
                 sink(tail)
             err = await proc.stderr.read()

@@ -286,7 +286,16 @@ async def _offer(request: web.Request) -> web.Response:
     settings = app[SETTINGS]
     peers: dict[str, PeerSession] = app[PEERS]
     if len(peers) >= settings.max_sessions:
-        raise ApiError(503, "too_many_sessions", f"{settings.max_sessions} sessions are running; try later")
+        raise ApiError(503, "too_many_sessions", f"{settings.max_sessions} sessions are running; try later",
+                       headers={"Retry-After": "5"})
+    pending = [p for p in peers.values() if not p.connected]
+    client = request.remote or "?"
+    if sum(1 for p in pending if p.client == client) >= settings.max_pending_per_client:
+        raise ApiError(429, "too_many_pending", "too many offers from you are still connecting; connect or wait",
+                       headers={"Retry-After": str(int(settings.connect_timeout_s))})
+    if len(pending) >= settings.max_pending_sessions:
+        raise ApiError(503, "too_many_pending", "too many sessions are still connecting; try again shortly",
+                       headers={"Retry-After": "2"})
     clock = app[CLOCK]
     peer = PeerSession(
         settings=settings,
@@ -294,6 +303,7 @@ async def _offer(request: web.Request) -> web.Response:
         providers=app[PROVIDERS].for_session(),
         clock=clock,
         on_closed=lambda p: peers.pop(p.id, None),
+        client=request.remote or "?",
     )
     peers[peer.id] = peer
     try:

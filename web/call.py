@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 SILENCE_DBFS = -50.0  # a received 20 ms frame quieter than this is silence
 SILENT_RUN_MS = 500  # agent counts as stopped once silent this long
 LEAD_SILENCE_MS = 300  # microphone silence before the first utterance
+NO_SPEECH_S = 5.0  # an opening utterance that starts no turn within this is not speech
 
 
 class CallError(RuntimeError):
@@ -246,7 +247,7 @@ class CallClient:
                     t.cancel()
                 await asyncio.gather(script, hangup, return_exceptions=True)
             if script in done:
-                script.result()  # re-raise a failure of the script itself
+                script.result()  # re-raise a failure of the script itself (e.g. no speech heard)
             elif hangup in done:
                 server_hung_up = True
             else:
@@ -325,6 +326,7 @@ class CallClient:
             mic.push(PlayoutFrame(bytes(1920), generation=0))
         self._queue(mic, 1, opening.pcm)
         await mic.wait_empty()
+        await self._expect_a_turn()
         for k, (utt, m) in enumerate(zip(barge_ins, measures), start=2):
             sent_at = self.clock.monotonic()
             m.agent_started_at = await self._wait_sound_after(sent_at)
@@ -333,6 +335,20 @@ class CallClient:
             await mic.wait_empty()
         # Wait for the last turn to reach a terminal state.
         await self._wait_last_turn_terminal()
+
+    async def _expect_a_turn(self) -> None:
+        """After the opening utterance was sent, the server must have heard
+        speech (a turn) within ``NO_SPEECH_S``.
+
+        Raises:
+            CallError: it heard none (a silent or non-speech file).
+        """
+        try:
+            async with asyncio.timeout(NO_SPEECH_S):
+                async with self._event_cond:
+                    await self._event_cond.wait_for(lambda: bool(self._turns))
+        except TimeoutError:
+            raise CallError(f"the server heard no speech in the opening audio ({NO_SPEECH_S:.0f} s after it ended)") from None
 
     async def _wait_sound_after(self, t: float) -> float:
         """Arrival time of the first non-silent agent frame after ``t``."""

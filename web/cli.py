@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import sys
+import tempfile
 from pathlib import Path
 
 from aiohttp import web
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--server", help="server URL, e.g. http://127.0.0.1:8080")
     where.add_argument("--local", action="store_true", help="start a server in this process")
     call.add_argument("--config", help="TOML settings file for --local")
+    call.add_argument(
+        "--store", help="store URL for --local (default: a temporary SQLite file, so a server running here is never touched)"
+    )
     call.add_argument("--wav", required=True, help="what to say first (any audio file)")
     call.add_argument("--barge-in", help="what to interrupt the agent with")
     call.add_argument("--at", type=float, default=1.0, help="seconds after the agent starts talking to interrupt (default 1.0)")
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             _logging(settings)
             return _serve(settings)
         settings = load_settings(args.config, port=0)
-        _logging(settings, quiet=args.json)
+        _logging(settings, quiet=True)  # the in-process server's INFO lines would bury the timeline
         return asyncio.run(_call(args, settings))
     except FileNotFoundError as exc:
         print(f"turnkeeper: file not found: {exc.filename or exc}", file=sys.stderr)
@@ -93,14 +97,23 @@ async def _call(args: argparse.Namespace, settings: Settings) -> int:
     out = Path(args.out)
     if not out.parent.is_dir():
         raise FileNotFoundError(2, "no such folder for --out", str(out.parent))
+    try:  # find out now, not after the whole call, that it cannot be written
+        with open(out, "ab"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"cannot write --out {out}: {exc.strerror or exc}") from exc
+    if args.server is not None and not args.server.startswith(("http://", "https://")):
+        raise ValueError(f"--server must be an http:// or https:// URL, not {args.server!r}")
     opening = Utterance(pcm=load_pcm(args.wav, PLAYOUT_RATE), label=Path(args.wav).name)
     barge_ins = []
     if args.barge_in:
         barge_ins.append(Utterance(pcm=load_pcm(args.barge_in, PLAYOUT_RATE), at_s=args.at, label=Path(args.barge_in).name))
     runner: web.AppRunner | None = None
+    tmp = tempfile.TemporaryDirectory(prefix="turnkeeper-call-")
     try:
         if args.local:
-            runner = web.AppRunner(create_app(settings), access_log=None)
+            store = args.store or f"sqlite:///{tmp.name}/turnkeeper.db"
+            runner = web.AppRunner(create_app(settings.model_copy(update={"store": store})), access_log=None)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
@@ -113,6 +126,7 @@ async def _call(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         if runner is not None:
             await runner.cleanup()
+        tmp.cleanup()
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     else:

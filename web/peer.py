@@ -139,6 +139,7 @@ class PeerSession:
         providers: this session's STT/LLM/TTS.
         clock: time source.
         on_closed: called once with this session after it has been freed.
+        client: the client's address, for per-client limits.
     """
 
     def __init__(
@@ -149,8 +150,13 @@ class PeerSession:
         providers: Providers,
         clock: Clock,
         on_closed: Callable[["PeerSession"], None],
+        client: str = "?",
     ) -> None:
         self.id = uuid.uuid4().hex
+        #: the client's address (for per-client limits)
+        self.client = client
+        #: the peer connection reached "connected" at least once
+        self.connected = False
         self.settings = settings
         self.clock = clock
         self.pc = RTCPeerConnection()
@@ -199,6 +205,7 @@ class PeerSession:
             state = self.pc.connectionState
             log.info("session %s: connection %s", self.id, state)
             if state == "connected":
+                self.connected = True
                 self._start_agent()
             elif state in ("failed", "closed"):
                 self.close(StopReasonKind.TRANSPORT_DISCONNECTED)

@@ -45,6 +45,9 @@ class Settings(BaseSettings):
         max_offer_bytes: largest accepted request body, bytes (SDP offers are
             a few KiB).
         max_sessions: concurrent WebRTC sessions; more get 503.
+        max_pending_sessions: sessions answered but not yet connected, at
+            most (offers that never connect cannot fill ``max_sessions``).
+        max_pending_per_client: of those, from one client address.
         connect_timeout_s: a peer that is not connected this many seconds
             after its offer is closed.
         media_timeout_s: a connected peer whose audio stops arriving for this
@@ -75,6 +78,8 @@ class Settings(BaseSettings):
     store: str = "sqlite:///var/turnkeeper.db"
     max_offer_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024)
     max_sessions: int = Field(32, ge=1, le=10_000)
+    max_pending_sessions: int = Field(8, ge=1, le=10_000)
+    max_pending_per_client: int = Field(3, ge=1, le=10_000)
     connect_timeout_s: float = Field(15.0, gt=0, le=600)
     media_timeout_s: float = Field(5.0, ge=0, le=3600)
     jitter_prefetch_packets: int = Field(1, ge=0, le=8)
@@ -151,8 +156,10 @@ def load_settings(config: str | Path | None = None, **overrides: Any) -> Setting
     """
     path = config or os.environ.get("TURNKEEPER_CONFIG")
     toml_path = Path(path) if path else None
+    if toml_path is not None and toml_path.is_dir():
+        raise ValueError(f"config file {toml_path} is a folder, not a TOML file")
     if toml_path is not None and not toml_path.is_file():
-        raise FileNotFoundError(f"config file not found: {toml_path}")
+        raise FileNotFoundError(2, "config file not found", str(toml_path))
     check_environment(os.environ)
     token = _CONFIG_FILE.set(toml_path)
     try:

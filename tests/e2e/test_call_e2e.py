@@ -136,7 +136,7 @@ async def test_cli_call_local_json(say: Callable[..., Path], grammar_file: Path,
     assert turns[1]["reply"].startswith("One, two, three")
     assert out["barge_ins"][0]["stop_ms"] is not None
     assert (tmp_path / "heard.wav").exists()
-    assert (tmp_path / "var" / "turnkeeper.db").exists()  # embedded store made on first run
+    assert not (tmp_path / "var").exists()  # --local keeps its store out of the way of a server running here
 
 
 async def test_server_shutdown_mid_answer(tmp_path: Path, grammar_file: Path, say: Callable[..., Path]) -> None:
@@ -190,9 +190,10 @@ async def test_rest_stop_silences_a_voice_turn(server: Server, say: Callable[...
     result = await asyncio.wait_for(call, 30)
     [turn] = result.turns
     assert turn.states[-2:] == ["CANCEL_REQUESTED", "CANCELLED"] and turn.stop_reason == "user_cancel"
-    sent = peer.outbound.audit.per_generation[turn.generation]
     stored = await server.app[MANAGER].get(turn_id)
     assert stored.stop_reason is not None and stored.stop_reason.detail == "pressed Stop"
-    assert sent.last_sent_at is not None and stored.terminal_at is not None
-    # the audio stopped within a sanity bound of the stop request
-    assert sent.frames < 25 * 50  # far less than the whole story (about a minute)
+    assert stored.terminal_at is not None
+    # the audio stopped within a sanity bound of the stop request (the stop
+    # may even land before the first frame went out)
+    sent = peer.outbound.audit.per_generation.get(turn.generation)
+    assert sent is None or sent.frames < 25 * 50  # far less than the whole story (about a minute)

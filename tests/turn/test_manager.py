@@ -221,3 +221,21 @@ async def test_store_down_for_good_raises(store: SqliteStore) -> None:
     manager = TurnManager(FlakyStore(store, fails=100), SystemClock(), store_attempts=3)  # type: ignore[arg-type]
     with pytest.raises(StoreUnavailable):
         await manager.ensure_session("s")
+
+
+async def test_stopping_a_turn_run_elsewhere_leaves_nothing_behind(store: SqliteStore, clock: VirtualClock) -> None:
+    """An instance that accepts stops for turns other instances run must not
+    keep a cache entry or an event writer per stop."""
+    worker = TurnManager(store, clock, owner="worker")
+    api = TurnManager(store, clock, owner="api")
+    await worker.ensure_session("s")
+    turns = [await worker.open_turn("s") for _ in range(5)]
+    for t in turns:
+        await api.request_stop(t.id, stop(clock, StopReasonKind.USER_CANCEL))
+    for _ in range(200):
+        if len(api.events) == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert api._flags == {} and len(api.events) == 0
+    events = await store.read_events("s")
+    assert sum(e.payload.get("status") == "CANCEL_REQUESTED" for e in events) == 5  # yet every stop was logged

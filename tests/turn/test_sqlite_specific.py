@@ -92,3 +92,19 @@ def test_path_from_url() -> None:
     for bad in ("redis://x", "sqlite://", "sqlite:///", "var/x.db"):
         with pytest.raises(ValueError):
             path_from_url(bad)
+
+
+async def test_one_process_per_file(tmp_path: Path) -> None:
+    """A second server on the same file would stop the first one's turns as
+    'abandoned' at its startup: it is refused instead."""
+    from turn.sqlite_store import StoreInUse
+
+    path = tmp_path / "var" / "shared.db"
+    first = SqliteStore(path)
+    await first.open()
+    second = SqliteStore(path)
+    with pytest.raises(StoreInUse, match="another turnkeeper process"):
+        await second.open()
+    await first.close()
+    await second.open()  # free again once the first is closed
+    await second.close()

@@ -16,7 +16,7 @@ from av.audio.frame import AudioFrame
 from media.frames import PLAYOUT_RATE, load_pcm
 from media.inbound import InboundAudio
 from media.outbound import PacedAudioTrack
-from media.playout import PlayoutBuffer
+from media.playout import PlayoutBuffer, PlayoutFrame
 from turn.clock import SystemClock
 from turn.events import EventFollower, event_json
 from turn.generation import GenerationFence
@@ -339,5 +339,41 @@ async def test_store_outage_does_not_end_the_session(store: SqliteStore, grammar
         )
     finally:
         await h.stop()
-    # after the session, no turn is left open
-    assert all(t.is_terminal for t in await store.list_session("sess-1"))
+    # after the session, no turn is left open, and the barge-in's stop was
+    # recorded once the store was back: with its own reason, not the hang-up's
+    turns = await store.list_session("sess-1")
+    assert all(t.is_terminal for t in turns)
+    story = next(t for t in turns if t.transcript == "tell me a story")
+    assert story.status is TurnStatus.CANCELLED
+    assert story.stop_reason is not None and story.stop_reason.kind is StopReasonKind.BARGE_IN
+
+
+async def test_answer_heard_in_full_is_not_cancelled(harness: Harness, say: Callable[..., Path], store: SqliteStore) -> None:
+    """The user speaks during the short pause after the agent's last word:
+    the reply was heard in full, so it completes; the new words start a new
+    turn rather than a barge-in."""
+    h = harness
+    h.mic.say(pcm48(say("count to twenty")))
+    await h.wait_for(lambda: any(r.tts_done for r in h.session._runs), timeout=30)
+    h.drain_task.cancel()  # hold playout still, as if at the very end of the reply
+    await asyncio.gather(h.drain_task, return_exceptions=True)
+    [run] = [r for r in h.session._runs if r.tts_done]
+    while h.playout.audible_pending(run.generation):
+        h.playout.pop()  # everything with sound has been played
+    assert len(h.playout) > 0  # only the trailing pause is left
+    h.drain_task = asyncio.create_task(h._drain())
+    h.mic.say(pcm48(say("what is the weather like today")))
+    await h.wait_for(lambda: sum(e.get("status") == "COMPLETED" for e in h.turn_events()) == 2, timeout=40)
+    first, second = await store.list_session("sess-1")
+    assert first.status is TurnStatus.COMPLETED and first.stop_reason is None
+    assert second.status is TurnStatus.COMPLETED
+    assert not [e for e in h.events if e["type"] == "barge_in"]
+    await h.stop()
+
+
+def test_audible_pending() -> None:
+    buf = PlayoutBuffer()
+    buf.push(PlayoutFrame(bytes(1920), 1, audible=False))
+    assert not buf.audible_pending(1)
+    buf.push(PlayoutFrame(bytes(1920), 1, audible=True))
+    assert buf.audible_pending(1) and not buf.audible_pending(2)

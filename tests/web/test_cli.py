@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,3 +69,51 @@ def test_serve_port_in_use(tmp_path: Path) -> None:
         proc = run(["serve", "--port", str(port)], tmp_path)
     assert_clean_error(proc, f"cannot listen on 127.0.0.1:{port}")
     assert "serving on" not in proc.stdout
+
+
+def test_call_bad_out_server_and_silence(tmp_path: Path, say) -> None:
+    wav = str(say("hello there"))
+    assert_clean_error(run(["call", "--local", "--wav", wav, "--out", "/proc/heard.wav"], tmp_path), "cannot write --out")
+    assert_clean_error(run(["call", "--server", "notaurl", "--wav", wav], tmp_path), "http://")
+    import wave
+
+    silent = tmp_path / "silence.wav"
+    with wave.open(str(silent), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(bytes(32000 * 2))
+    proc = run(["call", "--local", "--wav", str(silent)], tmp_path, timeout=60)
+    assert_clean_error(proc, "heard no speech")
+
+
+def test_config_that_is_a_folder(tmp_path: Path) -> None:
+    assert_clean_error(run(["serve", "--config", str(tmp_path)], tmp_path), "is a folder")
+
+
+def test_serve_makes_its_store_on_first_run(tmp_path: Path) -> None:
+    """The embedded default: var/turnkeeper.db under the working folder."""
+    import urllib.request
+
+    port = free_port()
+    e = {k: v for k, v in os.environ.items() if not k.startswith("TURNKEEPER_")}
+    e["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "web.cli", "serve", "--port", str(port)], cwd=tmp_path, env=e,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(300):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+                    assert r.status == 200
+                    break
+            except OSError:
+                import time
+
+                time.sleep(0.1)
+        assert (tmp_path / "var" / "turnkeeper.db").is_file()
+        second = run(["serve", "--port", str(free_port())], tmp_path)  # same folder, same file
+        assert_clean_error(second, "another turnkeeper process is using")
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=20)
+    assert f"serving on http://127.0.0.1:{port}" in out

@@ -143,3 +143,26 @@ async def test_unconnected_peer_is_closed_by_watchdog(tmp_path: Path) -> None:
         assert app[PEERS] == {}
     finally:
         await runner.cleanup()
+
+
+async def test_offers_that_never_connect_cannot_fill_the_server(tmp_path: Path) -> None:
+    """A flood of offers that never connect is refused early (per client, then
+    in all), so it cannot take every session slot."""
+    app = create_app(
+        Settings(store=f"sqlite:///{tmp_path}/t.db", max_sessions=20, max_pending_sessions=3, max_pending_per_client=2)
+    )
+    runner, url = await start_app(app)
+    pcs = []
+    try:
+        codes = []
+        for _ in range(4):
+            pc, sdp = await make_offer()
+            pcs.append(pc)
+            status, body = await post(url, json={"type": "offer", "sdp": sdp})
+            codes.append(status if status == 200 else (status, body["error"]["code"]))
+        assert codes == [200, 200, (429, "too_many_pending"), (429, "too_many_pending")]
+        assert len(app[PEERS]) == 2  # the refused ones left nothing behind
+    finally:
+        for pc in pcs:
+            await pc.close()
+        await runner.cleanup()

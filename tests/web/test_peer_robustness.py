@@ -62,7 +62,9 @@ class RawClient:
 
 @pytest.fixture
 async def server(tmp_path: Path) -> AsyncIterator[tuple[web.Application, str]]:
-    app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db", connect_timeout_s=2, media_timeout_s=1.5))
+    app = create_app(
+        Settings(store=f"sqlite:///{tmp_path}/t.db", connect_timeout_s=2, media_timeout_s=1.5, max_pending_per_client=10)
+    )
     runner, url = await start_app(app)
     yield app, url
     await runner.cleanup()
