@@ -468,8 +468,7 @@ async def bench_store(backend: Backend, args: argparse.Namespace, rng: random.Ra
             "open_turns_left": len(await store.list_open()),
             "requester_flag_cache_entries": len(a._flags),
             "runner_flag_cache_entries": len(b._flags),
-            "requester_signals_unwatched": a.signals.unwatched,
-            "runner_signals_unwatched": b.signals.unwatched,
+            "requester_event_writers_left": len(a.events),
         }
     finally:
         for s in signals:
