@@ -11,9 +11,11 @@ records that humans and other processes read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import time
+from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
 from typing import Protocol
 
@@ -98,6 +100,44 @@ class VirtualClock:
     def pending_sleepers(self) -> int:
         """How many sleeps are waiting (cancelled ones included until due)."""
         return sum(1 for _, _, f in self._sleepers if not f.done())
+
+
+@contextlib.asynccontextmanager
+async def timeout_after(clock: Clock, seconds: float | None) -> AsyncIterator[None]:
+    """Like ``asyncio.timeout``, but on the injected ``clock``: cancel the
+    body after ``seconds`` (None: never) and raise ``TimeoutError`` instead.
+
+    A cancellation from anywhere else still propagates as
+    ``CancelledError`` (the timeout only converts its own cancel, counted
+    with ``Task.uncancel`` as ``asyncio.timeout`` does).
+
+    Raises:
+        TimeoutError: the body ran ``seconds`` or longer.
+        RuntimeError: not inside a task.
+    """
+    if seconds is None:
+        yield
+        return
+    task = asyncio.current_task()
+    if task is None:
+        raise RuntimeError("timeout_after needs a running task")
+    expired = False
+
+    async def alarm() -> None:
+        nonlocal expired
+        await clock.sleep(seconds)
+        expired = True
+        task.cancel(msg="timeout")
+
+    timer = asyncio.get_running_loop().create_task(alarm())
+    try:
+        yield
+    except asyncio.CancelledError:
+        if expired and task.uncancel() == 0:
+            raise TimeoutError(f"timed out after {seconds:.3f} s") from None
+        raise
+    finally:
+        timer.cancel()
 
 
 async def _settle(rounds: int = 20) -> None:

@@ -110,9 +110,13 @@ class SessionEventLog:
         self.lost = 0
         self.last_seq = 0
 
-    def emit(self, type: str, *, generation: int, turn_id: str | None = None, **payload: Any) -> None:
+    def emit(
+        self, type: str, *, generation: int, turn_id: str | None = None, withheld: bool = False, **payload: Any
+    ) -> None:
         """Queue an event; never blocks. Output types are fenced at once if
-        their generation is already obsolete."""
+        their generation is already obsolete, and so is any event passed
+        ``withheld=True`` (output of a turn already stopped, e.g. from a
+        provider that ignored its cancellation)."""
         event = EventRecord(
             session_id=self.session_id,
             turn_id=turn_id,
@@ -120,7 +124,7 @@ class SessionEventLog:
             type=type,
             at=self.clock.now(),
             payload=payload,
-            fenced=type in OUTPUT_TYPES and not self.gate.passes(generation),
+            fenced=withheld or (type in OUTPUT_TYPES and not self.gate.passes(generation)),
         )
         if self._queue.qsize() >= self.max_queue:
             self.lost += 1

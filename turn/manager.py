@@ -10,12 +10,14 @@ listeners about each applied change so transports can show it (e.g.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
 import uuid
+from collections import deque
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
@@ -23,10 +25,12 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from turn.clock import Clock
 from turn.events import EventLogs
-from turn.models import Budget, Session, StopReason, Turn, TurnKind, TurnStatus
+from turn.models import Budget, Plan, Session, StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
+from turn.scope import LIMIT_KINDS, NotStarted, TurnScope, TurnStopped, terminal_status
 from turn.signals import StopSignals
 from turn.states import TransitionResult
 from turn.store import StopAnswer, StopResult, StoreUnavailable, TurnStore, UnknownSession
+from turn.usage import Pricing, UsageMeter
 
 log = logging.getLogger(__name__)
 
@@ -38,24 +42,52 @@ STORE_ATTEMPTS = 4
 TurnListener = Callable[[Turn], None]
 
 
-class TurnStopped(Exception):
-    """Raised by :meth:`TurnManager.checkpoint` when the turn must not go on.
+__all__ = ["TurnManager", "TurnStopped", "NotStarted", "LIMIT_KINDS", "TurnRuntime", "turn_event"]
 
-    Attributes:
-        turn_id: the turn.
-        phase: where the checkpoint was (e.g. "before_model").
-    """
-
-    def __init__(self, turn_id: str, phase: str) -> None:
-        super().__init__(f"turn {turn_id} was asked to stop (at {phase})")
-        self.turn_id = turn_id
-        self.phase = phase
+#: how many identical tool calls in a row are a loop
+LOOP_REPEATS = 3
 
 
 @dataclass
 class _FlagCache:
     stopping: bool
     read_at: float
+
+
+@dataclass
+class TurnRuntime:
+    """What this process keeps of a turn it runs, so that a checkpoint
+    costs no store round trip most of the time.
+
+    Attributes:
+        deadline: the absolute deadline on ``clock.monotonic()`` (None: none).
+        budget: spending limits.
+        max_steps: model and tool calls allowed.
+        steps: model and tool calls started.
+        meter: the turn's model usage.
+        recent_tools: the last tool calls, as ``(name, canonical JSON args)``.
+        stopping: a stop was seen (signal or store).
+        synced_at: monotonic time of the last store round trip.
+    """
+
+    turn_id: str
+    deadline: float | None
+    budget: Budget
+    max_steps: int
+    meter: UsageMeter
+    steps: int = 0
+    recent_tools: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=LOOP_REPEATS))
+    stopping: bool = False
+    synced_at: float = 0.0
+
+    def over_budget(self) -> str | None:
+        """Why the budget is spent (None if it is not)."""
+        spent = self.meter.spent()
+        if self.budget.tokens is not None and spent.tokens >= self.budget.tokens:
+            return f"{spent.tokens} of {self.budget.tokens} tokens used"
+        if self.budget.cents is not None and spent.cents >= self.budget.cents and spent.cents > 0:
+            return f"{spent.cents:.4f} of {self.budget.cents} cents spent"
+        return None
 
 
 def turn_event(turn: Turn) -> dict[str, Any]:
@@ -124,6 +156,7 @@ class TurnManager:
         self._listeners: dict[str, list[TurnListener]] = {}
         self._owned: set[str] = set()
         self._flags: dict[str, _FlagCache] = {}
+        self._runtime: dict[str, TurnRuntime] = {}
 
     async def store_call(self, fn: Callable[[], Awaitable[T]]) -> T:
         """Run a store call, retrying with exponential backoff (50 ms doubling,
@@ -209,6 +242,8 @@ class TurnManager:
         turn_id: str | None = None,
         deadline_s: float | None = None,
         budget: Budget | None = None,
+        plan: Plan | None = None,
+        pricing: Pricing | None = None,
         start: bool = True,
     ) -> Turn:
         """Accept a new turn and start it: QUEUED, then RUNNING, leased to
@@ -222,8 +257,12 @@ class TurnManager:
                 and the store's counter is advanced to match.
             turn_id: the id to use (a uuid4 hex is made if None); callers that
                 must refer to the turn before it is written choose it first.
-            deadline_s: seconds from now until its absolute deadline.
-            budget: spending limits.
+            deadline_s: seconds from now until its absolute deadline
+                (default: the plan's).
+            budget: spending limits (default: the plan's).
+            plan: the tenant's limits (deadline, budget, max steps); None
+                means no deadline and no budget, 16 steps.
+            pricing: the model's token prices, for ``spent.cents``.
             start: False leaves it QUEUED (and unleased).
 
         Returns:
@@ -243,6 +282,10 @@ class TurnManager:
                 stored_gen = await self.store_call(lambda: self.store.next_generation(session_id))
             if stored_gen != generation:
                 log.warning("session %s: generation %d in memory, %d in the store", session_id, generation, stored_gen)
+        if plan is not None:
+            deadline_s = plan.deadline_s if deadline_s is None else deadline_s
+            budget = plan.budget if budget is None else budget
+        max_steps = plan.max_steps if plan is not None else Plan().max_steps
         now = self.clock.now()
         turn = Turn(
             **({"id": turn_id} if turn_id else {}),
@@ -255,6 +298,7 @@ class TurnManager:
             updated_at=now,
             deadline_at=now + timedelta(seconds=deadline_s) if deadline_s is not None else None,
             budget=budget or Budget(),
+            max_steps=max_steps,
             lease_owner=self.owner if start else None,
             heartbeat_at=now if start else None,
         )
@@ -263,6 +307,15 @@ class TurnManager:
         if not start:
             return turn
         self._owned.add(turn.id)
+        mono = self.clock.monotonic()
+        self._runtime[turn.id] = TurnRuntime(
+            turn_id=turn.id,
+            deadline=mono + deadline_s if deadline_s is not None else None,
+            budget=turn.budget,
+            max_steps=max_steps,
+            meter=UsageMeter(pricing),
+            synced_at=mono,
+        )
         result = await self.store_call(lambda: self.store.transition(turn.id, TurnStatus.RUNNING, at=self.clock.now()))
         if result.applied:
             self._notify(result.turn)
@@ -288,8 +341,7 @@ class TurnManager:
             lambda: self.store.request_stop(turn_id, rid, reason, at=self.clock.now(), fingerprint=fingerprint)
         )
         if res.first:
-            if turn_id in self._owned:  # a turn run elsewhere is not cached here
-                self._flags[turn_id] = _FlagCache(True, self.clock.monotonic())
+            self._mark_stopping(turn_id)
             self._notify(res.turn)
             await self.signals.publish(turn_id)
         return res
@@ -305,8 +357,16 @@ class TurnManager:
         return await self._move(turn_id, TurnStatus.COMPLETED)
 
     async def fail(self, turn_id: str, error: str, reason: StopReason | None = None) -> TransitionResult:
-        """The turn cannot go on (``error`` says why, for humans)."""
+        """The turn cannot go on (``error`` says why, for humans); from
+        RUNNING, or from CANCEL_REQUESTED for a stop the turn decided itself
+        (a limit)."""
         return await self._move(turn_id, TurnStatus.FAILED, error=error, stop_reason=reason)
+
+    async def reconcile_required(self, turn_id: str) -> TransitionResult:
+        """A stopped turn's work committed an external effect after the stop
+        request: CANCEL_REQUESTED moves to RECONCILE_REQUIRED, never
+        CANCELLED."""
+        return await self._move(turn_id, TurnStatus.RECONCILE_REQUIRED)
 
     async def _move(
         self,
@@ -316,6 +376,8 @@ class TurnManager:
         error: str | None = None,
         stop_reason: StopReason | None = None,
     ) -> TransitionResult:
+        if turn_id in self._runtime:
+            await self.flush(turn_id)  # the usage and steps it ends with
         res = await self.store_call(
             lambda: self.store.transition(turn_id, target, at=self.clock.now(), error=error, stop_reason=stop_reason)
         )
@@ -337,12 +399,31 @@ class TurnManager:
         self.signals.forget(turn_id)
         self._owned.discard(turn_id)
         self._flags.pop(turn_id, None)
+        self._runtime.pop(turn_id, None)
+
+    def runtime(self, turn_id: str) -> TurnRuntime | None:
+        """This process's runtime state of a turn it runs (None otherwise)."""
+        return self._runtime.get(turn_id)
+
+    def _mark_stopping(self, turn_id: str) -> None:
+        rt = self._runtime.get(turn_id)
+        if rt is not None:
+            rt.stopping = True
+            rt.meter.mark_stopped()
+        elif turn_id in self._owned:
+            self._flags[turn_id] = _FlagCache(True, self.clock.monotonic())
 
     async def stop_requested(self, turn_id: str) -> bool:
         """Whether a stop was requested: at once if a signal arrived, else
         from a store read no older than ``flag_staleness_s``."""
         if self.signals.watch(turn_id).is_set():
+            self._mark_stopping(turn_id)
             return True
+        rt = self._runtime.get(turn_id)
+        if rt is not None:
+            if not rt.stopping and self.clock.monotonic() - rt.synced_at > self.flag_staleness_s:
+                await self.sync(turn_id)
+            return rt.stopping
         now = self.clock.monotonic()
         cached = self._flags.get(turn_id)
         if cached is not None and (cached.stopping or now - cached.read_at <= self.flag_staleness_s):
@@ -354,16 +435,128 @@ class TurnManager:
             self.signals.fire(turn_id)
         return stopping
 
-    async def checkpoint(self, turn_id: str, phase: str) -> None:
-        """The cheap check before and after every model and tool call: raise
-        :class:`TurnStopped` if a stop was requested (signal at once, store
-        read at most ``flag_staleness_s`` old).
+    async def sync(self, turn_id: str) -> Turn:
+        """One store round trip for a turn this process runs: write its
+        heartbeat, step count, spending and usage, and read back whether it
+        is still RUNNING (a stop asked elsewhere shows here)."""
+        rt = self._runtime[turn_id]
+        now = self.clock.now()
+        rt.synced_at = self.clock.monotonic()
+        turn = await self.store_call(
+            lambda: self.store.update(
+                turn_id,
+                at=now,
+                heartbeat_at=now,
+                step_count=rt.steps,
+                spent=rt.meter.spent(),
+                usage=rt.meter.usage(),
+            )
+        )
+        if turn.status is not TurnStatus.RUNNING and not rt.stopping:
+            self._mark_stopping(turn_id)
+            self.signals.fire(turn_id)
+        return turn
+
+    async def flush(self, turn_id: str, meter: UsageMeter | None = None) -> Turn:
+        """Write a turn's usage, spending and step count now (before its
+        terminal write, and again if a provider that ignored its
+        cancellation produced more afterwards: pass that ``meter`` once the
+        turn is released)."""
+        rt = self._runtime.get(turn_id)
+        if rt is not None:
+            return await self.sync(turn_id)
+        if meter is None:
+            return await self.get(turn_id)
+        return await self.store_call(
+            lambda: self.store.update(turn_id, at=self.clock.now(), spent=meter.spent(), usage=meter.usage())
+        )
+
+    async def checkpoint(self, turn_id: str, phase: str, *, tool_call: tuple[str, Any] | None = None) -> None:
+        """The cheap check before and after every model and tool call (and
+        during a model stream). It raises, never returns a flag.
+
+        A phase starting with ``before_`` starts a step (a model or tool
+        call) and counts it. The checks, in order: a stop was requested
+        (signal at once; the store at most ``flag_staleness_s`` old), the
+        deadline has passed, the budget is spent, more than ``max_steps``
+        steps, and (with ``tool_call``, a ``(name, arguments)`` pair) the
+        last three tool calls were the same call. Every ``flag_staleness_s``
+        it writes the heartbeat, step count and usage, in the same store
+        round trip that reads the stop flag.
 
         Raises:
-            TurnStopped: the turn must not go on.
+            TurnStopped: the turn must not go on; ``kind`` is set (deadline,
+                budget, max steps, loop) when the turn stopped itself, None
+                when a stop was asked.
         """
+        rt = self._runtime.get(turn_id)
+        if rt is not None:
+            if phase.startswith("before_"):
+                rt.steps += 1
+            if tool_call is not None:
+                name, args = tool_call
+                rt.recent_tools.append((name, json.dumps(args, sort_keys=True, default=str)))
         if await self.stop_requested(turn_id):
             raise TurnStopped(turn_id, phase)
+        if rt is None:
+            return
+        if rt.deadline is not None and self.clock.monotonic() >= rt.deadline:
+            raise TurnStopped(turn_id, phase, StopReasonKind.DEADLINE_EXCEEDED, "the turn's deadline passed")
+        why = rt.over_budget()
+        if why is not None:
+            raise TurnStopped(turn_id, phase, StopReasonKind.BUDGET_EXCEEDED, why)
+        if rt.steps > rt.max_steps:
+            raise TurnStopped(turn_id, phase, StopReasonKind.MAX_STEPS, f"step {rt.steps} of at most {rt.max_steps}")
+        if tool_call is not None and len(rt.recent_tools) == LOOP_REPEATS and len(set(rt.recent_tools)) == 1:
+            name = rt.recent_tools[-1][0]
+            raise TurnStopped(turn_id, phase, StopReasonKind.LOOP_DETECTED, f"{name} called {LOOP_REPEATS} times with the same arguments")
+
+    async def stop_for_limit(self, turn_id: str, stop: TurnStopped) -> StopResult:
+        """Record a stop the turn decided itself (``stop.kind`` is a limit):
+        RUNNING moves to CANCEL_REQUESTED (shown "stopping") with a reason of
+        that kind; the worker then writes FAILED once its children report.
+
+        Raises:
+            ValueError: ``stop`` carries no limit kind.
+        """
+        if stop.kind not in LIMIT_KINDS:
+            raise ValueError(f"not a limit: {stop.kind}")
+        reason = StopReason(kind=stop.kind, initiator="checkpoint", at=self.clock.now(), detail=stop.detail)
+        return await self.request_stop(turn_id, reason, request_id=f"limit:{turn_id}")
+
+    async def settle_stop(self, turn_id: str, scope: TurnScope) -> Turn:
+        """Write the terminal state of a stopped turn from its children's
+        reports: wait (bounded by the scope's grace) for every child to
+        report, record the stop (the scope's own limit, or the stop asked
+        from outside), store the reports and the usage, then move
+        CANCEL_REQUESTED to CANCELLED, RECONCILE_REQUIRED or FAILED (see
+        :func:`turn.scope.terminal_status`). A turn already terminal (it
+        completed first) is left as it is: a no-op, not a rollback.
+
+        Returns:
+            The turn as stored afterwards.
+        """
+        report = await scope.settle()
+        if scope.limit is not None:
+            current = (await self.stop_for_limit(turn_id, scope.limit)).turn
+        else:
+            current = await self.get(turn_id)
+            if current.status is TurnStatus.RUNNING:  # a signal without a request: never leave it half-stopped
+                fallback = scope.reason or StopReason(kind=StopReasonKind.USER_CANCEL, initiator="signal", at=self.clock.now())
+                current = (await self.request_stop(turn_id, fallback)).turn
+        if current.is_terminal:
+            return current
+        await self.store_call(lambda: self.store.update(turn_id, at=self.clock.now(), stop_report=report))
+        limit = current.stop_reason is not None and current.stop_reason.kind in LIMIT_KINDS
+        target = terminal_status(report, limit=limit)
+        if target is TurnStatus.FAILED:
+            assert current.stop_reason is not None
+            res = await self.fail(turn_id, f"{current.stop_reason.kind.value}: {current.stop_reason.detail or ''}".rstrip(": "))
+        elif target is TurnStatus.RECONCILE_REQUIRED:
+            res = await self.reconcile_required(turn_id)
+        else:
+            res = await self.confirm_stopped(turn_id)
+        return res.turn
 
     async def renew_leases(self) -> int:
         """Heartbeat every turn this process runs; returns how many."""

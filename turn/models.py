@@ -116,6 +116,34 @@ class Spent(BaseModel):
     tokens: int = Field(default=0, ge=0)
 
 
+class UsageRecord(BaseModel):
+    """The usage of one model request.
+
+    Attributes:
+        request: its number in the turn, 1, 2, ...
+        prompt_tokens / completion_tokens: tokens billed for it.
+        completion_tokens_after_stop: of those, streamed after the turn's
+            stop was requested.
+        partial: True if the request was aborted before its end (the figures
+            are what was streamed up to the abort).
+        source: ``"usage_chunk"`` when the provider reported the figures (the
+            stream's usage chunk), ``"counted"`` when they were counted here
+            (one streamed chunk = one token; the prompt estimated).
+        started_after_stop: the request began after the stop request (a
+            defect: it must never happen).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    request: int
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    completion_tokens_after_stop: int = 0
+    partial: bool = False
+    source: str = "counted"
+    started_after_stop: bool = False
+
+
 class Usage(BaseModel):
     """Model usage of a turn, honest about stops.
 
@@ -126,6 +154,7 @@ class Usage(BaseModel):
         requests_after_stop: model requests started after the stop request
             (must stay 0).
         model_requests: model requests started in all.
+        records: one record per model request, in order.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -135,6 +164,87 @@ class Usage(BaseModel):
     completion_tokens_after_stop: int = 0
     requests_after_stop: int = 0
     model_requests: int = 0
+    records: list[UsageRecord] = Field(default_factory=list)
+
+
+class ChildOutcome(StrEnum):
+    """How one piece of a turn's work ended (its report to the turn's cancel
+    scope)."""
+
+    #: it finished its work before any stop
+    COMPLETED = "completed"
+    #: it ended because of the stop (cancelled, or a checkpoint raised)
+    STOPPED = "stopped"
+    #: it was in a must-complete section when the stop came and finished it
+    COMMITTING = "committing"
+    #: it was still running when the stop grace ran out
+    IGNORED_CANCEL = "ignored_cancel"
+    #: it raised an error
+    FAILED = "failed"
+
+
+class ChildReport(BaseModel):
+    """One child's report.
+
+    Attributes:
+        name: e.g. ``"model"``, ``"tool:lookup_weather"``, ``"tts"``.
+        outcome: how it ended.
+        ms: from the stop request to its end, ms (None if it ended before
+            the stop or had not ended when the report was written).
+        detail: an error, or what it was doing.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    outcome: ChildOutcome
+    ms: float | None = None
+    detail: str | None = None
+
+
+class StopReport(BaseModel):
+    """What a stop found: each child's report, and how long they took.
+
+    Attributes:
+        children: the reports, in the order the children started.
+        settled_ms: from the stop request to the last report (or to the end
+            of the grace), ms.
+        grace_ms: the grace the children had, ms.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    children: list[ChildReport] = Field(default_factory=list)
+    settled_ms: float = 0.0
+    grace_ms: float = 0.0
+
+
+class Plan(BaseModel):
+    """A tenant's limits for every turn (settings ``plans``); the worker
+    never hard-codes them.
+
+    Attributes:
+        deadline_s: a turn's absolute deadline, s after it is accepted.
+        budget_cents: money per turn, US cents (None: no limit).
+        budget_tokens: model tokens per turn, prompt and completion
+            together (None: no limit).
+        max_steps: model and tool calls per turn at most.
+        shutdown_reserve_ms: the part of the remaining time kept back from
+            every child for the turn's own wind-down, ms.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    deadline_s: float = Field(300.0, gt=0, le=24 * 3600)
+    budget_cents: float | None = Field(100.0, ge=0)
+    budget_tokens: int | None = Field(100_000, ge=0)
+    max_steps: int = Field(16, ge=1, le=10_000)
+    shutdown_reserve_ms: int = Field(250, ge=0, le=60_000)
+
+    @property
+    def budget(self) -> Budget:
+        """The plan's :class:`Budget`."""
+        return Budget(cents=self.budget_cents, tokens=self.budget_tokens)
 
 
 class Turn(BaseModel):
@@ -154,8 +264,10 @@ class Turn(BaseModel):
         reply: the agent's reply text.
         deadline_at: absolute deadline (UTC), None if none.
         budget / spent: limits and use (cents, tokens).
-        step_count: checkpoints passed (model and tool calls).
+        step_count: steps started (model and tool calls).
+        max_steps: the most steps it may take.
         usage: model token accounting.
+        stop_report: how each child of its work ended after a stop.
         lease_owner / heartbeat_at: the worker running it and when it last
             proved it is alive.
         created_at / updated_at / terminal_at: UTC; terminal_at is set
@@ -176,7 +288,9 @@ class Turn(BaseModel):
     budget: Budget = Budget()
     spent: Spent = Spent()
     step_count: int = 0
+    max_steps: int = 16
     usage: Usage = Usage()
+    stop_report: StopReport | None = None
     lease_owner: str | None = None
     heartbeat_at: datetime | None = None
     created_at: datetime

@@ -36,7 +36,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from turn.models import TERMINAL_STATUSES, Budget, EventRecord, Session, Spent, StopReason, Turn, TurnStatus, Usage
+from turn.models import (
+    TERMINAL_STATUSES, Budget, EventRecord, Session, Spent, StopReason, StopReport, Turn, TurnStatus, Usage,
+)
 from turn.states import Outcome, TransitionResult, sources_of
 from turn.store import (
     MUTABLE_FIELDS,
@@ -50,7 +52,9 @@ from turn.store import (
     UnknownTurn,
 )
 
-_MODEL_FIELDS = {"stop_reason": StopReason, "budget": Budget, "spent": Spent, "usage": Usage}
+_MODEL_FIELDS = {
+    "stop_reason": StopReason, "budget": Budget, "spent": Spent, "usage": Usage, "stop_report": StopReport,
+}
 STOP_REQUEST_TTL_S = 7 * 24 * 3600
 
 _CREATE = """

@@ -32,6 +32,7 @@ from turn.models import (
     Session,
     Spent,
     StopReason,
+    StopReport,
     Turn,
     TurnStatus,
     Usage,
@@ -52,7 +53,7 @@ from turn.store import (
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS turns (
@@ -103,7 +104,8 @@ CREATE TABLE IF NOT EXISTS secrets (
 );
 """
 
-# Columns added after the first release (schema 1): name -> SQL type/default.
+# Columns added after the first release (schema 1), in schemas 2 and 3:
+# name -> SQL type/default.
 _TURN_COLUMNS_V2 = {
     "deadline_at": "TEXT",
     "budget": "TEXT NOT NULL DEFAULT '{}'",
@@ -112,6 +114,9 @@ _TURN_COLUMNS_V2 = {
     "usage": "TEXT NOT NULL DEFAULT '{}'",
     "lease_owner": "TEXT",
     "heartbeat_at": "TEXT",
+    # schema 3
+    "max_steps": "INTEGER NOT NULL DEFAULT 16",
+    "stop_report": "TEXT",
 }
 
 _COLUMNS = [
@@ -119,7 +124,9 @@ _COLUMNS = [
     "transcript", "reply", "created_at", "updated_at", "terminal_at", *_TURN_COLUMNS_V2,
 ]
 _SELECT = f"SELECT {', '.join(_COLUMNS)} FROM turns"
-_MODEL_FIELDS = {"stop_reason": StopReason, "budget": Budget, "spent": Spent, "usage": Usage}
+_MODEL_FIELDS = {
+    "stop_reason": StopReason, "budget": Budget, "spent": Spent, "usage": Usage, "stop_report": StopReport,
+}
 
 
 class StoreInUse(StoreError):
@@ -191,7 +198,7 @@ class SqliteStore:
         conn.executescript(_SCHEMA)
         have = {row[1] for row in conn.execute("PRAGMA table_info(turns)")}
         for name, decl in _TURN_COLUMNS_V2.items():
-            if name not in have:  # a file from schema 1: add what is missing
+            if name not in have:  # a file from schema 1 or 2: add what is missing
                 conn.execute(f"ALTER TABLE turns ADD COLUMN {name} {decl}")
         conn.execute("CREATE INDEX IF NOT EXISTS turns_open ON turns (status)")
         conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")

@@ -9,7 +9,13 @@ mid-playout) can be hit on purpose:
 - "count to twenty" gets "One, two, three, ... twenty.";
 - anything else is echoed back ("You said: ...").
 
-A token here is one word with its trailing space.
+Given tools, it calls them the same deterministic way (a weather question
+calls ``lookup_weather``; "call X" calls tool ``X``; "keep checking the
+weather" calls ``lookup_weather`` forever, which loop detection stops), then
+speaks what the tool returned.
+
+A token here is one word with its trailing space. Usage is reported like a
+provider's usage chunk: prompt tokens are the words of the messages.
 """
 
 from __future__ import annotations
@@ -17,10 +23,13 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator
 
-from pydantic import BaseModel, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from turn.clock import Clock, SystemClock
-from voice.providers import Message
+from turn.usage import Pricing, RequestMeter
+from voice.providers import Message, ToolCall, ToolSpec
 
 WEATHER_REPLY = (
     "Right now it is sunny and twenty two degrees, with a light breeze from the west. "
@@ -53,14 +62,48 @@ NUMBERS = (
 COUNT_REPLY = ", ".join(n.capitalize() if i == 0 else n for i, n in enumerate(NUMBERS)) + "."
 
 
-class LocalLlmConfig(BaseModel):
-    """Local agent settings (env ``TURNKEEPER_LLM__*``).
+class LlmConfig(BaseModel):
+    """Model settings (env ``TURNKEEPER_LLM__*``).
 
     Attributes:
-        tokens_per_second: streaming pace in tokens (words) per second.
+        provider: ``"local"`` (the embedded agent, no network) or
+            ``"openai"`` (any OpenAI-compatible Chat Completions server:
+            OpenAI, Ollama, vLLM, the llama.cpp server).
+        tokens_per_second: the local agent's pace, tokens (words) per second.
+        base_url: the OpenAI-compatible API's base URL, up to ``/v1``
+            (Ollama: ``http://127.0.0.1:11434/v1``; vLLM:
+            ``http://127.0.0.1:8000/v1``; llama.cpp server:
+            ``http://127.0.0.1:8080/v1``).
+        model: the model name sent with each request.
+        api_key: bearer token (empty: none; local servers need none).
+        connect_timeout_s: to connect to the API, s.
+        request_timeout_s: a whole model request at most, s.
+        prompt_cents_per_1k / completion_cents_per_1k: token prices, US
+            cents per 1,000 tokens (the budget's cents come from these).
     """
 
+    model_config = ConfigDict(extra="forbid")
+
+    provider: Literal["local", "openai"] = "local"
     tokens_per_second: float = Field(20.0, gt=0, le=10_000)
+    base_url: str = "http://127.0.0.1:11434/v1"
+    model: str = "llama3.2"
+    api_key: SecretStr = SecretStr("")
+    connect_timeout_s: float = Field(10.0, gt=0, le=600)
+    request_timeout_s: float = Field(120.0, gt=0, le=3600)
+    prompt_cents_per_1k: float = Field(0.0, ge=0)
+    completion_cents_per_1k: float = Field(0.0, ge=0)
+
+    @property
+    def pricing(self) -> Pricing:
+        """The token prices."""
+        return Pricing(prompt_cents_per_1k=self.prompt_cents_per_1k, completion_cents_per_1k=self.completion_cents_per_1k)
+
+
+#: the former name, kept for settings files and callers of the first release
+LocalLlmConfig = LlmConfig
+
+_CALL_TOOL = re.compile(r"\b(?:call|use|run) (?:the )?([a-z_][a-z0-9_]*)")
 
 
 def choose_reply(text: str) -> str:
@@ -78,28 +121,70 @@ def choose_reply(text: str) -> str:
     return f"You said: {t}."
 
 
+def choose_tool_call(messages: list[Message], tools: list[ToolSpec]) -> ToolCall | None:
+    """The tool the local agent calls next, if any:
+
+    - a weather question calls ``lookup_weather`` once (and again and again
+      if the user said "keep checking": a loop, on purpose);
+    - "call X" / "use X" / "run X" calls the tool ``X`` with no arguments,
+      once;
+    - nothing else calls a tool.
+    """
+    names = {t.name for t in tools}
+    last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=None)
+    if last_user is None:
+        return None
+    text = messages[last_user].content.lower()
+    calls_since = [m for m in messages[last_user + 1 :] if m.role == "tool"]
+    number = sum(1 for m in messages if m.role == "tool") + 1
+    if "weather" in text and "lookup_weather" in names and (not calls_since or "keep checking" in text):
+        return ToolCall(id=f"call_{number}", name="lookup_weather", arguments={"city": "here"})
+    m = _CALL_TOOL.search(text)
+    if m and m.group(1) in names and not calls_since:
+        return ToolCall(id=f"call_{number}", name=m.group(1), arguments={})
+    return None
+
+
 def tokenize(text: str) -> list[str]:
     """Split a reply into tokens: words with their trailing whitespace."""
     return re.findall(r"\S+\s*", text)
 
 
+def prompt_tokens(messages: list[Message], tools: list[ToolSpec] | None = None) -> int:
+    """The local agent's prompt size in tokens: the words of every message
+    (and of the tool specs), one token each."""
+    words = sum(len(tokenize(m.content)) for m in messages)
+    if tools:
+        words += sum(len(tokenize(t.description)) + 1 for t in tools)
+    return words
+
+
 class LocalAgent:
     """:class:`voice.providers.LanguageModel` that answers from
-    :func:`choose_reply`, one token every ``1 / tokens_per_second`` seconds.
+    :func:`choose_reply` (or calls a tool, :func:`choose_tool_call`), one
+    token every ``1 / tokens_per_second`` seconds. After a tool call it
+    speaks the tool's result. It reports usage at the end of each request,
+    like a provider's usage chunk, and leaves a partial record on abort.
 
     Args:
-        config: pace.
+        config: pace and prices.
         clock: time source for the pace (a virtual clock in tests).
     """
 
-    def __init__(self, config: LocalLlmConfig | None = None, clock: Clock | None = None) -> None:
-        self.config = config or LocalLlmConfig()
+    name = "local"
+
+    def __init__(self, config: LlmConfig | None = None, clock: Clock | None = None) -> None:
+        self.config = config or LlmConfig()
         self.clock = clock or SystemClock()
+        self.pricing = self.config.pricing
         #: how many tokens it produced in all (for tests and usage)
         self.tokens_streamed = 0
 
-    async def stream(self, messages: list[Message]) -> AsyncIterator[str]:
-        """Yield the reply to the last user message, token by token.
+    async def stream(
+        self, messages: list[Message], *, tools: list[ToolSpec] | None = None, meter: RequestMeter | None = None
+    ) -> AsyncIterator[str | ToolCall]:
+        """Yield the reply to the last user message, token by token, or one
+        tool call.
 
         Raises:
             ValueError: no user message in ``messages``.
@@ -108,7 +193,38 @@ class LocalAgent:
         if last_user is None:
             raise ValueError("no user message to answer")
         interval = 1.0 / self.config.tokens_per_second
-        for token in tokenize(choose_reply(last_user.content)):
-            await self.clock.sleep(interval)
-            self.tokens_streamed += 1
-            yield token
+        prompt = prompt_tokens(messages, tools)
+        completion = 0
+        finished = False
+        try:
+            call = choose_tool_call(messages, tools or [])
+            if call is not None:
+                await self.clock.sleep(interval)
+                completion = len(tokenize(f"{call.name} {call.arguments}"))
+                self.tokens_streamed += completion
+                if meter is not None:
+                    meter.chunk(completion)
+                yield call
+            else:
+                if messages[-1].role == "tool":
+                    reply = " ".join(m.content for m in messages if m.role == "tool" and _after_last_user(messages, m))
+                else:
+                    reply = choose_reply(last_user.content)
+                for token in tokenize(reply):
+                    await self.clock.sleep(interval)
+                    self.tokens_streamed += 1
+                    completion += 1
+                    if meter is not None:
+                        meter.chunk()
+                    yield token
+            finished = True
+            if meter is not None:
+                meter.reported(prompt, completion)
+        finally:
+            if meter is not None:
+                meter.finish(partial=not finished)
+
+
+def _after_last_user(messages: list[Message], msg: Message) -> bool:
+    last_user = max(i for i, m in enumerate(messages) if m.role == "user")
+    return any(m is msg for m in messages[last_user + 1 :])

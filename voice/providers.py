@@ -8,23 +8,56 @@ propagates.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
+
+from turn.usage import Pricing, RequestMeter
+
+
+class ToolCall(BaseModel):
+    """A model's request to call a tool (OpenAI Chat Completions
+    ``tool_calls`` entry, arguments decoded).
+
+    Attributes:
+        id: the call's id, echoed in the tool's result message.
+        name: the tool.
+        arguments: its arguments (a JSON object).
+    """
+
+    id: str
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolSpec(BaseModel):
+    """What a model is told of a tool: name, description and the JSON
+    Schema of its arguments (OpenAI "function" tool)."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
 
 
 class Message(BaseModel):
     """One entry of the conversation history a model sees.
 
     Attributes:
-        role: "user", "assistant" or "system".
+        role: "user", "assistant", "system" or "tool".
         content: the text.
         interrupted: for an assistant message, True if the user cut it off.
+        tool_calls: for an assistant message, the tools it called.
+        tool_call_id: for a tool message, the call it answers.
+        status: for a tool message, how the call ended ("done",
+            "cancelled", "error"); a cancelled call is recorded as such.
     """
 
-    role: Literal["user", "assistant", "system"]
+    role: Literal["user", "assistant", "system", "tool"]
     content: str
     interrupted: bool = False
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    status: str | None = None
 
 
 class SttStream(Protocol):
@@ -60,11 +93,25 @@ class SpeechToText(Protocol):
 
 
 class LanguageModel(Protocol):
-    """A streaming model."""
+    """A streaming model (one request per :meth:`stream` call).
 
-    def stream(self, messages: list[Message]) -> AsyncIterator[str]:
-        """Yield the reply to ``messages`` as text deltas (tokens) as they are
-        produced. Close the iterator (``aclose``) or cancel to abort."""
+    Attributes:
+        pricing: what its tokens cost (cents per 1,000).
+        name: for logs and usage records.
+    """
+
+    pricing: Pricing
+    name: str
+
+    def stream(
+        self, messages: list[Message], *, tools: list[ToolSpec] | None = None, meter: RequestMeter | None = None
+    ) -> AsyncIterator[str | ToolCall]:
+        """Yield the reply to ``messages``: text deltas (tokens) as they are
+        produced, and :class:`ToolCall` items once complete. Feed ``meter``
+        (one ``chunk()`` per streamed chunk, ``reported()`` with the
+        provider's usage) and ``finish`` it, ``partial=True`` when aborted.
+        Close the iterator (``aclose``) or cancel to abort: the request is
+        torn down, not just left unread."""
         ...
 
 

@@ -1,51 +1,205 @@
-"""One model call of a turn, the same for voice and text turns.
+"""The agent loop of one turn, the same for voice and text turns.
 
-:func:`stream_reply` checkpoints before and after the call (a stop already
-requested means the model is never called), streams the tokens to a
-callback, and checkpoints again every ``check_every_s`` during the stream,
-so a worker that missed a stop signal still stops within that bound.
+:func:`run_agent` alternates model calls and tool calls until the model
+answers without calling a tool. Every model call and every tool call is a
+child of the turn's :class:`turn.scope.TurnScope` and is bracketed by
+checkpoints (``before_model`` / ``after_model``, ``before_tool`` /
+``after_tool``); while a model streams, every chunk passes a checkpoint
+too, which costs no store round trip unless the cached stop flag is older
+than the manager's staleness bound. A stop, a passed deadline, a spent
+budget, too many steps or a tool loop raises
+:class:`turn.scope.TurnStopped`; nothing after it starts a model request.
+
+The delivery gate: a token that arrives after the turn was stopped (from a
+provider that ignores cancellation) is withheld (``on_token(...,
+withheld=True)``), never delivered; its cost is still metered.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from turn.clock import Clock
 from turn.manager import TurnManager
-from voice.providers import LanguageModel, Message
+from turn.scope import NotStarted, TurnScope, TurnStopped
+from turn.usage import RequestMeter, UsageMeter, estimate_tokens
+from voice.providers import LanguageModel, Message, ToolCall
+from voice.tools import Tool, ToolArgumentsError, Toolbox
 
-#: how often (s) a running stream re-checks the stop flag in the store
-CHECK_EVERY_S = 0.1
+#: a model request takes at most this long unless the model says otherwise, s
+MODEL_MAX_S = 120.0
 
 
-async def stream_reply(
-    llm: LanguageModel,
-    messages: list[Message],
+class TokenSink(Protocol):
+    """Receives streamed text; ``withheld`` when the turn is already
+    stopped (log it as fenced, never deliver it)."""
+
+    def __call__(self, token: str, *, withheld: bool = False) -> None: ...
+
+
+class EventSink(Protocol):
+    """Receives the turn's tool and usage events (``tool.started``,
+    ``tool.done``, ``tool.error``, ``tool.not_started``, ``usage``)."""
+
+    def __call__(self, type: str, **payload: Any) -> None: ...
+
+
+@dataclass
+class AgentResult:
+    """What the agent loop produced.
+
+    Attributes:
+        text: the final answer (the text of the last model call).
+        messages: the history it added: assistant tool calls and tool
+            results, in order (the caller adds the final answer).
+    """
+
+    text: str
+    messages: list[Message] = field(default_factory=list)
+
+
+async def run_agent(
     *,
+    scope: TurnScope,
     manager: TurnManager,
     turn_id: str,
-    on_token: Callable[[str], None],
-    clock: Clock,
-    check_every_s: float = CHECK_EVERY_S,
-) -> str:
-    """Stream the model's reply to ``messages``; returns the whole text.
+    llm: LanguageModel,
+    messages: list[Message],
+    toolbox: Toolbox | None,
+    on_token: TokenSink,
+    on_event: EventSink,
+    model_max_s: float = MODEL_MAX_S,
+) -> AgentResult:
+    """Run model and tool calls until the model answers.
+
+    Args:
+        scope: the turn's cancel scope (must be entered); model and tool
+            calls run as its children.
+        messages: the conversation so far, ending with the user's request.
+        toolbox: the tools the model may call (None: none).
+        model_max_s: a model request's own time limit, s (the turn's
+            remaining time may cut it shorter).
 
     Raises:
-        turn.manager.TurnStopped: a stop was requested (before, during or
-            after the call); the stream is closed first.
-        Exception: whatever the provider raises.
+        turn.scope.TurnStopped: the turn must not go on (see module doc).
+        Exception: what a provider raised.
     """
-    await manager.checkpoint(turn_id, "before_model")
+    rt = manager.runtime(turn_id)
+    meter = rt.meter if rt is not None else UsageMeter(llm.pricing)
+    specs = toolbox.specs() if toolbox else None
+    history = list(messages)
+    added: list[Message] = []
+    while True:
+        await manager.checkpoint(turn_id, "before_model")
+        req = meter.start_request(estimate_tokens(json.dumps([m.model_dump(exclude_none=True) for m in history])))
+        text, calls = await scope.run(
+            "model", _model_call(scope, manager, turn_id, llm, history, specs, req, on_token), max_s=model_max_s
+        )
+        on_event("usage", **req.record().model_dump())
+        await manager.checkpoint(turn_id, "after_model")
+        if not calls:
+            return AgentResult(text, added)
+        step = [Message(role="assistant", content=text, tool_calls=calls)]
+        for call in calls:
+            step.append(await _tool_call(scope, manager, turn_id, toolbox, call, on_event))
+        history += step
+        added += step
+
+
+async def _model_call(
+    scope: TurnScope,
+    manager: TurnManager,
+    turn_id: str,
+    llm: LanguageModel,
+    messages: list[Message],
+    specs: list[Any] | None,
+    req: RequestMeter,
+    on_token: TokenSink,
+) -> tuple[str, list[ToolCall]]:
     parts: list[str] = []
-    last_check = clock.monotonic()
-    async with contextlib.aclosing(llm.stream(messages)) as tokens:  # type: ignore[type-var]
-        async for token in tokens:
-            parts.append(token)
-            on_token(token)
-            now = clock.monotonic()
-            if now - last_check >= check_every_s:
-                last_check = now
+    calls: list[ToolCall] = []
+    try:
+        async with contextlib.aclosing(llm.stream(messages, tools=specs, meter=req)) as stream:  # type: ignore[type-var]
+            async for item in stream:
+                if isinstance(item, ToolCall):
+                    calls.append(item)
+                    continue
+                if scope.stopped.is_set():
+                    on_token(item, withheld=True)  # a provider that ignored its cancellation
+                else:
+                    parts.append(item)
+                    on_token(item)
                 await manager.checkpoint(turn_id, "model_stream")
-    await manager.checkpoint(turn_id, "after_model")
-    return "".join(parts)
+    finally:
+        req.finish(partial=True)  # no-op if the provider finished it whole
+    return "".join(parts), calls
+
+
+async def _tool_call(
+    scope: TurnScope,
+    manager: TurnManager,
+    turn_id: str,
+    toolbox: Toolbox | None,
+    call: ToolCall,
+    on_event: EventSink,
+) -> Message:
+    """One tool call, checkpointed; returns the tool message for the model.
+    An unknown tool or bad arguments are told to the model, not raised."""
+    await manager.checkpoint(turn_id, "before_tool", tool_call=(call.name, call.arguments))
+    tool = toolbox.get(call.name) if toolbox else None
+    if tool is None:
+        on_event("tool.error", call_id=call.id, name=call.name, error="unknown tool")
+        return Message(role="tool", tool_call_id=call.id, status="error", content=f"error: there is no tool {call.name!r}")
+    try:
+        arguments = tool.validate(call.arguments)
+    except ToolArgumentsError as exc:
+        on_event("tool.error", call_id=call.id, name=call.name, error=str(exc))
+        return Message(role="tool", tool_call_id=call.id, status="error", content=f"error: {exc}")
+    expected = tool.expected_duration_ms / 1000 if tool.expected_duration_ms is not None else None
+    limit = tool.max_duration_ms / 1000 if tool.max_duration_ms is not None else None
+    on_event("tool.started", call_id=call.id, name=call.name, arguments=arguments, effect=tool.effect)
+    try:
+        output = await scope.run(f"tool:{tool.name}", _invoke(scope, tool, arguments, call, on_event), max_s=limit, expected_s=expected)
+    except NotStarted as exc:
+        on_event("tool.not_started", call_id=call.id, name=call.name, reason="no_budget", detail=exc.detail)
+        raise
+    except TurnStopped:
+        on_event("tool.cancelled", call_id=call.id, name=call.name)
+        raise
+    except Exception as exc:
+        on_event("tool.error", call_id=call.id, name=call.name, error=f"{type(exc).__name__}: {exc}")
+        await manager.checkpoint(turn_id, "after_tool")
+        return Message(role="tool", tool_call_id=call.id, status="error", content=f"error: {exc}")
+    await manager.checkpoint(turn_id, "after_tool")
+    return Message(role="tool", tool_call_id=call.id, status="done", content=_as_text(output))
+
+
+async def _invoke(scope: TurnScope, tool: Tool, arguments: dict[str, Any], call: ToolCall, on_event: EventSink) -> Any:
+    """Call the tool and write its completion (the ``tool.done`` event); a
+    must-complete tool does both in one must-complete section, so a stop
+    lands before it or after its completion write, never between."""
+
+    async def call_and_record() -> Any:
+        output = await tool(**arguments)
+        on_event("tool.done", call_id=call.id, name=call.name, output=_as_text(output))
+        return output
+
+    if tool.effect == "none":
+        return await call_and_record()
+    return await scope.commit(call_and_record())
+
+
+def _as_text(output: Any) -> str:
+    return output if isinstance(output, str) else json.dumps(output, default=str)
+
+
+def sink_to(on_delivered: Callable[[str], None], on_withheld: Callable[[str], None]) -> TokenSink:
+    """A :class:`TokenSink` from two callbacks."""
+
+    def sink(token: str, *, withheld: bool = False) -> None:
+        (on_withheld if withheld else on_delivered)(token)
+
+    return sink

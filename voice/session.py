@@ -36,12 +36,14 @@ from media.playout import PlayoutBuffer, PlayoutFrame
 from media.vad import VadConfig, VadEvent, VadEventKind
 from turn.clock import Clock
 from turn.generation import GenerationFence
-from turn.manager import TurnManager, TurnStopped
-from turn.models import StopReason, StopReasonKind, Turn, TurnStatus
+from turn.manager import TurnManager
+from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
+from turn.scope import TurnScope, TurnStopped
 from turn.store import StoreUnavailable, UnknownTurn
 from voice.providers import LanguageModel, Message, SpeechToText, SttStream, TextToSpeech
-from voice.respond import stream_reply
+from voice.respond import run_agent, sink_to
 from voice.text import SentenceSplitter
+from voice.tools import Toolbox
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +74,12 @@ class SessionConfig(BaseModel):
 
 @dataclass
 class Providers:
-    """The session's STT, LLM and TTS."""
+    """The session's STT, LLM, TTS and the tools the model may call."""
 
     stt: SpeechToText
     llm: LanguageModel
     tts: TextToSpeech
+    tools: Toolbox | None = None
 
 
 @dataclass
@@ -102,6 +105,8 @@ class TurnRun:
     #: every frame of its reply is queued for playout
     tts_done: bool = False
     work: asyncio.Task[None] | None = None
+    #: the turn's cancel scope, once its work has started
+    scope: TurnScope | None = None
     stop_task: asyncio.Task[None] | None = None
     transcript: str | None = None
     reply: list[str] = field(default_factory=list)
@@ -141,6 +146,7 @@ class AgentSession:
         emit: where events go (see :class:`EventSink`); must not block.
         vad: VAD settings (for the pre-roll length).
         config: session settings.
+        plan: the limits of every turn (deadline, budget, max steps).
     """
 
     def __init__(
@@ -155,8 +161,10 @@ class AgentSession:
         emit: EventSink,
         vad: VadConfig | None = None,
         config: SessionConfig | None = None,
+        plan: Plan | None = None,
     ) -> None:
         self.session_id = session_id
+        self.plan = plan or Plan()
         self.manager = manager
         self.providers = providers
         self.playout = playout
@@ -276,9 +284,11 @@ class AgentSession:
         cleared = self.playout.clear()
         after: asyncio.Task[None] | None = None
         if old is not None:
-            if old.work is not None:
-                old.work.cancel()  # cancels the model stream and kills TTS
             reason = StopReason(kind=StopReasonKind.BARGE_IN, initiator="vad", at=self.clock.now())
+            if old.scope is not None:
+                old.scope.stop(reason)  # every child gets the reason: model stream, tools, TTS, playout
+            if old.work is not None:
+                old.work.cancel()
             old.stop_task = self._tg.create_task(self._stop_run(old, reason))
             after = old.stop_task
             rec = BargeInRecord(old.turn_id, old_generation, generation, ev.onset_at, fenced_at)
@@ -316,7 +326,9 @@ class AgentSession:
         if after is not None:
             await asyncio.wait({after})
         try:
-            return await self.manager.open_turn(self.session_id, run.generation, turn_id=run.turn_id)
+            return await self.manager.open_turn(
+                self.session_id, run.generation, turn_id=run.turn_id, plan=self.plan, pricing=self.providers.llm.pricing
+            )
         except Exception as exc:
             log.exception("turn %s could not be written", run.turn_id)
             self._send("error", turn_id=run.turn_id, code="store_error", message=describe_error(exc))
@@ -335,23 +347,35 @@ class AgentSession:
             run.watch_task = self._tg.create_task(self._watch_stop(run, turn.id))
             await run.utterance_ended.wait()
             self._phase(run, "thinking")
-            assert run.stt_final is not None
-            run.transcript = transcript = await asyncio.shield(run.stt_final)
-            await self.manager.record(turn.id, transcript=transcript)
-            self._output(run, "transcript", role="user", text=transcript)
-            if not transcript:
-                await self.manager.fail(turn.id, "no_speech_recognized")
+            rt = self.manager.runtime(turn.id)
+            run.scope = TurnScope(
+                turn.id,
+                self.clock,
+                grace_s=self.config.stop_grace_ms / 1000,
+                deadline=rt.deadline if rt is not None else None,
+                shutdown_reserve_s=self.plan.shutdown_reserve_ms / 1000,
+            )
+            async with run.scope as scope:
+                run.transcript = transcript = await scope.run("stt", self._stt_final(run))
+                await self.manager.record(turn.id, transcript=transcript)
+                self._output(run, "transcript", role="user", text=transcript)
+                if not transcript:
+                    await self.manager.fail(turn.id, "no_speech_recognized")
+                    run.settled = True
+                    return
+                messages = [*self.history, Message(role="user", content=transcript)]
+                await self._reply(run, scope, messages)
+                await scope.run("playout", self.playout.wait_empty())
+                reply = "".join(run.reply).strip()
+
+                async def finish() -> None:
+                    await self.manager.record(turn.id, reply=reply)
+                    await self.manager.complete(turn.id)
+
+                self._remember(run, interrupted=False)
+                await scope.commit(finish(), effect=False)  # the final step commits whole, or not at all
                 run.settled = True
-                return
-            messages = [*self.history, Message(role="user", content=transcript)]
-            await self._reply(run, messages)
-            await self.playout.wait_empty()
-            reply = "".join(run.reply).strip()
-            await self.manager.record(turn.id, reply=reply)
-            self._remember(run, interrupted=False)
-            await self.manager.complete(turn.id)
-            run.settled = True
-            self._output(run, "agent.done", text=reply)
+                self._output(run, "agent.done", text=reply)
         except asyncio.CancelledError:
             self._remember(run, interrupted=True)
             raise
@@ -381,28 +405,48 @@ class AgentSession:
             self._phase(run, "idle")
             await run.stt.aclose()
 
-    async def _reply(self, run: TurnRun, messages: list[Message]) -> None:
-        """Stream the model's reply and speak it sentence by sentence; returns
-        when every frame is queued for playout."""
+    async def _stt_final(self, run: TurnRun) -> str:
+        """The utterance's transcript (the STT final started when it ended)."""
+        assert run.stt_final is not None
+        return await asyncio.shield(run.stt_final)
+
+    async def _reply(self, run: TurnRun, scope: TurnScope, messages: list[Message]) -> None:
+        """Run the agent loop (model and tool calls) and speak its answer
+        sentence by sentence in a TTS child; returns when every frame is
+        queued for playout."""
         sentences: asyncio.Queue[str | None] = asyncio.Queue()
         splitter = SentenceSplitter()
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._speak(run, sentences))
-            def on_token(token: str) -> None:
-                run.reply.append(token)
-                self._output(run, "agent.delta", text=token)
-                for piece in splitter.feed(token):
-                    sentences.put_nowait(piece)
+        tts = scope.spawn("tts", self._speak(run, sentences))
 
-            try:
-                await stream_reply(
-                    self.providers.llm, messages, manager=self.manager, turn_id=run.turn_id, on_token=on_token, clock=self.clock
-                )
-                rest = splitter.flush()
-                if rest:
-                    sentences.put_nowait(rest)
-            finally:
-                sentences.put_nowait(None)
+        def delivered(token: str) -> None:
+            run.reply.append(token)
+            self._output(run, "agent.delta", text=token)
+            for piece in splitter.feed(token):
+                sentences.put_nowait(piece)
+
+        def withheld(token: str) -> None:
+            self._output(run, "agent.delta", text=token, withheld=True)
+
+        def on_event(type: str, **payload: Any) -> None:
+            self._send(type, turn_id=run.turn_id, generation=run.generation, **payload)
+
+        try:
+            await run_agent(
+                scope=scope,
+                manager=self.manager,
+                turn_id=run.turn_id,
+                llm=self.providers.llm,
+                messages=messages,
+                toolbox=self.providers.tools,
+                on_token=sink_to(delivered, withheld),
+                on_event=on_event,
+            )
+            rest = splitter.flush()
+            if rest:
+                sentences.put_nowait(rest)
+        finally:
+            sentences.put_nowait(None)
+        await scope.wait(tts)
 
     async def _speak(self, run: TurnRun, sentences: asyncio.Queue[str | None]) -> None:
         """TTS each sentence into 20 ms playout frames tagged with the turn's
@@ -478,23 +522,26 @@ class AgentSession:
                 self._send("error", turn_id=turn.id, code="store_error", message=describe_error(exc))
 
     async def _record_stop(self, run: TurnRun, turn_id: str, reason: StopReason | None) -> None:
-        """Stop ``turn_id`` with ``reason`` (None: it was asked from outside;
-        its stored reason stands) and write its terminal state."""
-        if reason is None:  # already requested (and recorded) by whoever asked
-            current = await self.manager.get(turn_id)
-            if current.status is TurnStatus.RUNNING:  # a signal without a request: never leave it half-stopped
-                fallback = StopReason(kind=StopReasonKind.USER_CANCEL, initiator="signal", at=self.clock.now())
-                current = (await self.manager.request_stop(turn_id, fallback)).turn
-        else:
+        """Stop ``turn_id`` with ``reason`` (None: it was asked from outside,
+        or decided by the turn itself at a checkpoint; the stored reason or
+        the scope's limit stands) and write its terminal state from its
+        children's reports."""
+        if reason is not None:
             current = (await self.manager.request_stop(turn_id, reason)).turn
-        if current.is_terminal:  # it had ended, or was only queued
-            run.settled = True
-            return
+            if current.is_terminal:  # it had ended, or was only queued
+                run.settled = True
+                return
+        scope = run.scope
+        if scope is not None:
+            scope.stop(reason)
         if run.work is not None and not run.work.done():
             run.work.cancel()
-            done, _ = await asyncio.wait({run.work}, timeout=self.config.stop_grace_ms / 1000)
-            if not done:
-                log.warning("turn %s: work still running %d ms after stop", turn_id, self.config.stop_grace_ms)
+            if scope is None:
+                done, _ = await asyncio.wait({run.work}, timeout=self.config.stop_grace_ms / 1000)
+                if not done:
+                    log.warning("turn %s: work still running %d ms after stop", turn_id, self.config.stop_grace_ms)
+        if scope is not None:
+            await scope.settle()  # bounded by the grace
         transcript = run.transcript
         final = run.stt_final
         if transcript is None and final is not None and final.done() and not final.cancelled() and not final.exception():
@@ -502,7 +549,15 @@ class AgentSession:
         reply = "".join(run.reply).strip() or None
         if transcript is not None or reply is not None:
             await self.manager.record(turn_id, transcript=transcript, reply=reply)
-        await self.manager.confirm_stopped(turn_id)
+        if scope is not None:
+            await self.manager.settle_stop(turn_id, scope)
+        else:
+            current = await self.manager.get(turn_id)
+            if current.status is TurnStatus.RUNNING:  # a signal without a request: never leave it half-stopped
+                fallback = StopReason(kind=StopReasonKind.USER_CANCEL, initiator="signal", at=self.clock.now())
+                current = (await self.manager.request_stop(turn_id, fallback)).turn
+            if not current.is_terminal:
+                await self.manager.confirm_stopped(turn_id)
         run.settled = True
 
     async def _settle_all(self) -> None:

@@ -1,5 +1,5 @@
-"""Text turns: a typed request runs through the same Turn Manager, model
-call (:func:`voice.respond.stream_reply`), checkpoints and event log as a
+"""Text turns: a typed request runs through the same Turn Manager, agent
+loop (:func:`voice.respond.run_agent`), checkpoints and event log as a
 spoken one; only the transport differs (REST and SSE instead of WebRTC), and
 there is no audio.
 
@@ -15,14 +15,17 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from turn.clock import Clock
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
-from turn.models import Budget, StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
+from turn.models import Budget, Plan, StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
+from turn.scope import TurnScope
 from voice.providers import LanguageModel, Message
-from voice.respond import stream_reply
-from voice.session import describe_error, stopped_by
+from voice.respond import run_agent, sink_to
+from voice.session import describe_error
+from voice.tools import Toolbox
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +46,11 @@ class TextTurns:
         manager: the Turn Manager.
         llm: makes the model for a turn (the embedded local agent by default).
         clock: time source.
-        stop_grace_s: how long a stopped turn's work may take to end before
-            its terminal state is written anyway.
+        stop_grace_s: how long a stopped turn's children may take to report
+            before its terminal state is written anyway, s.
+        plans: the tenant's plan (deadline, budget, max steps) for each new
+            turn.
+        tools: makes the toolbox for a turn (None: no tools).
     """
 
     def __init__(
@@ -54,11 +60,15 @@ class TextTurns:
         clock: Clock,
         *,
         stop_grace_s: float = 0.25,
+        plans: Callable[[str], Plan] | None = None,
+        tools: Callable[[], Toolbox] | None = None,
     ) -> None:
         self.manager = manager
         self.llm = llm
         self.clock = clock
         self.stop_grace_s = stop_grace_s
+        self.plans = plans or (lambda _tenant: Plan())
+        self.tools = tools
         self._sessions: dict[str, _TextSession] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -74,6 +84,11 @@ class TextTurns:
     ) -> Turn:
         """Accept a typed request and start answering it in the background.
 
+        Args:
+            deadline_s / budget: tighter limits than the tenant's plan (the
+                plan's apply where these are None; a request can never
+                raise them above the plan).
+
         Returns:
             The RUNNING turn (its progress is in the session's event log).
 
@@ -83,14 +98,23 @@ class TextTurns:
         """
         if self._closing:
             raise RuntimeError("shutting down")
+        plan = self.plans(tenant_id)
         session = await self.manager.ensure_session(
             session_id or uuid.uuid4().hex, tenant_id=tenant_id, kind=TurnKind.TEXT
         )
         ts = self._sessions.get(session.id)
         if ts is None:
             ts = self._sessions[session.id] = _TextSession(GenerationFence(self.clock, active=session.generation))
+        llm = self.llm()
         turn = await self.manager.open_turn(
-            session.id, kind=TurnKind.TEXT, tenant_id=tenant_id, transcript=text, deadline_s=deadline_s, budget=budget
+            session.id,
+            kind=TurnKind.TEXT,
+            tenant_id=tenant_id,
+            transcript=text,
+            deadline_s=min(deadline_s, plan.deadline_s) if deadline_s is not None else None,
+            budget=_tighter(budget, plan.budget),
+            plan=plan,
+            pricing=llm.pricing,
         )
         ts.fence.active = max(ts.fence.active, turn.generation)  # the older turns' output is fenced now
         self.manager.events.log(session.id, gate=ts.fence)
@@ -98,7 +122,7 @@ class TextTurns:
             bg = asyncio.get_running_loop().create_task(self._supersede(older_id))
             self._background.add(bg)
             bg.add_done_callback(self._background.discard)
-        task = asyncio.get_running_loop().create_task(self._run(turn, ts), name=f"text-turn-{turn.id}")
+        task = asyncio.get_running_loop().create_task(self._run(turn, llm, plan), name=f"text-turn-{turn.id}")
         ts.running[turn.id] = task
         task.add_done_callback(lambda _t, tid=turn.id: ts.running.pop(tid, None))
         return turn
@@ -110,78 +134,100 @@ class TextTurns:
         except Exception:
             log.exception("turn %s: could not stop it for a newer message", turn_id)
 
-    async def _run(self, turn: Turn, ts: _TextSession) -> None:
-        """Answer, or stop when asked (by signal, or a checkpoint that reads
-        the store), and write exactly one terminal state."""
-        work = asyncio.get_running_loop().create_task(self._answer(turn))
-        stop = asyncio.get_running_loop().create_task(self.manager.stop_event(turn.id).wait())
+    async def _run(self, turn: Turn, llm: LanguageModel, plan: Plan) -> None:
+        """Answer in the turn's cancel scope, or stop when asked (signal, a
+        checkpoint that read the store, or a limit) and write exactly one
+        terminal state from the children's reports."""
+        rt = self.manager.runtime(turn.id)
+        scope = TurnScope(
+            turn.id,
+            self.clock,
+            grace_s=self.stop_grace_s,
+            deadline=rt.deadline if rt is not None else None,
+            shutdown_reserve_s=plan.shutdown_reserve_ms / 1000,
+        )
         try:
-            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                work.cancel()
-                await asyncio.wait({work}, timeout=self.stop_grace_s)
-            stopped = stop.done() or (work.done() and not work.cancelled() and stopped_by_result(work))
-            if stopped:
-                await self._finish_stop(turn.id)
-            elif work.done() and not work.cancelled() and work.exception() is not None:
-                log.error("text turn %s: %s", turn.id, describe_error(work.exception()))  # type: ignore[arg-type]
+            async with scope:
+                agent = scope.spawn("agent", self._answer(turn, llm, scope))
+                stop = asyncio.ensure_future(self.manager.stop_event(turn.id).wait())
+                ended = asyncio.ensure_future(agent.done.wait())
+                try:
+                    await asyncio.wait({stop, ended}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    stop.cancel()
+                    ended.cancel()
+                if not agent.done.is_set() and not scope.stopped.is_set():
+                    scope.stop(None)  # asked from outside: the reason is in the store
+                if scope.stopped.is_set():
+                    await self.manager.settle_stop(turn.id, scope)
+                elif agent.error is not None:
+                    log.error("text turn %s: %s", turn.id, describe_error(agent.error))
+                    await self.manager.fail(turn.id, describe_error(agent.error))
         except asyncio.CancelledError:
             # The server is shutting down: record that, then go on cancelling.
-            work.cancel()
-            await asyncio.shield(self._shutdown_stop(turn.id, work))
+            await asyncio.shield(self._shutdown_stop(turn.id))
             raise
         except Exception:
             log.exception("text turn %s: stop handling failed", turn.id)
         finally:
-            stop.cancel()
             self.manager.release(turn.id)
+        if rt is not None and scope.stopped.is_set():
+            # A provider that ignored its cancellation may have billed more
+            # while the scope waited for it: record the final figures.
+            try:
+                await self.manager.flush(turn.id, rt.meter)
+            except Exception:
+                log.exception("text turn %s: could not record its final usage", turn.id)
 
-    async def _finish_stop(self, turn_id: str) -> None:
-        """The work ended after a stop: CANCEL_REQUESTED becomes CANCELLED
-        (a turn that completed first stays COMPLETED)."""
-        current = await self.manager.get(turn_id)
-        if current.status is TurnStatus.CANCEL_REQUESTED:
-            await self.manager.confirm_stopped(turn_id)
-
-    async def _shutdown_stop(self, turn_id: str, work: asyncio.Task[None]) -> None:
+    async def _shutdown_stop(self, turn_id: str) -> None:
         reason = StopReason(kind=StopReasonKind.WORKER_SHUTDOWN, initiator="server", at=self.clock.now())
         try:
-            await asyncio.wait({work}, timeout=self.stop_grace_s)
             res = await self.manager.request_stop(turn_id, reason)
             if not res.turn.is_terminal:
                 await self.manager.confirm_stopped(turn_id)
         except Exception:
             log.exception("text turn %s: could not record the shutdown", turn_id)
 
-    async def _answer(self, turn: Turn) -> None:
-        """The work: history, one model call, reply recorded, COMPLETED."""
+    async def _answer(self, turn: Turn, llm: LanguageModel, scope: TurnScope) -> None:
+        """The work: history, the agent loop, reply recorded, COMPLETED."""
         events = self.manager.events.log(turn.session_id)
         parts: list[str] = []
 
-        def on_token(token: str) -> None:
+        def delivered(token: str) -> None:
             parts.append(token)
             events.emit("agent.delta", generation=turn.generation, turn_id=turn.id, text=token)
+
+        def withheld(token: str) -> None:
+            events.emit("agent.delta", generation=turn.generation, turn_id=turn.id, withheld=True, text=token)
+
+        def on_event(type: str, **payload: Any) -> None:
+            events.emit(type, generation=turn.generation, turn_id=turn.id, **payload)
 
         events.emit("transcript", generation=turn.generation, turn_id=turn.id, role="user", text=turn.transcript or "")
         try:
             messages = await self._history(turn)
-            reply = await stream_reply(
-                self.llm(), messages, manager=self.manager, turn_id=turn.id, on_token=on_token, clock=self.clock
+            result = await run_agent(
+                scope=scope,
+                manager=self.manager,
+                turn_id=turn.id,
+                llm=llm,
+                messages=messages,
+                toolbox=self.tools() if self.tools else None,
+                on_token=sink_to(delivered, withheld),
+                on_event=on_event,
             )
-            await self.manager.record(turn.id, reply=reply.strip())
-            await self.manager.complete(turn.id)
-            events.emit("agent.done", generation=turn.generation, turn_id=turn.id, text=reply.strip())
-        except asyncio.CancelledError:
+            reply = result.text.strip()
+
+            async def finish() -> None:
+                await self.manager.record(turn.id, reply=reply)
+                await self.manager.complete(turn.id)
+
+            await scope.commit(finish(), effect=False)  # the final step commits whole, or not at all
+            events.emit("agent.done", generation=turn.generation, turn_id=turn.id, text=reply)
+        except BaseException:
             if parts:
                 await asyncio.shield(self._record_partial(turn.id, "".join(parts)))
             raise
-        except Exception as exc:
-            if parts:
-                await self._record_partial(turn.id, "".join(parts))
-            if stopped_by(exc):
-                raise
-            log.exception("text turn %s failed", turn.id)
-            await self.manager.fail(turn.id, describe_error(exc))
 
     async def _record_partial(self, turn_id: str, text: str) -> None:
         try:
@@ -218,7 +264,12 @@ class TextTurns:
         self._sessions.clear()
 
 
-def stopped_by_result(task: asyncio.Task[None]) -> bool:
-    """True if the finished ``task`` ended because its turn was stopped."""
-    exc = task.exception()
-    return exc is not None and stopped_by(exc)
+def _tighter(asked: Budget | None, plan: Budget) -> Budget:
+    """The smaller of a request's budget and the plan's, field by field."""
+    if asked is None:
+        return plan
+
+    def low(a: Any, b: Any) -> Any:
+        return b if a is None else a if b is None else min(a, b)
+
+    return Budget(cents=low(asked.cents, plan.cents), tokens=low(asked.tokens, plan.tokens))

@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Literal
 
+import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, Field, ValidationError
 
@@ -30,6 +31,9 @@ from turn.signals import RedisStopSignals, StopSignals
 from turn.sqlite_store import SqliteStore, path_from_url
 from turn.store import StoreUnavailable
 from voice.llm import LocalAgent
+from voice.openai_llm import OpenAiChatModel
+from voice.providers import LanguageModel
+from voice.tools import Toolbox, embedded_tools
 from voice.session import Providers
 from voice.stt import PocketsphinxSTT
 from voice.tts import EspeakTTS
@@ -72,6 +76,7 @@ class EmbeddedProviders:
         self.settings = settings
         self.clock = clock
         self.stt = PocketsphinxSTT(settings.stt)
+        self._http: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         """Check the configuration before serving anyone.
@@ -89,14 +94,29 @@ class EmbeddedProviders:
 
     def for_session(self) -> Providers:
         """Providers for one new voice session."""
-        return Providers(stt=self.stt, llm=self.llm_for_session(), tts=EspeakTTS(self.settings.tts))
+        return Providers(stt=self.stt, llm=self.llm_for_session(), tts=EspeakTTS(self.settings.tts), tools=self.tools())
 
-    def llm_for_session(self) -> LocalAgent:
-        """The model for one session or text turn."""
+    def llm_for_session(self) -> LanguageModel:
+        """The model for one session or text turn: the embedded agent, or
+        an OpenAI-compatible API (``llm.provider``)."""
+        if self.settings.llm.provider == "openai":
+            if self._http is None or self._http.closed:
+                self._http = aiohttp.ClientSession(
+                    timeout=aiohttp.ClientTimeout(
+                        total=self.settings.llm.request_timeout_s, sock_connect=self.settings.llm.connect_timeout_s
+                    )
+                )
+            return OpenAiChatModel(self.settings.llm, self._http)
         return LocalAgent(self.settings.llm, self.clock)
+
+    def tools(self) -> Toolbox:
+        """The tools the agent may call."""
+        return embedded_tools(self.clock)
 
     async def aclose(self) -> None:
         await self.stt.aclose()
+        if self._http is not None:
+            await self._http.close()
 
 
 
@@ -165,7 +185,12 @@ def create_app(
     app[STREAMS] = set()
     app[PROVIDERS] = provs = providers or EmbeddedProviders(settings, app[CLOCK])
     app[TEXT_TURNS] = TextTurns(
-        app[MANAGER], provs.llm_for_session, app[CLOCK], stop_grace_s=settings.session.stop_grace_ms / 1000
+        app[MANAGER],
+        provs.llm_for_session,
+        app[CLOCK],
+        stop_grace_s=settings.session.stop_grace_ms / 1000,
+        plans=settings.plan_for,
+        tools=provs.tools,
     )
     app.router.add_get("/", _index)
     app.router.add_static("/static", STATIC_DIR)

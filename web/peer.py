@@ -181,6 +181,7 @@ class PeerSession:
             emit=self.log.emit,
             vad=settings.vad,
             config=settings.session,
+            plan=settings.plan_for("default"),
         )
         self.inbound: InboundAudio | None = None
         self._track: MediaStreamTrack | None = None

@@ -26,7 +26,8 @@ from pydantic_settings import (
 )
 
 from media.vad import VadConfig
-from voice.llm import LocalLlmConfig
+from turn.models import Plan
+from voice.llm import LlmConfig
 from voice.session import SessionConfig
 from voice.stt import PocketsphinxConfig
 from voice.tts import EspeakConfig
@@ -65,6 +66,11 @@ class Settings(BaseSettings):
         api_tokens: bearer tokens of the REST API, ``tenant:token`` pairs
             separated by commas; empty disables the REST turn API.
         resume_token_ttl_s: lifetime of an event-stream resume token, s.
+        plans: each tenant's limits for every turn (deadline, budget, max
+            steps, shutdown reserve; see :class:`turn.models.Plan`), by
+            tenant id; ``default`` applies to tenants without one (and to
+            browser and phone sessions). TOML ``[plans.default]``,
+            ``[plans.tenant_a]``; env ``TURNKEEPER_PLANS`` as JSON.
     """
 
     model_config = SettingsConfigDict(
@@ -96,6 +102,15 @@ class Settings(BaseSettings):
         parse_api_tokens(value)  # raises ValueError with the reason
         return value
 
+    @field_validator("plans")
+    @classmethod
+    def _default_plan(cls, value: dict[str, Plan]) -> dict[str, Plan]:
+        return {"default": Plan(), **value}
+
+    def plan_for(self, tenant_id: str) -> Plan:
+        """The plan of ``tenant_id`` (``plans["default"]`` if it has none)."""
+        return self.plans.get(tenant_id) or self.plans["default"]
+
     @property
     def tenants_by_token(self) -> dict[str, str]:
         """``api_tokens`` as token -> tenant."""
@@ -103,7 +118,8 @@ class Settings(BaseSettings):
     vad: VadConfig = VadConfig()
     session: SessionConfig = SessionConfig()
     stt: PocketsphinxConfig = PocketsphinxConfig()
-    llm: LocalLlmConfig = LocalLlmConfig()
+    llm: LlmConfig = LlmConfig()
+    plans: dict[str, Plan] = Field(default_factory=lambda: {"default": Plan()})
     tts: EspeakConfig = EspeakConfig()
 
     @classmethod

@@ -1,0 +1,162 @@
+"""Honest model usage of a turn: every request, every token, and which of
+them came after the stop request.
+
+A :class:`UsageMeter` belongs to one turn. Each model request opens a
+:class:`RequestMeter`; the provider client feeds it as the stream arrives
+(one call per streamed chunk, and the stream's usage chunk when there is
+one). When a request is aborted, its record is kept as *partial*: prompt
+tokens plus the completion tokens streamed so far (issue 4: "usage on
+abort").
+
+Prices make cents: ``Pricing`` is in US cents per 1,000 tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from turn.models import Spent, Usage, UsageRecord
+
+
+class Pricing(BaseModel):
+    """What a model's tokens cost, US cents per 1,000 tokens.
+
+    Attributes:
+        prompt_cents_per_1k: price of 1,000 prompt (input) tokens.
+        completion_cents_per_1k: price of 1,000 completion (output) tokens.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    prompt_cents_per_1k: float = Field(0.0, ge=0)
+    completion_cents_per_1k: float = Field(0.0, ge=0)
+
+    def cents(self, prompt_tokens: int, completion_tokens: int) -> float:
+        """The price of that many tokens, cents."""
+        return (prompt_tokens * self.prompt_cents_per_1k + completion_tokens * self.completion_cents_per_1k) / 1000
+
+
+def estimate_tokens(text: str) -> int:
+    """A provider-independent token estimate for text whose count the
+    provider did not report: about 4 characters a token (OpenAI's rule of
+    thumb for English), at least 1 for non-empty text."""
+    return 0 if not text else max(1, round(len(text) / 4))
+
+
+class RequestMeter:
+    """The usage of one model request while it streams.
+
+    Use :meth:`chunk` for every streamed content or tool-call chunk,
+    :meth:`reported` when the provider reports usage, and :meth:`finish`
+    when the stream ends or is aborted.
+    """
+
+    def __init__(self, meter: UsageMeter, number: int, prompt_estimate: int, started_after_stop: bool) -> None:
+        self._meter = meter
+        self.number = number
+        self.prompt_tokens = prompt_estimate
+        self.completion_tokens = 0
+        self.after_stop = 0
+        self.reported_usage = False
+        self.started_after_stop = started_after_stop
+        self.finished = False
+        self.partial = False
+
+    def chunk(self, tokens: int = 1) -> None:
+        """``tokens`` completion tokens arrived (a streamed chunk is one
+        token unless the provider says otherwise)."""
+        self.completion_tokens += tokens
+        if self._meter.stopped:
+            self.after_stop += tokens
+        self._meter.changed()
+
+    def reported(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """The provider's own usage figures (they replace the counted ones;
+        tokens past the counted ones are attributed like the last chunk)."""
+        extra = completion_tokens - self.completion_tokens
+        if extra > 0 and self._meter.stopped:
+            self.after_stop += extra
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = completion_tokens
+        self.after_stop = min(self.after_stop, completion_tokens)
+        self.reported_usage = True
+        self._meter.changed()
+
+    def finish(self, *, partial: bool) -> None:
+        """The request ended; ``partial`` if it was aborted before its end.
+        Idempotent (the first call decides ``partial``)."""
+        if self.finished:
+            return
+        self.finished = True
+        self.partial = partial
+        self._meter.changed()
+
+    def record(self) -> UsageRecord:
+        """This request as a :class:`turn.models.UsageRecord`."""
+        return UsageRecord(
+            request=self.number,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            completion_tokens_after_stop=self.after_stop,
+            partial=self.partial or not self.finished,
+            source="usage_chunk" if self.reported_usage else "counted",
+            started_after_stop=self.started_after_stop,
+        )
+
+
+class UsageMeter:
+    """All model usage of one turn.
+
+    Args:
+        pricing: token prices (cents per 1,000).
+        on_change: called (no arguments, must not block) after every change,
+            e.g. to check the budget while a stream runs.
+    """
+
+    def __init__(self, pricing: Pricing | None = None, on_change: Callable[[], None] | None = None) -> None:
+        self.pricing = pricing or Pricing()
+        self.requests: list[RequestMeter] = []
+        self.stopped = False
+        self._on_change = on_change
+
+    def mark_stopped(self) -> None:
+        """The turn's stop was requested: tokens from now on are waste."""
+        self.stopped = True
+
+    def start_request(self, prompt_estimate: int) -> RequestMeter:
+        """A model request begins (``prompt_estimate`` tokens until the
+        provider reports the real count)."""
+        req = RequestMeter(self, len(self.requests) + 1, prompt_estimate, self.stopped)
+        self.requests.append(req)
+        self.changed()
+        return req
+
+    def changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change()
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt and completion tokens of every request."""
+        return sum(r.prompt_tokens + r.completion_tokens for r in self.requests)
+
+    def usage(self) -> Usage:
+        """The turn's :class:`turn.models.Usage` now."""
+        records = [r.record() for r in self.requests]
+        return Usage(
+            prompt_tokens=sum(r.prompt_tokens for r in records),
+            completion_tokens=sum(r.completion_tokens for r in records),
+            completion_tokens_after_stop=sum(r.completion_tokens_after_stop for r in records),
+            requests_after_stop=sum(1 for r in records if r.started_after_stop),
+            model_requests=len(records),
+            records=records,
+        )
+
+    def spent(self) -> Spent:
+        """Tokens and cents used so far."""
+        return Spent(
+            tokens=self.total_tokens,
+            cents=sum(self.pricing.cents(r.prompt_tokens, r.completion_tokens) for r in self.requests),
+        )

@@ -1,0 +1,173 @@
+"""Tools the agent may call, declared with :func:`tool`.
+
+A tool is an async function with typed keyword arguments. Its JSON Schema
+(made by pydantic from the signature) is what the model sees
+(:class:`voice.providers.ToolSpec`); the model's arguments are validated
+against it before the call.
+
+``effect`` says what a stop may do to a running call:
+
+- ``"none"``: safe to abandon (reads, searches); a stop cancels it;
+- ``"complete"``: must finish once started; it runs as a short shielded
+  must-complete section (:meth:`turn.scope.TurnScope.commit`), and a stop
+  takes effect after it (the turn then needs reconciliation);
+- ``"compensate"``: reversed on stop by ``compensate`` (the side-effect
+  ledger, issue 5, runs compensations; until then it is treated like
+  ``"complete"``).
+
+``expected_duration_ms``: a call is not started when the turn has less time
+left (event ``tool.not_started``, reason ``no_budget``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+
+from turn.clock import Clock
+from voice.llm import WEATHER_REPLY
+from voice.providers import ToolSpec
+
+Effect = Literal["none", "complete", "compensate"]
+
+
+class ToolArgumentsError(ValueError):
+    """The model's arguments do not fit the tool's schema."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A declared tool (see :func:`tool`)."""
+
+    name: str
+    description: str
+    fn: Callable[..., Awaitable[Any]]
+    arguments: type[BaseModel]
+    effect: Effect = "none"
+    expected_duration_ms: float | None = None
+    max_duration_ms: float | None = None
+    compensate: Callable[..., Awaitable[Any]] | None = None
+    lookup: Callable[[str], Awaitable[Any]] | None = None
+
+    @property
+    def spec(self) -> ToolSpec:
+        """What the model is told."""
+        schema = self.arguments.model_json_schema()
+        schema.pop("title", None)
+        return ToolSpec(name=self.name, description=self.description, parameters=schema)
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """The model's arguments, checked and converted.
+
+        Raises:
+            ToolArgumentsError: they do not fit the schema.
+        """
+        try:
+            return dict(self.arguments.model_validate(arguments))
+        except ValidationError as exc:
+            raise ToolArgumentsError(f"bad arguments for {self.name}: {exc.errors(include_url=False)}") from None
+
+    async def __call__(self, **arguments: Any) -> Any:
+        return await self.fn(**arguments)
+
+
+def tool(
+    *,
+    name: str | None = None,
+    effect: Effect = "none",
+    expected_duration_ms: float | None = None,
+    max_duration_ms: float | None = None,
+    compensate: Callable[..., Awaitable[Any]] | None = None,
+    lookup: Callable[[str], Awaitable[Any]] | None = None,
+) -> Callable[[Callable[..., Awaitable[Any]]], Tool]:
+    """Declare an async function as a tool. Its docstring's first paragraph
+    is the description; every parameter needs a type annotation.
+
+    Args:
+        name: the tool's name (default: the function's).
+        effect: ``"none"``, ``"complete"`` or ``"compensate"`` (module doc).
+        expected_duration_ms: how long a call usually takes, ms.
+        max_duration_ms: a call is cut off after this long, ms.
+        compensate: undoes the effect (``"compensate"`` tools).
+        lookup: ``lookup(idempotency_key)`` asks the external system whether
+            the effect happened.
+
+    Raises:
+        TypeError: the function is not async, or a parameter has no
+            annotation.
+    """
+
+    def wrap(fn: Callable[..., Awaitable[Any]]) -> Tool:
+        if not inspect.iscoroutinefunction(fn):
+            raise TypeError(f"tool {fn.__name__} must be an async function")
+        fields: dict[str, Any] = {}
+        for p in inspect.signature(fn).parameters.values():
+            if p.annotation is inspect.Parameter.empty:
+                raise TypeError(f"tool {fn.__name__}: parameter {p.name} needs a type annotation")
+            default = ... if p.default is inspect.Parameter.empty else p.default
+            fields[p.name] = (p.annotation, default)
+        args_model = create_model(f"{fn.__name__}_arguments", __config__=ConfigDict(extra="forbid"), **fields)
+        doc = inspect.getdoc(fn) or fn.__name__
+        return Tool(
+            name=name or fn.__name__,
+            description=doc.split("\n\n")[0].replace("\n", " "),
+            fn=fn,
+            arguments=args_model,
+            effect=effect,
+            expected_duration_ms=expected_duration_ms,
+            max_duration_ms=max_duration_ms,
+            compensate=compensate,
+            lookup=lookup,
+        )
+
+    return wrap
+
+
+class Toolbox:
+    """The tools one agent may call, by name."""
+
+    def __init__(self, tools: list[Tool] | None = None) -> None:
+        self._tools: dict[str, Tool] = {}
+        for t in tools or []:
+            self.add(t)
+
+    def add(self, t: Tool) -> None:
+        """Register a tool.
+
+        Raises:
+            ValueError: a tool of that name is registered already.
+        """
+        if t.name in self._tools:
+            raise ValueError(f"two tools named {t.name!r}")
+        self._tools[t.name] = t
+
+    def get(self, name: str) -> Tool | None:
+        """The tool called ``name``, or None."""
+        return self._tools.get(name)
+
+    def specs(self) -> list[ToolSpec]:
+        """What the model is told, one spec per tool."""
+        return [t.spec for t in self._tools.values()]
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+
+def embedded_tools(clock: Clock, *, weather_latency_ms: float = 50.0) -> Toolbox:
+    """The embedded agent's demo tools, on ``clock``:
+
+    - ``lookup_weather(city)``: effect "none"; answers after
+      ``weather_latency_ms`` (a network read).
+    """
+
+    @tool(expected_duration_ms=weather_latency_ms, max_duration_ms=5000)
+    async def lookup_weather(city: str = "here") -> str:
+        """Look up the current weather and tomorrow's forecast for a city."""
+        await clock.sleep(weather_latency_ms / 1000)
+        return WEATHER_REPLY
+
+    return Toolbox([lookup_weather])
