@@ -100,11 +100,15 @@ class Child:
     outcome: ChildOutcome | None = None
     error: BaseException | None = None
     ended_at: float | None = None
+    #: it ended after the scope was stopped
+    ended_after_stop: bool = False
     #: inside a must-complete section now
     committing: bool = False
     #: a must-complete section of it ended after the stop request
     committed_after_stop: bool = False
     result: Any = None
+    #: its coroutine returned (it was not cut short)
+    returned: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -217,7 +221,19 @@ class TurnScope:
         child = Child(name)
         self.children.append(child)
         child.task = self._tg.create_task(self._run_child(child, coro, limit, bound_by_deadline), name=f"{self.turn_id[:8]}:{name}")
+        child.task.add_done_callback(lambda _t: self._child_done(child, coro))
         return child
+
+    def _child_done(self, child: Child, coro: Coroutine[Any, Any, Any]) -> None:
+        """The child's task ended, even if it was cancelled before it ever
+        ran (then ``coro`` is closed unstarted and it reports ``stopped``)."""
+        if child.outcome is None:
+            child.outcome = ChildOutcome.STOPPED
+        if child.ended_at is None:
+            child.ended_at = self.clock.monotonic()
+            child.ended_after_stop = self.stopped.is_set()
+        coro.close()
+        child.done.set()
 
     async def run(
         self,
@@ -258,7 +274,7 @@ class TurnScope:
         await child.done.wait()
         if child.error is not None:
             raise child.error
-        if child.outcome is ChildOutcome.STOPPED:
+        if not child.returned:
             raise self.limit or TurnStopped(self.turn_id, child.name)
         return child.result
 
@@ -267,6 +283,7 @@ class TurnScope:
         try:
             async with timeout_after(self.clock, limit):
                 child.result = await coro
+            child.returned = True
             child.outcome = ChildOutcome.COMMITTING if child.committed_after_stop else ChildOutcome.COMPLETED
         except asyncio.CancelledError:
             child.outcome = ChildOutcome.COMMITTING if child.committed_after_stop else ChildOutcome.STOPPED
@@ -292,7 +309,7 @@ class TurnScope:
         finally:
             _current_child.reset(token)
             child.ended_at = self.clock.monotonic()
-            child.done.set()
+            child.ended_after_stop = self.stopped.is_set()
 
     async def commit(self, work: Awaitable[T], *, effect: bool = True) -> T:
         """Run ``work`` as a must-complete section of the calling child: a
@@ -388,7 +405,7 @@ class TurnScope:
         reports = []
         for c in self.children:
             if c.done.is_set():
-                ms = None if c.ended_at is None or c.ended_at < started else (c.ended_at - started) * 1000
+                ms = None if c.ended_at is None or not c.ended_after_stop else round((c.ended_at - started) * 1000, 3)
                 reports.append(ChildReport(name=c.name, outcome=c.outcome or ChildOutcome.STOPPED, ms=ms, detail=_detail(c.error)))
             else:
                 outcome = ChildOutcome.COMMITTING if c.committing else ChildOutcome.IGNORED_CANCEL

@@ -177,6 +177,8 @@ class OpenAiChatModel:
                 if "error" in chunk:
                     raise ModelApiError(0, json.dumps(chunk["error"])[:500])
                 usage = chunk.get("usage")
+                if usage and meter is not None:  # before the chunk's text: an abort right after it keeps the figures
+                    meter.reported(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}
                     for tc in delta.get("tool_calls") or []:
@@ -192,8 +194,6 @@ class OpenAiChatModel:
                         if meter is not None and not usage:
                             meter.chunk()
                         yield text
-                if usage and meter is not None:
-                    meter.reported(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
             for index in sorted(calls):
                 yield _tool_call(calls[index], index)
             finished = True

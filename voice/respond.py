@@ -17,6 +17,7 @@ withheld=True)``), never delivered; its cost is still metered.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import Callable
@@ -161,13 +162,17 @@ async def _tool_call(
     expected = tool.expected_duration_ms / 1000 if tool.expected_duration_ms is not None else None
     limit = tool.max_duration_ms / 1000 if tool.max_duration_ms is not None else None
     on_event("tool.started", call_id=call.id, name=call.name, arguments=arguments, effect=tool.effect)
+    done: list[bool] = []
     try:
-        output = await scope.run(f"tool:{tool.name}", _invoke(scope, tool, arguments, call, on_event), max_s=limit, expected_s=expected)
+        output = await scope.run(
+            f"tool:{tool.name}", _invoke(scope, tool, arguments, call, on_event, done), max_s=limit, expected_s=expected
+        )
     except NotStarted as exc:
         on_event("tool.not_started", call_id=call.id, name=call.name, reason="no_budget", detail=exc.detail)
         raise
-    except TurnStopped:
-        on_event("tool.cancelled", call_id=call.id, name=call.name)
+    except (TurnStopped, asyncio.CancelledError):
+        if not done:  # a call that finished is not reported cancelled
+            on_event("tool.cancelled", call_id=call.id, name=call.name)
         raise
     except Exception as exc:
         on_event("tool.error", call_id=call.id, name=call.name, error=f"{type(exc).__name__}: {exc}")
@@ -177,7 +182,9 @@ async def _tool_call(
     return Message(role="tool", tool_call_id=call.id, status="done", content=_as_text(output))
 
 
-async def _invoke(scope: TurnScope, tool: Tool, arguments: dict[str, Any], call: ToolCall, on_event: EventSink) -> Any:
+async def _invoke(
+    scope: TurnScope, tool: Tool, arguments: dict[str, Any], call: ToolCall, on_event: EventSink, done: list[bool]
+) -> Any:
     """Call the tool and write its completion (the ``tool.done`` event); a
     must-complete tool does both in one must-complete section, so a stop
     lands before it or after its completion write, never between."""
@@ -185,6 +192,7 @@ async def _invoke(scope: TurnScope, tool: Tool, arguments: dict[str, Any], call:
     async def call_and_record() -> Any:
         output = await tool(**arguments)
         on_event("tool.done", call_id=call.id, name=call.name, output=_as_text(output))
+        done.append(True)
         return output
 
     if tool.effect == "none":

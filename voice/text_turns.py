@@ -70,6 +70,8 @@ class TextTurns:
         self.plans = plans or (lambda _tenant: Plan())
         self.tools = tools
         self._sessions: dict[str, _TextSession] = {}
+        #: the cancel scopes of the turns running here, by turn id
+        self.scopes: dict[str, TurnScope] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._closing = False
 
@@ -146,6 +148,7 @@ class TextTurns:
             deadline=rt.deadline if rt is not None else None,
             shutdown_reserve_s=plan.shutdown_reserve_ms / 1000,
         )
+        self.scopes[turn.id] = scope
         try:
             async with scope:
                 agent = scope.spawn("agent", self._answer(turn, llm, scope))
@@ -170,6 +173,7 @@ class TextTurns:
         except Exception:
             log.exception("text turn %s: stop handling failed", turn.id)
         finally:
+            self.scopes.pop(turn.id, None)
             self.manager.release(turn.id)
         if rt is not None and scope.stopped.is_set():
             # A provider that ignored its cancellation may have billed more

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from turn.events import EventFollower, event_json
 from turn.manager import TurnManager, turn_event
-from turn.models import Session, StopReason, StopReasonKind, Turn
+from turn.models import Budget, Session, StopReason, StopReasonKind, Turn
 from turn.store import IdempotencyConflict, StopAnswer, UnknownSession, UnknownTurn
 from web.auth import Auth
 from web.errors import ApiError
@@ -55,6 +55,10 @@ class StartTurn(BaseModel):
         default=None, pattern=SESSION_ID.pattern, description="continue this conversation (new one if absent)"
     )
     deadline_ms: int | None = Field(default=None, ge=1, le=3_600_000, description="deadline from now, ms")
+    budget_tokens: int | None = Field(
+        default=None, ge=0, le=10_000_000, description="token budget (prompt + completion); the plan's if tighter"
+    )
+    budget_cents: float | None = Field(default=None, ge=0, le=1_000_000, description="money budget, US cents")
 
 
 class StopTurn(BaseModel):
@@ -113,6 +117,9 @@ async def start_turn(request: web.Request) -> web.Response:
             text=body.text,
             session_id=body.session_id,
             deadline_s=body.deadline_ms / 1000 if body.deadline_ms else None,
+            budget=Budget(tokens=body.budget_tokens, cents=body.budget_cents)
+            if body.budget_tokens is not None or body.budget_cents is not None
+            else None,
         )
     except PermissionError as exc:
         raise ApiError(404, "not_found", f"no session {body.session_id!r}") from exc

@@ -118,6 +118,8 @@ async def test_auth_is_required(api: Api, headers: dict[str, str] | None) -> Non
         (json.dumps({"text": "hi", "session_id": "../etc"}).encode(), "invalid_request"),
         (json.dumps({"text": "hi", "deadline_ms": 0}).encode(), "invalid_request"),
         (json.dumps({"text": "hi", "colour": "blue"}).encode(), "invalid_request"),
+        (json.dumps({"text": "hi", "budget_tokens": -1}).encode(), "invalid_request"),
+        (json.dumps({"text": "hi", "budget_cents": "lots"}).encode(), "invalid_request"),
     ],
 )
 async def test_bad_turn_requests(api: Api, payload: bytes, code: str) -> None:
@@ -334,3 +336,52 @@ async def test_api_off_without_tokens(tmp_path: Path) -> None:
                 assert r.status == 401 and "TURNKEEPER_API_TOKENS" in (await r.json())["error"]["message"]
     finally:
         await runner.cleanup()
+
+
+# -- limits and usage --------------------------------------------------------------
+
+
+async def test_stopped_turn_shows_honest_usage_and_child_reports(api: Api) -> None:
+    started = await api.start("tell me a story")
+    turn_id = started["turn"]["id"]
+    await asyncio.sleep(0.5)  # mid-stream at 40 tokens/s
+    status, _ = await api.stop(turn_id, "stop-usage-1")
+    assert status == 202
+    done = await api.wait_terminal(turn_id)
+    assert done["status"] == "CANCELLED"
+    usage = done["usage"]
+    for field in ("prompt_tokens", "completion_tokens", "completion_tokens_after_stop", "requests_after_stop"):
+        assert field in usage
+    assert usage["requests_after_stop"] == 0 and usage["model_requests"] == 1
+    assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
+    assert usage["records"][0]["partial"] is True
+    assert done["spent"]["tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    outcomes = {c["name"]: c["outcome"] for c in done["stop_report"]["children"]}
+    assert outcomes["model"] == "stopped" and done["stop_report"]["grace_ms"] == 250
+
+
+async def test_a_request_budget_tighter_than_the_plan_fails_the_turn(api: Api) -> None:
+    started = await api.start("tell me a story", budget_tokens=30)
+    assert started["turn"]["budget"]["tokens"] == 30
+    done = await api.wait_terminal(started["turn"]["id"])
+    assert done["status"] == "FAILED" and done["stop_reason"]["kind"] == "budget_exceeded"
+    assert done["spent"]["tokens"] == 30
+
+
+async def test_the_plan_caps_what_a_request_asks(api: Api) -> None:
+    started = await api.start("hello", budget_tokens=10_000_000, deadline_ms=3_600_000)
+    turn = started["turn"]
+    assert turn["budget"]["tokens"] == 100_000  # the default plan's
+    assert turn["max_steps"] == 16
+
+
+async def test_weather_goes_through_the_tool(api: Api) -> None:
+    started = await api.start("what is the weather")
+    done = await api.wait_terminal(started["turn"]["id"])
+    assert done["status"] == "COMPLETED" and "sunny" in done["reply"]
+    assert done["usage"]["model_requests"] == 2 and done["step_count"] == 3
+    events = await api.sse(
+        f"/v1/sessions/{started['session_id']}/events", headers=ACME, until=lambda m: m.get("type") == "agent.done"
+    )
+    types = [e.get("type") for e in events]
+    assert "tool.started" in types and "tool.done" in types and types.count("usage") == 2

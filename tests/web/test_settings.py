@@ -46,3 +46,34 @@ def test_bad_values_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("TURNKEEPER_PORT", "not-a-port")
     with pytest.raises(ValidationError):
         load_settings()
+
+
+def test_plans_per_tenant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "tk.toml"
+    cfg.write_text("[plans.acme]\ndeadline_s = 30\nbudget_cents = 5\nmax_steps = 8\n[plans.default]\ndeadline_s = 60\n")
+    s = load_settings(cfg)
+    assert s.plan_for("acme").deadline_s == 30 and s.plan_for("acme").max_steps == 8
+    assert s.plan_for("acme").budget.cents == 5
+    assert s.plan_for("someone-else").deadline_s == 60
+    assert load_settings().plan_for("anyone").max_steps == 16  # the built-in default plan
+    monkeypatch.setenv("TURNKEEPER_PLANS", '{"globex": {"budget_tokens": 500}}')
+    s = load_settings()
+    assert s.plan_for("globex").budget_tokens == 500 and s.plan_for("default").deadline_s == 300
+    monkeypatch.setenv("TURNKEEPER_PLANS", '{"globex": {"deadline_s": -1}}')
+    with pytest.raises(ValidationError):
+        load_settings()
+    monkeypatch.setenv("TURNKEEPER_PLANS", '{"globex": {"colour": "blue"}}')
+    with pytest.raises(ValidationError):
+        load_settings()
+
+
+def test_llm_provider_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TURNKEEPER_LLM__PROVIDER", "openai")
+    monkeypatch.setenv("TURNKEEPER_LLM__BASE_URL", "http://127.0.0.1:8000/v1")
+    monkeypatch.setenv("TURNKEEPER_LLM__API_KEY", "sk-secret")
+    s = load_settings()
+    assert s.llm.provider == "openai" and s.llm.base_url.endswith(":8000/v1")
+    assert "sk-secret" not in repr(s)  # the key is never logged
+    monkeypatch.setenv("TURNKEEPER_LLM__PROVIDER", "gpt-from-the-moon")
+    with pytest.raises(ValidationError):
+        load_settings()
