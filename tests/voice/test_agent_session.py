@@ -21,9 +21,10 @@ from turn.clock import SystemClock
 from turn.events import EventFollower, event_json
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
-from turn.models import StopReasonKind, TurnStatus
+from turn.models import ChildOutcome, StopReasonKind, TurnStatus
 from turn.sqlite_store import SqliteStore
 from voice.llm import LocalAgent, LocalLlmConfig
+from voice.tools import embedded_tools
 from voice.session import AgentSession, Providers
 from voice.stt import PocketsphinxConfig, PocketsphinxSTT
 from voice.tts import EspeakConfig, EspeakTTS
@@ -88,6 +89,7 @@ class Harness:
                 stt=PocketsphinxSTT(PocketsphinxConfig(grammar=grammar)),
                 llm=LocalAgent(LocalLlmConfig(tokens_per_second=20), self.clock),
                 tts=self.tts,
+                tools=embedded_tools(self.clock),
             ),
             playout=self.playout,
             fence=self.fence,
@@ -186,6 +188,14 @@ async def test_barge_in_stops_old_generation(harness: Harness, say: Callable[...
     assert h.statuses(old.id) == ["QUEUED", "RUNNING", "CANCEL_REQUESTED", "CANCELLED"]
     assert new.status is TurnStatus.COMPLETED and new.generation == 2
     assert new.transcript == "what is the weather like today" and "sunny" in (new.reply or "")
+    assert new.usage.model_requests == 2 and new.step_count == 3  # model, lookup_weather, model
+    # every child of the old turn reported to its cancel scope
+    assert old.stop_report is not None
+    outcomes = {c.name: c.outcome for c in old.stop_report.children}
+    assert outcomes["stt"] is ChildOutcome.COMPLETED
+    assert outcomes["tts"] is ChildOutcome.STOPPED
+    assert outcomes.get("model", ChildOutcome.STOPPED) is ChildOutcome.STOPPED
+    assert old.usage.requests_after_stop == 0 and old.usage.model_requests == 1
     # nothing of generation 1 left the server after the fence
     last_old = h.track.audit.per_generation[1].last_sent_at
     assert last_old is not None and last_old <= fenced_at
