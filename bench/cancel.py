@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import sys
 import tempfile
@@ -177,6 +178,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.stops < 1:
         parser.error("--stops must be at least 1")
+    # the ignoring provider is expected to ignore its cancellation: no warning per stop
+    logging.getLogger("turn.scope").setLevel(logging.ERROR)
     res = asyncio.run(main_async(args))
     if args.json:
         print(json.dumps(res))
