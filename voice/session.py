@@ -479,6 +479,8 @@ class AgentSession:
             return
         if self._active_run() is run:
             self.playout.clear()
+        if run.scope is not None:
+            run.scope.stop(None)  # the reason is the one stored by whoever asked
         if run.work is not None:
             run.work.cancel()
         assert self._tg is not None
