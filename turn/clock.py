@@ -11,11 +11,10 @@ records that humans and other processes read.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import itertools
 import time
-from collections.abc import AsyncIterator
+from typing import Any
 from datetime import datetime, timedelta, timezone
 from typing import Protocol
 
@@ -102,10 +101,12 @@ class VirtualClock:
         return sum(1 for _, _, f in self._sleepers if not f.done())
 
 
-@contextlib.asynccontextmanager
-async def timeout_after(clock: Clock, seconds: float | None) -> AsyncIterator[None]:
+class timeout_after:  # noqa: N801 - used like asyncio.timeout
     """Like ``asyncio.timeout``, but on the injected ``clock``: cancel the
     body after ``seconds`` (None: never) and raise ``TimeoutError`` instead.
+    Use as ``async with timeout_after(clock, 2.0) as limit:``; afterwards
+    ``limit.expired`` tells whether this limit fired (a ``TimeoutError``
+    raised by the body itself leaves it False).
 
     A cancellation from anywhere else still propagates as
     ``CancelledError`` (the timeout only converts its own cancel, counted
@@ -115,29 +116,35 @@ async def timeout_after(clock: Clock, seconds: float | None) -> AsyncIterator[No
         TimeoutError: the body ran ``seconds`` or longer.
         RuntimeError: not inside a task.
     """
-    if seconds is None:
-        yield
-        return
-    task = asyncio.current_task()
-    if task is None:
-        raise RuntimeError("timeout_after needs a running task")
-    expired = False
 
-    async def alarm() -> None:
-        nonlocal expired
-        await clock.sleep(seconds)
-        expired = True
-        task.cancel(msg="timeout")
+    def __init__(self, clock: Clock, seconds: float | None) -> None:
+        self.clock = clock
+        self.seconds = seconds
+        self.expired = False
+        self._task: asyncio.Task[Any] | None = None
+        self._timer: asyncio.Task[None] | None = None
 
-    timer = asyncio.get_running_loop().create_task(alarm())
-    try:
-        yield
-    except asyncio.CancelledError:
-        if expired and task.uncancel() == 0:
-            raise TimeoutError(f"timed out after {seconds:.3f} s") from None
-        raise
-    finally:
-        timer.cancel()
+    async def __aenter__(self) -> timeout_after:
+        if self.seconds is None:
+            return self
+        self._task = asyncio.current_task()
+        if self._task is None:
+            raise RuntimeError("timeout_after needs a running task")
+        self._timer = asyncio.get_running_loop().create_task(self._alarm(self.seconds))
+        return self
+
+    async def _alarm(self, seconds: float) -> None:
+        await self.clock.sleep(seconds)
+        self.expired = True
+        assert self._task is not None
+        self._task.cancel(msg="timeout")
+
+    async def __aexit__(self, et: Any, exc: Any, tb: Any) -> bool | None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if et is asyncio.CancelledError and self.expired and self._task is not None and self._task.uncancel() == 0:
+            raise TimeoutError(f"timed out after {self.seconds:.3f} s") from None
+        return None
 
 
 async def _settle(rounds: int = 20) -> None:

@@ -80,13 +80,17 @@ class TurnRuntime:
     stopping: bool = False
     synced_at: float = 0.0
 
-    def over_budget(self) -> str | None:
-        """Why the budget is spent (None if it is not)."""
+    def over_budget(self, expected_tokens: int = 0) -> str | None:
+        """Why the budget is spent, or cannot pay for ``expected_tokens``
+        more prompt tokens (None if it can)."""
         spent = self.meter.spent()
         if self.budget.tokens is not None and spent.tokens >= self.budget.tokens:
             return f"{spent.tokens} of {self.budget.tokens} tokens used"
-        if self.budget.cents is not None and spent.cents >= self.budget.cents and spent.cents > 0:
-            return f"{spent.cents:.4f} of {self.budget.cents} cents spent"
+        if self.budget.tokens is not None and expected_tokens and spent.tokens + expected_tokens > self.budget.tokens:
+            return f"the next step needs about {expected_tokens} tokens, {self.budget.tokens - spent.tokens} left"
+        cents = spent.cents + self.meter.pricing.cents(expected_tokens, 0)
+        if self.budget.cents is not None and cents > 0 and cents >= self.budget.cents:
+            return f"{cents:.4f} of {self.budget.cents} cents spent or needed"
         return None
 
 
@@ -313,7 +317,7 @@ class TurnManager:
             deadline=mono + deadline_s if deadline_s is not None else None,
             budget=turn.budget,
             max_steps=max_steps,
-            meter=UsageMeter(pricing),
+            meter=UsageMeter(pricing, now=self.clock.now),
             synced_at=mono,
         )
         result = await self.store_call(lambda: self.store.transition(turn.id, TurnStatus.RUNNING, at=self.clock.now()))
@@ -471,7 +475,9 @@ class TurnManager:
             lambda: self.store.update(turn_id, at=self.clock.now(), spent=meter.spent(), usage=meter.usage())
         )
 
-    async def checkpoint(self, turn_id: str, phase: str, *, tool_call: tuple[str, Any] | None = None) -> None:
+    async def checkpoint(
+        self, turn_id: str, phase: str, *, tool_call: tuple[str, Any] | None = None, expected_tokens: int = 0
+    ) -> None:
         """The cheap check before and after every model and tool call (and
         during a model stream). It raises, never returns a flag.
 
@@ -482,7 +488,9 @@ class TurnManager:
         steps, and (with ``tool_call``, a ``(name, arguments)`` pair) the
         last three tool calls were the same call. Every ``flag_staleness_s``
         it writes the heartbeat, step count and usage, in the same store
-        round trip that reads the stop flag.
+        round trip that reads the stop flag. ``expected_tokens``: what the
+        step about to start will use at least (a model call's prompt), so a
+        call the budget cannot pay for is not started.
 
         Raises:
             TurnStopped: the turn must not go on; ``kind`` is set (deadline,
@@ -500,16 +508,19 @@ class TurnManager:
             raise TurnStopped(turn_id, phase)
         if rt is None:
             return
+        stop: TurnStopped | None = None
         if rt.deadline is not None and self.clock.monotonic() >= rt.deadline:
-            raise TurnStopped(turn_id, phase, StopReasonKind.DEADLINE_EXCEEDED, "the turn's deadline passed")
-        why = rt.over_budget()
-        if why is not None:
-            raise TurnStopped(turn_id, phase, StopReasonKind.BUDGET_EXCEEDED, why)
-        if rt.steps > rt.max_steps:
-            raise TurnStopped(turn_id, phase, StopReasonKind.MAX_STEPS, f"step {rt.steps} of at most {rt.max_steps}")
-        if tool_call is not None and len(rt.recent_tools) == LOOP_REPEATS and len(set(rt.recent_tools)) == 1:
+            stop = TurnStopped(turn_id, phase, StopReasonKind.DEADLINE_EXCEEDED, "the turn's deadline passed")
+        elif (why := rt.over_budget(expected_tokens)) is not None:
+            stop = TurnStopped(turn_id, phase, StopReasonKind.BUDGET_EXCEEDED, why)
+        elif rt.steps > rt.max_steps:
+            stop = TurnStopped(turn_id, phase, StopReasonKind.MAX_STEPS, f"step {rt.steps} of at most {rt.max_steps}")
+        elif tool_call is not None and len(rt.recent_tools) == LOOP_REPEATS and len(set(rt.recent_tools)) == 1:
             name = rt.recent_tools[-1][0]
-            raise TurnStopped(turn_id, phase, StopReasonKind.LOOP_DETECTED, f"{name} called {LOOP_REPEATS} times with the same arguments")
+            stop = TurnStopped(turn_id, phase, StopReasonKind.LOOP_DETECTED, f"{name} called {LOOP_REPEATS} times with the same arguments")
+        if stop is not None:
+            rt.meter.mark_stopped()  # whatever streams from now on is waste
+            raise stop
 
     async def stop_for_limit(self, turn_id: str, stop: TurnStopped) -> StopResult:
         """Record a stop the turn decided itself (``stop.kind`` is a limit):
@@ -544,6 +555,10 @@ class TurnManager:
             if current.status is TurnStatus.RUNNING:  # a signal without a request: never leave it half-stopped
                 fallback = scope.reason or StopReason(kind=StopReasonKind.USER_CANCEL, initiator="signal", at=self.clock.now())
                 current = (await self.request_stop(turn_id, fallback)).turn
+        rt = self._runtime.get(turn_id)
+        if rt is not None and current.stop_reason is not None:
+            rt.meter.mark_stopped()
+            rt.meter.reconcile_stop(current.stop_reason.at)
         if current.is_terminal:
             return current
         await self.store_call(lambda: self.store.update(turn_id, at=self.clock.now(), stop_report=report))

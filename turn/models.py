@@ -11,7 +11,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class TurnStatus(StrEnum):
@@ -240,6 +240,12 @@ class Plan(BaseModel):
     budget_tokens: int | None = Field(100_000, ge=0)
     max_steps: int = Field(16, ge=1, le=10_000)
     shutdown_reserve_ms: int = Field(250, ge=0, le=60_000)
+
+    @model_validator(mode="after")
+    def _reserve_fits(self) -> Plan:
+        if self.shutdown_reserve_ms / 1000 >= self.deadline_s:
+            raise ValueError("shutdown_reserve_ms must be shorter than deadline_s, or no child could ever run")
+        return self
 
     @property
     def budget(self) -> Budget:

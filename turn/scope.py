@@ -35,6 +35,8 @@ T = TypeVar("T")
 
 #: default bound (s) on how long children may take to report after a stop
 STOP_GRACE_S = 0.25
+#: how long (s) a stop waits for the turn's own final write already under way
+FINAL_WRITE_WAIT_S = 5.0
 
 #: stops the turn decides for itself; they end it FAILED, not CANCELLED
 LIMIT_KINDS = frozenset(
@@ -106,6 +108,8 @@ class Child:
     committing: bool = False
     #: a must-complete section of it ended after the stop request
     committed_after_stop: bool = False
+    #: it was reported ignored_cancel (and cancelled again) once already
+    reported_ignored: bool = False
     result: Any = None
     #: its coroutine returned (it was not cut short)
     returned: bool = False
@@ -154,6 +158,7 @@ class TurnScope:
         self.stop_requested_at: float | None = None
         self.stopped = asyncio.Event()
         self.children: list[Child] = []
+        self._final: asyncio.Future[Any] | None = None
         self._tg = asyncio.TaskGroup()
         self._entered = False
 
@@ -280,8 +285,9 @@ class TurnScope:
 
     async def _run_child(self, child: Child, coro: Coroutine[Any, Any, Any], limit: float | None, bound: bool) -> None:
         token = _current_child.set(child)
+        time_limit = timeout_after(self.clock, limit)
         try:
-            async with timeout_after(self.clock, limit):
+            async with time_limit:
                 child.result = await coro
             child.returned = True
             child.outcome = ChildOutcome.COMMITTING if child.committed_after_stop else ChildOutcome.COMPLETED
@@ -289,7 +295,10 @@ class TurnScope:
             child.outcome = ChildOutcome.COMMITTING if child.committed_after_stop else ChildOutcome.STOPPED
             raise
         except TimeoutError as exc:
-            if bound:
+            if not time_limit.expired:  # raised by the child's own work (a socket timeout, say): a failure
+                child.outcome = ChildOutcome.FAILED
+                child.error = exc
+            elif bound:
                 stop = TurnStopped(self.turn_id, child.name, StopReasonKind.DEADLINE_EXCEEDED, "the turn's deadline")
                 child.outcome = ChildOutcome.STOPPED
                 self.stop_self(stop)
@@ -334,8 +343,10 @@ class TurnScope:
         """
         child = _current_child.get()
         inner = asyncio.ensure_future(work)
-        if child is not None:
+        if child is not None and effect:
             child.committing = True
+        if not effect:
+            self._final = inner  # a stop's settle waits for it: the turn may be completing
         cancelled = False
         try:
             while not inner.done():
@@ -345,9 +356,9 @@ class TurnScope:
                     if not inner.done():
                         cancelled = True  # delivered below, once the section is done
         finally:
-            if child is not None:
+            if child is not None and effect:
                 child.committing = False
-                if self.stopped.is_set() and effect:
+                if self.stopped.is_set():
                     child.committed_after_stop = True
         result = inner.result()
         if cancelled:
@@ -387,21 +398,27 @@ class TurnScope:
     async def settle(self) -> StopReport:
         """Wait up to ``grace_s`` for every child to end, then report. A
         child still running then is reported ``ignored_cancel`` (or
-        ``committing`` while in a must-complete section) and cancelled
-        again; the scope still waits for it when it exits."""
+        ``committing`` while in a must-complete section with an effect) and
+        cancelled again; the scope still waits for it when it exits. The
+        turn's own final write (a ``commit(..., effect=False)``) under way is
+        waited for, up to ``FINAL_WRITE_WAIT_S``: the turn may be completing.
+        Safe to call again (later calls report what is true then)."""
         started = self.stop_requested_at if self.stop_requested_at is not None else self.clock.monotonic()
         pending = [c for c in self.children if not c.done.is_set()]
         if pending:
             waiters = [asyncio.ensure_future(c.done.wait()) for c in pending]
             grace = asyncio.ensure_future(self.clock.sleep(max(0.0, started + self.grace_s - self.clock.monotonic())))
+            all_done = asyncio.ensure_future(asyncio.wait(waiters))
             try:
-                all_done = asyncio.ensure_future(asyncio.wait(waiters))
                 await asyncio.wait({all_done, grace}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 grace.cancel()
                 for w in waiters:
                     w.cancel()
                 all_done.cancel()
+        if self._final is not None and not self._final.done():
+            await asyncio.wait({self._final}, timeout=FINAL_WRITE_WAIT_S)
+            await asyncio.sleep(0)  # let the child that wrote it end
         reports = []
         for c in self.children:
             if c.done.is_set():
@@ -410,7 +427,8 @@ class TurnScope:
             else:
                 outcome = ChildOutcome.COMMITTING if c.committing else ChildOutcome.IGNORED_CANCEL
                 reports.append(ChildReport(name=c.name, outcome=outcome, detail="still running after the grace"))
-                if c.task is not None and not c.committing:
+                if c.task is not None and not c.committing and not c.reported_ignored:
+                    c.reported_ignored = True
                     c.task.cancel()
                     log.warning("turn %s: child %s ignored its cancellation", self.turn_id, c.name)
         return StopReport(

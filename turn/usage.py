@@ -14,6 +14,7 @@ Prices make cents: ``Pricing`` is in US cents per 1,000 tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -53,9 +54,13 @@ class RequestMeter:
     when the stream ends or is aborted.
     """
 
-    def __init__(self, meter: UsageMeter, number: int, prompt_estimate: int, started_after_stop: bool) -> None:
+    def __init__(
+        self, meter: UsageMeter, number: int, prompt_estimate: int, started_after_stop: bool, started_at: datetime | None
+    ) -> None:
         self._meter = meter
         self.number = number
+        self.started_at = started_at
+        self.billed = True
         self.prompt_tokens = prompt_estimate
         self.completion_tokens = 0
         self.after_stop = 0
@@ -84,6 +89,15 @@ class RequestMeter:
         self.reported_usage = True
         self._meter.changed()
 
+    def not_billed(self) -> None:
+        """The request was refused before any generation (connection
+        refused, an HTTP error answer): nothing is billed for it."""
+        self.billed = False
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.after_stop = 0
+        self._meter.changed()
+
     def finish(self, *, partial: bool) -> None:
         """The request ended; ``partial`` if it was aborted before its end.
         Idempotent (the first call decides ``partial``)."""
@@ -95,14 +109,16 @@ class RequestMeter:
 
     def record(self) -> UsageRecord:
         """This request as a :class:`turn.models.UsageRecord`."""
+        stop_at = self._meter.stop_at
+        late = stop_at is not None and self.started_at is not None and self.started_at > stop_at
         return UsageRecord(
             request=self.number,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             completion_tokens_after_stop=self.after_stop,
-            partial=self.partial or not self.finished,
-            source="usage_chunk" if self.reported_usage else "counted",
-            started_after_stop=self.started_after_stop,
+            partial=(self.partial or not self.finished) and self.billed,
+            source="not_billed" if not self.billed else "usage_chunk" if self.reported_usage else "counted",
+            started_after_stop=self.started_after_stop or late,
         )
 
 
@@ -113,22 +129,40 @@ class UsageMeter:
         pricing: token prices (cents per 1,000).
         on_change: called (no arguments, must not block) after every change,
             e.g. to check the budget while a stream runs.
+        now: wall clock (UTC) for each request's start, so requests can be
+            compared with the stored time of the stop request.
     """
 
-    def __init__(self, pricing: Pricing | None = None, on_change: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        pricing: Pricing | None = None,
+        on_change: Callable[[], None] | None = None,
+        now: Callable[[], datetime] | None = None,
+    ) -> None:
         self.pricing = pricing or Pricing()
         self.requests: list[RequestMeter] = []
         self.stopped = False
+        #: the stop request's time as the store recorded it (see :meth:`reconcile_stop`)
+        self.stop_at: datetime | None = None
         self._on_change = on_change
+        self._now = now
 
     def mark_stopped(self) -> None:
-        """The turn's stop was requested: tokens from now on are waste."""
+        """This process learnt that the turn is stopping: tokens from now on
+        are waste."""
         self.stopped = True
+
+    def reconcile_stop(self, at: datetime) -> None:
+        """The stop request's time as stored (possibly by another instance,
+        before this one heard of it): a request started after it counts in
+        ``requests_after_stop`` even if this process had not heard yet."""
+        self.stop_at = at
 
     def start_request(self, prompt_estimate: int) -> RequestMeter:
         """A model request begins (``prompt_estimate`` tokens until the
         provider reports the real count)."""
-        req = RequestMeter(self, len(self.requests) + 1, prompt_estimate, self.stopped)
+        started_at = self._now() if self._now is not None else None
+        req = RequestMeter(self, len(self.requests) + 1, prompt_estimate, self.stopped, started_at)
         self.requests.append(req)
         self.changed()
         return req

@@ -159,11 +159,19 @@ class OpenAiChatModel:
             headers["Authorization"] = f"Bearer {key}"
         url = self.config.base_url.rstrip("/") + "/chat/completions"
         finished = False
-        resp = await self._client().post(url, json=self.request_body(messages, tools), headers=headers)
+        try:
+            resp = await self._client().post(url, json=self.request_body(messages, tools), headers=headers)
+        except BaseException:
+            if meter is not None:  # never reached the model: nothing billed
+                meter.not_billed()
+                meter.finish(partial=True)
+            raise
         try:
             if resp.status != 200:
+                if meter is not None:
+                    meter.not_billed()
                 text = (await resp.text())[:500]
-                raise ModelApiError(resp.status, text or resp.reason or "")
+                raise ModelApiError(resp.status, f"{url} (setting llm.base_url) answered {resp.reason}: {text}")
             calls: dict[int, dict[str, Any]] = {}
             async for data in sse_data(resp.content):
                 if data.strip() == "[DONE]":

@@ -124,7 +124,11 @@ class ChatCompletionsServer:
         opts = self.options
         started = time.monotonic()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+        try:
+            await resp.prepare(request)
+        except (ConnectionResetError, ConnectionError):
+            stats.disconnected_after_s = time.monotonic() - started  # gone before the first byte
+            return resp
         cid = f"chatcmpl-{uuid.uuid4().hex[:12]}"
         prompt = prompt_tokens(messages, tools)
         call = choose_tool_call(messages, tools)

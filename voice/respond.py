@@ -94,12 +94,15 @@ async def run_agent(
     history = list(messages)
     added: list[Message] = []
     while True:
-        await manager.checkpoint(turn_id, "before_model")
-        req = meter.start_request(estimate_tokens(json.dumps([m.model_dump(exclude_none=True) for m in history])))
-        text, calls = await scope.run(
-            "model", _model_call(scope, manager, turn_id, llm, history, specs, req, on_token), max_s=model_max_s
-        )
-        on_event("usage", **req.record().model_dump())
+        prompt = prompt_estimate(history, specs)
+        await manager.checkpoint(turn_id, "before_model", expected_tokens=prompt)
+        req = meter.start_request(prompt)
+        try:
+            text, calls = await scope.run(
+                "model", _model_call(scope, manager, turn_id, llm, history, specs, req, on_token), max_s=model_max_s
+            )
+        finally:
+            on_event("usage", **req.record().model_dump())  # an aborted request too: it is billed
         await manager.checkpoint(turn_id, "after_model")
         if not calls:
             return AgentResult(text, added)
@@ -130,9 +133,9 @@ async def _model_call(
                     continue
                 if scope.stopped.is_set():
                     on_token(item, withheld=True)  # a provider that ignored its cancellation
-                else:
-                    parts.append(item)
-                    on_token(item)
+                    raise scope.limit or TurnStopped(turn_id, "model_stream")
+                parts.append(item)
+                on_token(item)
                 await manager.checkpoint(turn_id, "model_stream")
     finally:
         req.finish(partial=True)  # no-op if the provider finished it whole
@@ -161,7 +164,6 @@ async def _tool_call(
         return Message(role="tool", tool_call_id=call.id, status="error", content=f"error: {exc}")
     expected = tool.expected_duration_ms / 1000 if tool.expected_duration_ms is not None else None
     limit = tool.max_duration_ms / 1000 if tool.max_duration_ms is not None else None
-    on_event("tool.started", call_id=call.id, name=call.name, arguments=arguments, effect=tool.effect)
     done: list[bool] = []
     try:
         output = await scope.run(
@@ -189,6 +191,8 @@ async def _invoke(
     must-complete tool does both in one must-complete section, so a stop
     lands before it or after its completion write, never between."""
 
+    on_event("tool.started", call_id=call.id, name=call.name, arguments=arguments, effect=tool.effect)
+
     async def call_and_record() -> Any:
         output = await tool(**arguments)
         on_event("tool.done", call_id=call.id, name=call.name, output=_as_text(output))
@@ -198,6 +202,19 @@ async def _invoke(
     if tool.effect == "none":
         return await call_and_record()
     return await scope.commit(call_and_record())
+
+
+def prompt_estimate(messages: list[Message], tools: list[Any] | None) -> int:
+    """A request's prompt size before the provider reports it, tokens: each
+    message's text plus about 4 tokens of framing (OpenAI's rule for chat
+    messages), and the tool specs' JSON."""
+    tokens = sum(estimate_tokens(m.content) + 4 for m in messages)
+    for m in messages:
+        for c in m.tool_calls or []:
+            tokens += estimate_tokens(c.name + json.dumps(c.arguments))
+    if tools:
+        tokens += estimate_tokens(json.dumps([t.model_dump() for t in tools]))
+    return tokens
 
 
 def _as_text(output: Any) -> str:

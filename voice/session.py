@@ -370,12 +370,12 @@ class AgentSession:
 
                 async def finish() -> None:
                     await self.manager.record(turn.id, reply=reply)
-                    await self.manager.complete(turn.id)
+                    if (await self.manager.complete(turn.id)).applied:
+                        run.settled = True
+                        self._output(run, "agent.done", text=reply)
 
                 self._remember(run, interrupted=False)
                 await scope.commit(finish(), effect=False)  # the final step commits whole, or not at all
-                run.settled = True
-                self._output(run, "agent.done", text=reply)
         except asyncio.CancelledError:
             self._remember(run, interrupted=True)
             raise

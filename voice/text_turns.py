@@ -11,6 +11,7 @@ output is fenced) and the old turn is stopped with reason ``barge_in``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from turn.clock import Clock
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import Budget, Plan, StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
-from turn.scope import TurnScope
+from turn.scope import Child, TurnScope, TurnStopped
 from voice.providers import LanguageModel, Message
 from voice.respond import run_agent, sink_to
 from voice.session import describe_error
@@ -151,19 +152,23 @@ class TextTurns:
         self.scopes[turn.id] = scope
         try:
             async with scope:
-                agent = scope.spawn("agent", self._answer(turn, llm, scope))
-                stop = asyncio.ensure_future(self.manager.stop_event(turn.id).wait())
-                ended = asyncio.ensure_future(agent.done.wait())
                 try:
-                    await asyncio.wait({stop, ended}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    stop.cancel()
-                    ended.cancel()
-                if not agent.done.is_set() and not scope.stopped.is_set():
-                    scope.stop(None)  # asked from outside: the reason is in the store
+                    agent: Child | None = scope.spawn("agent", self._answer(turn, llm, scope))
+                except TurnStopped:
+                    agent = None  # no time left at all: the scope stopped itself (deadline_exceeded)
+                if agent is not None:
+                    stop = asyncio.ensure_future(self.manager.stop_event(turn.id).wait())
+                    ended = asyncio.ensure_future(agent.done.wait())
+                    try:
+                        await asyncio.wait({stop, ended}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        stop.cancel()
+                        ended.cancel()
+                    if not agent.done.is_set() and not scope.stopped.is_set():
+                        scope.stop(None)  # asked from outside: the reason is in the store
                 if scope.stopped.is_set():
                     await self.manager.settle_stop(turn.id, scope)
-                elif agent.error is not None:
+                elif agent is not None and agent.error is not None:
                     log.error("text turn %s: %s", turn.id, describe_error(agent.error))
                     await self.manager.fail(turn.id, describe_error(agent.error))
         except asyncio.CancelledError:
@@ -173,15 +178,15 @@ class TextTurns:
         except Exception:
             log.exception("text turn %s: stop handling failed", turn.id)
         finally:
-            self.scopes.pop(turn.id, None)
             self.manager.release(turn.id)
-        if rt is not None and scope.stopped.is_set():
-            # A provider that ignored its cancellation may have billed more
-            # while the scope waited for it: record the final figures.
-            try:
-                await self.manager.flush(turn.id, rt.meter)
-            except Exception:
-                log.exception("text turn %s: could not record its final usage", turn.id)
+            if rt is not None and scope.stopped.is_set():
+                # A provider that ignored its cancellation may have billed more
+                # while the scope waited for it: record the final figures.
+                try:
+                    await asyncio.shield(self.manager.flush(turn.id, rt.meter))
+                except Exception:
+                    log.exception("text turn %s: could not record its final usage", turn.id)
+            self.scopes.pop(turn.id, None)
 
     async def _shutdown_stop(self, turn_id: str) -> None:
         reason = StopReason(kind=StopReasonKind.WORKER_SHUTDOWN, initiator="server", at=self.clock.now())
@@ -208,6 +213,7 @@ class TextTurns:
             events.emit(type, generation=turn.generation, turn_id=turn.id, **payload)
 
         events.emit("transcript", generation=turn.generation, turn_id=turn.id, role="user", text=turn.transcript or "")
+        final = False
         try:
             messages = await self._history(turn)
             result = await run_agent(
@@ -224,13 +230,15 @@ class TextTurns:
 
             async def finish() -> None:
                 await self.manager.record(turn.id, reply=reply)
-                await self.manager.complete(turn.id)
+                if (await self.manager.complete(turn.id)).applied:
+                    events.emit("agent.done", generation=turn.generation, turn_id=turn.id, text=reply)
 
+            final = True
             await scope.commit(finish(), effect=False)  # the final step commits whole, or not at all
-            events.emit("agent.done", generation=turn.generation, turn_id=turn.id, text=reply)
         except BaseException:
-            if parts:
-                await asyncio.shield(self._record_partial(turn.id, "".join(parts)))
+            if parts and not final:  # what was said before the stop (waited for, then the stop goes on)
+                with contextlib.suppress(TurnStopped):  # the stop already under way is re-raised below
+                    await scope.commit(self._record_partial(turn.id, "".join(parts)), effect=False)
             raise
 
     async def _record_partial(self, turn_id: str, text: str) -> None:

@@ -46,9 +46,10 @@ SNAPSHOT_TURNS = 50
 
 
 class StartTurn(BaseModel):
-    """Body of ``POST /v1/turns``."""
+    """Body of ``POST /v1/turns`` (strict: ``"100"`` or ``true`` is not a
+    number)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     text: str = Field(min_length=1, max_length=4000, description="what the user typed")
     session_id: str | None = Field(

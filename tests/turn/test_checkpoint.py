@@ -11,7 +11,7 @@ import pytest
 from turn.clock import VirtualClock
 from turn.manager import TurnManager
 from turn.models import Budget, Plan, StopReason, StopReasonKind, TurnStatus
-from turn.scope import TurnStopped
+from turn.scope import TurnScope, TurnStopped
 from turn.sqlite_store import SqliteStore
 from turn.usage import Pricing
 
@@ -160,3 +160,22 @@ async def test_limit_stop_is_shown_stopping_then_failed(manager: TurnManager) ->
     failed = await manager.fail(turn.id, "max_steps")
     assert failed.applied and failed.turn.status is TurnStatus.FAILED
     assert failed.turn.step_count == 2
+
+
+async def test_a_request_started_before_the_worker_heard_of_a_stop_is_counted(
+    manager: TurnManager, counting: CountingStore, clock: VirtualClock
+) -> None:
+    """requests_after_stop is measured against the stop's stored time, not
+    against this process's flag: another instance's stop that the worker had
+    not heard of yet still shows."""
+    other = TurnManager(counting, clock, owner="api")  # no signal reaches `manager`
+    turn = await manager.open_turn("s")
+    await other.request_stop(turn.id, StopReason(kind=StopReasonKind.USER_CANCEL, initiator="t", at=clock.now()))
+    await clock.advance(0.01)
+    await manager.checkpoint(turn.id, "before_model")  # cached flag: the stop is not seen yet
+    manager.runtime(turn.id).meter.start_request(10)  # type: ignore[union-attr]
+    async with TurnScope(turn.id, clock) as scope:
+        scope.stop(None)
+        done = await manager.settle_stop(turn.id, scope)
+    assert done.status is TurnStatus.CANCELLED
+    assert done.usage.requests_after_stop == 1 and done.usage.records[0].started_after_stop

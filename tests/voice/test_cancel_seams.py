@@ -207,15 +207,74 @@ async def test_a_tool_that_does_not_fit_the_time_left_is_not_started(rig: Rig) -
     events = await rig.events(turn.session_id)
     not_started = [e for e in events if e.type == "tool.not_started"]
     assert len(not_started) == 1 and not_started[0].payload["reason"] == "no_budget"
+    assert not [e for e in events if e.type == "tool.started"]  # never announced as started
     assert not_started[0].payload["name"] == "build_report"
 
 
 async def test_budget_exhaustion_fails_the_turn_mid_stream(rig: Rig) -> None:
-    rig.plan = Plan(budget_tokens=40, budget_cents=None)  # type: ignore[attr-defined]
+    rig.plan = Plan(budget_tokens=260, budget_cents=None)  # type: ignore[attr-defined]
     turn = await rig.turns.start(tenant_id="t", text="tell me a story")
     done = await rig.settled(turn.id)
     assert done.status is TurnStatus.FAILED and done.stop_reason.kind is StopReasonKind.BUDGET_EXCEEDED  # type: ignore[union-attr]
-    assert done.spent.tokens == 40 and done.usage.requests_after_stop == 0
+    assert done.spent.tokens == 260 and done.usage.requests_after_stop == 0, done.stop_reason
+    rec = done.usage.records[0]
+    assert rec.partial and rec.completion_tokens > 0 and rec.completion_tokens_after_stop == 0
+
+
+async def test_a_model_call_the_budget_cannot_pay_for_is_not_started(rig: Rig) -> None:
+    rig.plan = Plan(budget_tokens=50, budget_cents=None)  # type: ignore[attr-defined]
+    turn = await rig.turns.start(tenant_id="t", text="tell me a story")
+    done = await rig.settled(turn.id)
+    assert done.status is TurnStatus.FAILED and done.stop_reason.kind is StopReasonKind.BUDGET_EXCEEDED  # type: ignore[union-attr]
+    assert done.usage.model_requests == 0 and done.spent.tokens == 0
+    assert "left" in (done.stop_reason.detail or "")  # type: ignore[union-attr]
+
+
+async def test_a_deadline_shorter_than_the_reserve_fails_at_once(rig: Rig) -> None:
+    turn = await rig.turns.start(tenant_id="t", text="what is the weather", deadline_s=0.1)
+    done = await rig.settled(turn.id)
+    assert done.status is TurnStatus.FAILED and done.stop_reason.kind is StopReasonKind.DEADLINE_EXCEEDED  # type: ignore[union-attr]
+    assert done.usage.model_requests == 0
+
+
+async def test_a_model_timeout_is_a_failure_not_the_turns_deadline(rig: Rig) -> None:
+    class Hangs:
+        """A model whose connection times out on its own after 3 s."""
+
+        name = "hangs"
+        pricing = LlmConfig().pricing
+
+        async def stream(self, messages, *, tools=None, meter=None):  # type: ignore[no-untyped-def]
+            await rig.clock.sleep(3)
+            raise TimeoutError("socket read timed out")
+            yield ""  # pragma: no cover
+
+    rig.model = lambda: Hangs()  # type: ignore[attr-defined]
+    turn = await rig.turns.start(tenant_id="t", text="hello")
+    done = await rig.settled(turn.id)
+    assert done.status is TurnStatus.FAILED and done.stop_reason is None
+    assert "socket read timed out" in (done.error or "")
+
+
+async def test_a_stop_during_the_final_write_leaves_the_turn_completed(rig: Rig) -> None:
+    """The turn's own bookkeeping is no external effect: a stop landing
+    while the reply and COMPLETED are written never makes it
+    RECONCILE_REQUIRED."""
+    original = rig.manager.record
+    entered = asyncio.Event()
+
+    async def slow_record(turn_id, **fields):  # type: ignore[no-untyped-def]
+        if fields.get("reply"):
+            entered.set()
+            await rig.clock.sleep(0.4)
+        return await original(turn_id, **fields)
+
+    rig.manager.record = slow_record  # type: ignore[method-assign]
+    turn = await rig.turns.start(tenant_id="t", text="count to twenty")
+    await rig.until(entered.is_set)
+    await rig.manager.request_stop(turn.id, rig.stop())
+    done = await rig.settled(turn.id)
+    assert done.status is TurnStatus.COMPLETED and done.reply == COUNT_REPLY
 
 
 async def test_loop_detection(rig: Rig) -> None:

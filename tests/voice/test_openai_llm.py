@@ -141,18 +141,23 @@ async def test_a_provider_that_ignores_disconnects_is_counted(start: Start) -> N
 
 async def test_api_errors_are_clear(start: Start) -> None:
     _, model = await start(api_key="sk-right", client_key="sk-wrong")
+    req = UsageMeter().start_request(50)
     with pytest.raises(ModelApiError) as info:
-        [x async for x in model.stream(ask("hi"))]
-    assert info.value.status == 401 and "Incorrect API key" in str(info.value)
+        [x async for x in model.stream(ask("hi"), meter=req)]
+    assert info.value.status == 401 and "Incorrect API key" in str(info.value) and "llm.base_url" in str(info.value)
+    assert req.record().source == "not_billed"
     _, good = await start(api_key="sk-right", client_key="sk-right", tokens_per_second=1000)
     assert "".join([x async for x in good.stream(ask("hi"))]) == "You said: hi."  # type: ignore[misc]
 
 
 async def test_connection_refused_is_an_error_not_a_hang() -> None:
     model = OpenAiChatModel(LlmConfig(provider="openai", base_url="http://127.0.0.1:9/v1", connect_timeout_s=2))
+    req = UsageMeter().start_request(50)
     try:
         with pytest.raises(aiohttp.ClientError):
-            [x async for x in model.stream(ask("hi"))]
+            [x async for x in model.stream(ask("hi"), meter=req)]
+        rec = req.record()
+        assert rec.source == "not_billed" and rec.prompt_tokens == 0 and not rec.partial
     finally:
         await model.aclose()
 

@@ -120,6 +120,9 @@ async def test_auth_is_required(api: Api, headers: dict[str, str] | None) -> Non
         (json.dumps({"text": "hi", "colour": "blue"}).encode(), "invalid_request"),
         (json.dumps({"text": "hi", "budget_tokens": -1}).encode(), "invalid_request"),
         (json.dumps({"text": "hi", "budget_cents": "lots"}).encode(), "invalid_request"),
+        (json.dumps({"text": "hi", "budget_tokens": "100"}).encode(), "invalid_request"),
+        (json.dumps({"text": "hi", "budget_tokens": True}).encode(), "invalid_request"),
+        (json.dumps({"text": "hi", "deadline_ms": 1.5}).encode(), "invalid_request"),
     ],
 )
 async def test_bad_turn_requests(api: Api, payload: bytes, code: str) -> None:

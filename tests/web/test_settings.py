@@ -62,6 +62,9 @@ def test_plans_per_tenant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("TURNKEEPER_PLANS", '{"globex": {"deadline_s": -1}}')
     with pytest.raises(ValidationError):
         load_settings()
+    monkeypatch.setenv("TURNKEEPER_PLANS", '{"globex": {"deadline_s": 0.2, "shutdown_reserve_ms": 250}}')
+    with pytest.raises(ValidationError, match="shutdown_reserve_ms"):
+        load_settings()
     monkeypatch.setenv("TURNKEEPER_PLANS", '{"globex": {"colour": "blue"}}')
     with pytest.raises(ValidationError):
         load_settings()
