@@ -370,8 +370,9 @@ class AgentSession:
 
                 async def finish() -> None:
                     await self.manager.record(turn.id, reply=reply)
-                    if (await self.manager.complete(turn.id)).applied:
-                        run.settled = True
+                    completed = (await self.manager.complete(turn.id)).applied
+                    run.settled = True  # completed now, or already terminal
+                    if completed:
                         self._output(run, "agent.done", text=reply)
 
                 self._remember(run, interrupted=False)
