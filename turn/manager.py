@@ -25,6 +25,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from turn.clock import Clock
 from turn.events import EventLogs
+from turn.ledger import Ledger, ReconciliationWorker
 from turn.models import Budget, Plan, Session, StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
 from turn.scope import LIMIT_KINDS, NotStarted, TurnScope, TurnStopped, terminal_status
 from turn.signals import StopSignals
@@ -157,6 +158,10 @@ class TurnManager:
         #: the session event logs this process writes; every applied change
         #: of a turn is logged there as a "turn" event
         self.events = EventLogs(store, clock, self.store_call)
+        #: the side-effect ledger of every turn; ``ledger.handlers`` is set
+        #: by whoever knows the tools (the app)
+        self.ledger = Ledger(store, clock, emit=self._ledger_event, store_call=self.store_call)
+        self._where: dict[str, tuple[str, int]] = {}
         self._listeners: dict[str, list[TurnListener]] = {}
         self._owned: set[str] = set()
         self._flags: dict[str, _FlagCache] = {}
@@ -197,6 +202,23 @@ class TurnManager:
                 self._listeners.pop(session_id, None)
 
         return unsubscribe
+
+    async def _ledger_event(self, turn_id: str, type: str, payload: dict[str, Any]) -> None:
+        """A ledger change, logged in the turn's session as an event."""
+        where = self._where.get(turn_id)
+        if where is None:
+            turn = await self.get(turn_id)
+            where = (turn.session_id, turn.generation)
+        self.events.log(where[0]).emit(type, generation=where[1], turn_id=turn_id, **payload)
+
+    def reconciliation_worker(self, interval_s: float = 1.0) -> ReconciliationWorker:
+        """A worker that settles the ledger rows stops and crashes left open."""
+
+        async def stop_kind(turn_id: str) -> tuple[StopReasonKind | None, bool]:
+            turn = await self.get(turn_id)
+            return (turn.stop_reason.kind if turn.stop_reason else None), turn.is_terminal
+
+        return ReconciliationWorker(self.ledger, stop_kind, interval_s=interval_s)
 
     def _notify(self, turn: Turn) -> None:
         if turn.is_terminal:
@@ -311,6 +333,7 @@ class TurnManager:
         if not start:
             return turn
         self._owned.add(turn.id)
+        self._where[turn.id] = (turn.session_id, turn.generation)
         mono = self.clock.monotonic()
         self._runtime[turn.id] = TurnRuntime(
             turn_id=turn.id,
@@ -404,6 +427,7 @@ class TurnManager:
         self._owned.discard(turn_id)
         self._flags.pop(turn_id, None)
         self._runtime.pop(turn_id, None)
+        self._where.pop(turn_id, None)
 
     def runtime(self, turn_id: str) -> TurnRuntime | None:
         """This process's runtime state of a turn it runs (None otherwise)."""
@@ -563,7 +587,13 @@ class TurnManager:
             return current
         await self.store_call(lambda: self.store.update(turn_id, at=self.clock.now(), stop_report=report))
         limit = current.stop_reason is not None and current.stop_reason.kind in LIMIT_KINDS
-        target = terminal_status(report, limit=limit)
+        remains = False
+        if current.stop_reason is not None:
+            running = any(not c.done.is_set() for c in scope.children)
+            remains = await self.ledger.resolve_on_stop(
+                turn_id, current.stop_reason.kind, current.stop_reason.at, work_running=running
+            )
+        target = terminal_status(report, limit=limit, effect_remains=remains)
         if target is TurnStatus.FAILED:
             assert current.stop_reason is not None
             res = await self.fail(turn_id, f"{current.stop_reason.kind.value}: {current.stop_reason.detail or ''}".rstrip(": "))
@@ -618,7 +648,10 @@ class TurnManager:
                 continue
             res = await self.request_stop(turn.id, reason, request_id=f"recover:{turn.id}")
             if res.answer in (StopAnswer.ACCEPTED, StopAnswer.ALREADY_STOPPING) and not res.turn.is_terminal:
-                res = StopResult(answer=res.answer, first=res.first, repeat=res.repeat, turn=(await self.confirm_stopped(turn.id)).turn)
+                stop = res.turn.stop_reason or reason
+                remains = await self.ledger.resolve_on_stop(turn.id, stop.kind, stop.at)
+                moved = await (self.reconcile_required(turn.id) if remains else self.confirm_stopped(turn.id))
+                res = StopResult(answer=res.answer, first=res.first, repeat=res.repeat, turn=moved.turn)
             stopped.append(res.turn)
             log.warning("recovered turn %s left %s by %s", turn.id, turn.status, turn.lease_owner or "nobody")
         return stopped

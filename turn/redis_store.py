@@ -19,6 +19,12 @@ Key layout (``P`` is the configurable prefix, default ``tk``)::
     P:stopreq:REQUEST_ID     string: "turn_id|fingerprint", 7 days, to refuse
                              a request id reused on another turn
     P:secret:NAME            string: shared random secrets
+    P:{turn:ID}:ledger       sorted set: the turn's intent keys, by order written
+    P:{turn:ID}:intent:KEY   hash: data (the intent as JSON), status, version
+    P:{turn:ID}:audit:KEY    list: audit rows (JSON)
+    P:ledger_open            sorted set: "TURN|KEY" of intents a worker must act
+                             on, scored by next_attempt_at (an index)
+    P:queue:NAME             stream, consumer group "workers": downstream work
 
 Durability is Redis' own: run it with AOF (``appendonly yes``) so a restart
 keeps what was acknowledged.
@@ -36,6 +42,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from turn.ledger import OPEN, AuditRow, Intent
 from turn.models import (
     TERMINAL_STATUSES, Budget, EventRecord, Session, Spent, StopReason, StopReport, Turn, TurnStatus, Usage,
 )
@@ -48,6 +55,7 @@ from turn.store import (
     StopAnswer,
     StopResult,
     StoreUnavailable,
+    UnknownIntent,
     UnknownSession,
     UnknownTurn,
 )
@@ -60,6 +68,22 @@ STOP_REQUEST_TTL_S = 7 * 24 * 3600
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+
+_LEDGER_ADD = """
+local existing = redis.call('HGET', KEYS[1], 'data')
+if existing then return {0, existing} end
+redis.call('HSET', KEYS[1], 'data', ARGV[1], 'status', ARGV[2], 'version', ARGV[3])
+redis.call('ZADD', KEYS[2], ARGV[4], ARGV[5])
+return {1, ARGV[1]}
+"""
+
+_LEDGER_REPLACE = """
+local version = redis.call('HGET', KEYS[1], 'version')
+if not version then return -1 end
+if tonumber(version) ~= tonumber(ARGV[3]) - 1 then return 0 end
+redis.call('HSET', KEYS[1], 'data', ARGV[1], 'status', ARGV[2], 'version', ARGV[3])
 return 1
 """
 
@@ -188,6 +212,8 @@ class RedisStore:
                 ("heartbeat", _HEARTBEAT),
                 ("bump", _BUMP),
                 ("append_event", _APPEND_EVENT),
+                ("ledger_add", _LEDGER_ADD),
+                ("ledger_replace", _LEDGER_REPLACE),
             )
         }
         await self._call(c.ping())
@@ -408,6 +434,128 @@ class RedisStore:
         return bool(got)
 
     # -- secrets ---------------------------------------------------------------
+
+    # -- side-effect ledger ----------------------------------------------------
+
+    def _intent(self, turn_id: str, key: str) -> str:
+        return f"{self._turn(turn_id)}:intent:{key}"
+
+    def _ledger_open(self) -> str:
+        return f"{self.prefix}:ledger_open"
+
+    async def _index_open(self, intent: Intent) -> None:
+        member = f"{intent.turn_id}|{intent.key}"
+        if intent.status in OPEN:
+            score = intent.next_attempt_at.timestamp() if intent.next_attempt_at else 0.0
+            await self._call(self._c().zadd(self._ledger_open(), {member: score}))
+        else:
+            await self._call(self._c().zrem(self._ledger_open(), member))
+
+    async def ledger_add(self, intent: Intent) -> tuple[Intent, bool]:
+        c = self._c()
+        n = await self._call(c.incr(f"{self.prefix}:ledger_seq"))
+        created, data = await self._script(
+            "ledger_add",
+            [self._intent(intent.turn_id, intent.key), f"{self._turn(intent.turn_id)}:ledger"],
+            [intent.model_dump_json(), intent.status.value, intent.version, n, intent.key],
+        )
+        stored = Intent.model_validate_json(data)
+        if created:
+            await self._index_open(stored)
+        return stored, bool(created)
+
+    async def ledger_get(self, key: str) -> Intent:
+        turn_id = key.split(":", 1)[0]
+        data = await self._call(self._c().hget(self._intent(turn_id, key), "data"))
+        if data is None:
+            raise UnknownIntent(key)
+        return Intent.model_validate_json(data)
+
+    async def ledger_replace(self, intent: Intent) -> bool:
+        res = await self._script(
+            "ledger_replace",
+            [self._intent(intent.turn_id, intent.key)],
+            [intent.model_dump_json(), intent.status.value, intent.version],
+        )
+        if int(res) < 0:
+            raise UnknownIntent(intent.key)
+        if int(res) == 1:
+            await self._index_open(intent)
+        return int(res) == 1
+
+    async def ledger_list(self, turn_id: str) -> list[Intent]:
+        c = self._c()
+        keys = await self._call(c.zrange(f"{self._turn(turn_id)}:ledger", 0, -1))
+        if not keys:
+            return []
+        async with c.pipeline(transaction=False) as p:
+            for k in keys:
+                p.hget(self._intent(turn_id, k), "data")
+            rows = await self._call(p.execute())
+        return [Intent.model_validate_json(r) for r in rows if r is not None]
+
+    async def ledger_due(self, now: datetime, limit: int = 100) -> list[Intent]:
+        members = await self._call(self._c().zrangebyscore(self._ledger_open(), 0, now.timestamp(), start=0, num=limit))
+        out = []
+        for m in members:
+            turn_id, _, key = m.partition("|")
+            data = await self._call(self._c().hget(self._intent(turn_id, key), "data"))
+            if data is None:
+                continue
+            intent = Intent.model_validate_json(data)
+            if intent.status in OPEN:
+                out.append(intent)
+            else:  # the index lagged behind a change: mend it
+                await self._index_open(intent)
+        return out
+
+    async def ledger_open_count(self) -> int:
+        return int(await self._call(self._c().zcard(self._ledger_open())))
+
+    async def audit_add(self, row: AuditRow) -> None:
+        turn_id = row.key.split(":", 1)[0]
+        await self._call(self._c().rpush(f"{self._turn(turn_id)}:audit:{row.key}", row.model_dump_json()))
+
+    async def audit_list(self, key: str) -> list[AuditRow]:
+        turn_id = key.split(":", 1)[0]
+        rows = await self._call(self._c().lrange(f"{self._turn(turn_id)}:audit:{key}", 0, -1))
+        return [AuditRow.model_validate_json(r) for r in rows]
+
+    # -- downstream work queue (a Redis Stream with a consumer group) --------------
+
+    def _queue(self, queue: str) -> str:
+        return f"{self.prefix}:queue:{queue}"
+
+    async def _ensure_group(self, queue: str) -> None:
+        try:
+            await self._call(self._c().xgroup_create(self._queue(queue), "workers", id="0", mkstream=True))
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def queue_push(self, queue: str, item: dict[str, Any]) -> str:
+        await self._ensure_group(queue)
+        return str(await self._call(self._c().xadd(self._queue(queue), {"item": json.dumps(item)})))
+
+    async def queue_claim(self, queue: str, consumer: str, count: int = 10) -> list[tuple[str, dict[str, Any]]]:
+        await self._ensure_group(queue)
+        res = await self._call(self._c().xreadgroup("workers", consumer, {self._queue(queue): ">"}, count=count))
+        out: list[tuple[str, dict[str, Any]]] = []
+        for _stream, entries in res or []:
+            for entry_id, fields in entries:
+                out.append((entry_id, json.loads(fields["item"])))
+        return out
+
+    async def queue_ack(self, queue: str, item_id: str) -> None:
+        c = self._c()
+        async with c.pipeline(transaction=False) as p:
+            p.xack(self._queue(queue), "workers", item_id)
+            p.xdel(self._queue(queue), item_id)
+            await self._call(p.execute())
+
+    async def queue_pending(self, queue: str) -> int:
+        await self._ensure_group(queue)
+        return int(await self._call(self._c().xlen(self._queue(queue))))
 
     async def secret(self, name: str) -> bytes:
         key = f"{self.prefix}:secret:{name}"

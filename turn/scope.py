@@ -442,18 +442,19 @@ def _detail(error: BaseException | None) -> str | None:
     return None if error is None else f"{type(error).__name__}: {error}"
 
 
-def terminal_status(report: StopReport, *, limit: bool) -> TurnStatus:
+def terminal_status(report: StopReport, *, limit: bool, effect_remains: bool = False) -> TurnStatus:
     """The terminal state a stopped turn is written with, from its
     children's reports (DESIGN.md "Turn states"):
 
     - a child that committed an effect after the stop request (or is still
-      committing): RECONCILE_REQUIRED, never CANCELLED;
+      committing), or an effect the ledger shows remaining after the stop
+      (``effect_remains``): RECONCILE_REQUIRED, never CANCELLED;
     - otherwise FAILED for a stop the turn decided itself (``limit``:
       deadline, budget, steps, loop), else CANCELLED.
 
     A turn whose final step committed before the stop is completed by its
     worker instead (CANCEL_REQUESTED -> COMPLETED, a no-op, not a rollback).
     """
-    if any(r.outcome is ChildOutcome.COMMITTING for r in report.children):
+    if effect_remains or any(r.outcome is ChildOutcome.COMMITTING for r in report.children):
         return TurnStatus.RECONCILE_REQUIRED
     return TurnStatus.FAILED if limit else TurnStatus.CANCELLED

@@ -25,6 +25,7 @@ from typing import Any, Callable, TypeVar
 
 from pydantic import BaseModel
 
+from turn.ledger import OPEN, AuditRow, Intent
 from turn.models import (
     TERMINAL_STATUSES,
     Budget,
@@ -47,13 +48,14 @@ from turn.store import (
     StopAnswer,
     StopResult,
     StoreUnavailable,
+    UnknownIntent,
     UnknownSession,
     UnknownTurn,
 )
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS turns (
@@ -98,6 +100,31 @@ CREATE TABLE IF NOT EXISTS stop_requests (
     answer TEXT NOT NULL,
     at TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS ledger (
+    key TEXT PRIMARY KEY,
+    turn_id TEXT NOT NULL,
+    status TEXT NOT NULL,
+    next_attempt_at TEXT,
+    version INTEGER NOT NULL,
+    data TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS ledger_by_turn ON ledger (turn_id);
+CREATE INDEX IF NOT EXISTS ledger_open ON ledger (status, next_attempt_at);
+CREATE TABLE IF NOT EXISTS ledger_audit (
+    key TEXT NOT NULL,
+    at TEXT NOT NULL,
+    action TEXT NOT NULL,
+    detail TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS ledger_audit_by_key ON ledger_audit (key);
+CREATE TABLE IF NOT EXISTS work_queue (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    queue TEXT NOT NULL,
+    item TEXT NOT NULL,
+    claimed_by TEXT,
+    acked INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS work_queue_open ON work_queue (queue, acked, claimed_by);
 CREATE TABLE IF NOT EXISTS secrets (
     name TEXT PRIMARY KEY,
     value BLOB NOT NULL
@@ -503,6 +530,118 @@ class SqliteStore:
 
     # -- secrets ---------------------------------------------------------------
 
+    # -- side-effect ledger ----------------------------------------------------
+
+    async def ledger_add(self, intent: Intent) -> tuple[Intent, bool]:
+        return await self._run(self._tx, lambda c: self._ledger_add_in(c, intent))
+
+    @staticmethod
+    def _ledger_add_in(conn: sqlite3.Connection, intent: Intent) -> tuple[Intent, bool]:
+        row = conn.execute("SELECT data FROM ledger WHERE key = ?", (intent.key,)).fetchone()
+        if row is not None:
+            return Intent.model_validate_json(row[0]), False
+        conn.execute(
+            "INSERT INTO ledger (key, turn_id, status, next_attempt_at, version, data) VALUES (?,?,?,?,?,?)",
+            (intent.key, intent.turn_id, intent.status.value, _to_db(intent.next_attempt_at), intent.version,
+             intent.model_dump_json()),
+        )
+        return intent, True
+
+    async def ledger_get(self, key: str) -> Intent:
+        row = await self._run(lambda: self._read_one("SELECT data FROM ledger WHERE key = ?", (key,)))
+        if row is None:
+            raise UnknownIntent(key)
+        return Intent.model_validate_json(row[0])
+
+    def _read_one(self, sql: str, args: tuple[Any, ...]) -> Any:
+        assert self._conn is not None
+        return self._conn.execute(sql, args).fetchone()
+
+    def _read_all(self, sql: str, args: tuple[Any, ...]) -> list[Any]:
+        assert self._conn is not None
+        return self._conn.execute(sql, args).fetchall()
+
+    async def ledger_replace(self, intent: Intent) -> bool:
+        return await self._run(self._tx, lambda c: self._ledger_replace_in(c, intent))
+
+    @staticmethod
+    def _ledger_replace_in(conn: sqlite3.Connection, intent: Intent) -> bool:
+        cur = conn.execute(
+            "UPDATE ledger SET status = ?, next_attempt_at = ?, version = ?, data = ? WHERE key = ? AND version = ?",
+            (intent.status.value, _to_db(intent.next_attempt_at), intent.version, intent.model_dump_json(),
+             intent.key, intent.version - 1),
+        )
+        if cur.rowcount == 0:
+            if conn.execute("SELECT 1 FROM ledger WHERE key = ?", (intent.key,)).fetchone() is None:
+                raise UnknownIntent(intent.key)
+            return False
+        return True
+
+    async def ledger_list(self, turn_id: str) -> list[Intent]:
+        rows = await self._run(lambda: self._read_all("SELECT data FROM ledger WHERE turn_id = ? ORDER BY rowid", (turn_id,)))
+        return [Intent.model_validate_json(r[0]) for r in rows]
+
+    async def ledger_due(self, now: datetime, limit: int = 100) -> list[Intent]:
+        marks = ",".join("?" for _ in _OPEN_STATUSES)
+        rows = await self._run(
+            lambda: self._read_all(
+                f"SELECT data FROM ledger WHERE status IN ({marks})"
+                " AND (next_attempt_at IS NULL OR next_attempt_at <= ?) ORDER BY rowid LIMIT ?",
+                (*_OPEN_STATUSES, now.isoformat(), limit),
+            )
+        )
+        return [Intent.model_validate_json(r[0]) for r in rows]
+
+    async def ledger_open_count(self) -> int:
+        marks = ",".join("?" for _ in _OPEN_STATUSES)
+        row = await self._run(lambda: self._read_one(f"SELECT COUNT(*) FROM ledger WHERE status IN ({marks})", _OPEN_STATUSES))
+        return int(row[0])
+
+    async def audit_add(self, row: AuditRow) -> None:
+        await self._run(
+            self._tx,
+            lambda c: c.execute(
+                "INSERT INTO ledger_audit (key, at, action, detail) VALUES (?,?,?,?)",
+                (row.key, row.at.isoformat(), row.action, row.detail),
+            ),
+        )
+
+    async def audit_list(self, key: str) -> list[AuditRow]:
+        rows = await self._run(
+            lambda: self._read_all("SELECT key, at, action, detail FROM ledger_audit WHERE key = ? ORDER BY rowid", (key,))
+        )
+        return [AuditRow(key=r[0], at=datetime.fromisoformat(r[1]), action=r[2], detail=r[3]) for r in rows]
+
+    # -- downstream work queue ---------------------------------------------------
+
+    async def queue_push(self, queue: str, item: dict[str, Any]) -> str:
+        cur = await self._run(
+            self._tx, lambda c: c.execute("INSERT INTO work_queue (queue, item) VALUES (?, ?)", (queue, json.dumps(item)))
+        )
+        return str(cur.lastrowid)
+
+    async def queue_claim(self, queue: str, consumer: str, count: int = 10) -> list[tuple[str, dict[str, Any]]]:
+        return await self._run(self._tx, lambda c: self._claim_in(c, queue, consumer, count))
+
+    @staticmethod
+    def _claim_in(conn: sqlite3.Connection, queue: str, consumer: str, count: int) -> list[tuple[str, dict[str, Any]]]:
+        rows = conn.execute(
+            "SELECT id, item FROM work_queue WHERE queue = ? AND acked = 0 AND claimed_by IS NULL ORDER BY id LIMIT ?",
+            (queue, count),
+        ).fetchall()
+        for r in rows:
+            conn.execute("UPDATE work_queue SET claimed_by = ? WHERE id = ?", (consumer, r[0]))
+        return [(str(r[0]), json.loads(r[1])) for r in rows]
+
+    async def queue_ack(self, queue: str, item_id: str) -> None:
+        await self._run(
+            self._tx, lambda c: c.execute("UPDATE work_queue SET acked = 1 WHERE queue = ? AND id = ?", (queue, int(item_id)))
+        )
+
+    async def queue_pending(self, queue: str) -> int:
+        row = await self._run(lambda: self._read_one("SELECT COUNT(*) FROM work_queue WHERE queue = ? AND acked = 0", (queue,)))
+        return int(row[0])
+
     async def secret(self, name: str) -> bytes:
         return await self._run(self._tx, lambda c: self._secret_in(c, name))
 
@@ -510,6 +649,9 @@ class SqliteStore:
     def _secret_in(conn: sqlite3.Connection, name: str) -> bytes:
         conn.execute("INSERT OR IGNORE INTO secrets (name, value) VALUES (?, ?)", (name, os.urandom(32)))
         return bytes(conn.execute("SELECT value FROM secrets WHERE name = ?", (name,)).fetchone()[0])
+
+
+_OPEN_STATUSES = tuple(s.value for s in OPEN)
 
 
 def _to_db(value: Any) -> Any:

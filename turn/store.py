@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
+from turn.ledger import AuditRow, Intent
 from turn.models import EventRecord, Session, StopReason, Turn, TurnStatus
 from turn.states import TransitionResult
 
@@ -58,6 +59,17 @@ class StoreUnavailable(StoreError):
     """The store could not be reached or was busy; nothing was written, so
     the call may be retried (e.g. SQLite "database is locked", Redis
     connection refused)."""
+
+
+class UnknownIntent(StoreError, KeyError):
+    """No ledger row has that idempotency key."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+    def __str__(self) -> str:
+        return f"unknown intent {self.key!r}"
 
 
 class IdempotencyConflict(StoreError):
@@ -245,6 +257,71 @@ class TurnStore(Protocol):
     async def wait_events(self, session_id: str, after_seq: int, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for an event after ``after_seq``; True if
         there may be one now (callers then read)."""
+        ...
+
+    # -- side-effect ledger ----------------------------------------------------
+
+    async def ledger_add(self, intent: Intent) -> tuple[Intent, bool]:
+        """Write an intent unless its key exists. Returns the stored row and
+        whether this call created it (a repeat returns the first row)."""
+        ...
+
+    async def ledger_get(self, key: str) -> Intent:
+        """The row with that idempotency key.
+
+        Raises:
+            UnknownIntent: no such key.
+        """
+        ...
+
+    async def ledger_replace(self, intent: Intent) -> bool:
+        """Compare-and-set: store ``intent`` if the stored row's version is
+        ``intent.version - 1``. False if another writer got there first.
+
+        Raises:
+            UnknownIntent: no such key.
+        """
+        ...
+
+    async def ledger_list(self, turn_id: str) -> list[Intent]:
+        """A turn's rows (effects and compensations), oldest first."""
+        ...
+
+    async def ledger_due(self, now: datetime, limit: int = 100) -> list[Intent]:
+        """Rows a worker must act on (pending, effect_unknown, retrying)
+        whose ``next_attempt_at`` is unset or not after ``now``."""
+        ...
+
+    async def ledger_open_count(self) -> int:
+        """How many rows are not resolved (pending, effect_unknown,
+        retrying)."""
+        ...
+
+    async def audit_add(self, row: AuditRow) -> None:
+        """Append an audit row."""
+        ...
+
+    async def audit_list(self, key: str) -> list[AuditRow]:
+        """The audit rows of one key, oldest first."""
+        ...
+
+    # -- downstream work queue ---------------------------------------------------
+
+    async def queue_push(self, queue: str, item: dict[str, Any]) -> str:
+        """Append a work item (a JSON object); returns its id."""
+        ...
+
+    async def queue_claim(self, queue: str, consumer: str, count: int = 10) -> list[tuple[str, dict[str, Any]]]:
+        """Take up to ``count`` items nobody has claimed, oldest first, for
+        ``consumer`` (claimed items are not handed out again)."""
+        ...
+
+    async def queue_ack(self, queue: str, item_id: str) -> None:
+        """The item is finished (sent or skipped)."""
+        ...
+
+    async def queue_pending(self, queue: str) -> int:
+        """Items pushed and not yet acknowledged."""
         ...
 
     # -- shared secrets --------------------------------------------------------

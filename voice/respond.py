@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from turn.ledger import EffectNotApplied, IntentStatus
 from turn.manager import TurnManager
 from turn.scope import NotStarted, TurnScope, TurnStopped
 from turn.usage import RequestMeter, UsageMeter, estimate_tokens
@@ -150,9 +151,12 @@ async def _tool_call(
     call: ToolCall,
     on_event: EventSink,
 ) -> Message:
-    """One tool call, checkpointed; returns the tool message for the model.
-    An unknown tool or bad arguments are told to the model, not raised."""
+    """One tool call, checkpointed and written to the ledger; returns the
+    tool message for the model. An unknown tool or bad arguments are told to
+    the model, not raised."""
     await manager.checkpoint(turn_id, "before_tool", tool_call=(call.name, call.arguments))
+    rt = manager.runtime(turn_id)
+    step = rt.steps if rt is not None else 0
     tool = toolbox.get(call.name) if toolbox else None
     if tool is None:
         on_event("tool.error", call_id=call.id, name=call.name, error="unknown tool")
@@ -167,13 +171,16 @@ async def _tool_call(
     done: list[bool] = []
     try:
         output = await scope.run(
-            f"tool:{tool.name}", _invoke(scope, tool, arguments, call, on_event, done), max_s=limit, expected_s=expected
+            f"tool:{tool.name}",
+            _invoke(scope, manager, turn_id, step, tool, arguments, call, on_event, done),
+            max_s=limit,
+            expected_s=expected,
         )
     except NotStarted as exc:
         on_event("tool.not_started", call_id=call.id, name=call.name, reason="no_budget", detail=exc.detail)
         raise
     except (TurnStopped, asyncio.CancelledError):
-        if not done:  # a call that finished is not reported cancelled
+        if not done and tool.effect != "complete":  # a must-complete call goes on: the ledger tells its end
             on_event("tool.cancelled", call_id=call.id, name=call.name)
         raise
     except Exception as exc:
@@ -185,23 +192,54 @@ async def _tool_call(
 
 
 async def _invoke(
-    scope: TurnScope, tool: Tool, arguments: dict[str, Any], call: ToolCall, on_event: EventSink, done: list[bool]
+    scope: TurnScope,
+    manager: TurnManager,
+    turn_id: str,
+    step: int,
+    tool: Tool,
+    arguments: dict[str, Any],
+    call: ToolCall,
+    on_event: EventSink,
+    done: list[bool],
 ) -> Any:
-    """Call the tool and write its completion (the ``tool.done`` event); a
-    must-complete tool does both in one must-complete section, so a stop
-    lands before it or after its completion write, never between."""
-
+    """Write the intent, call the tool with its idempotency key, write the
+    outcome. A must-complete tool does the call and its completion write in
+    one must-complete section, so a stop lands before it or after its
+    completion write, never between. A call cut off by a stop is recorded:
+    a read abandoned, a write effect_unknown (its compensation, or a lookup,
+    settles it). A step already done is never run again."""
+    ledger = manager.ledger
     on_event("tool.started", call_id=call.id, name=call.name, arguments=arguments, effect=tool.effect)
+    intent = await ledger.intent(turn_id, step, tool.name, arguments, tool.effect)
+    if intent.status is IntentStatus.DONE:
+        done.append(True)
+        return intent.result
+    key = intent.key
+    pending = frozenset({IntentStatus.PENDING})
+    unsure = IntentStatus.ABANDONED if tool.effect == "none" else IntentStatus.EFFECT_UNKNOWN
 
     async def call_and_record() -> Any:
-        output = await tool(**arguments)
-        on_event("tool.done", call_id=call.id, name=call.name, output=_as_text(output))
+        try:
+            output = await tool(idempotency_key=key, turn_id=turn_id, **arguments)
+        except EffectNotApplied as exc:
+            await ledger.move(key, IntentStatus.ABANDONED, expect=pending, detail=f"not applied: {exc}", error=str(exc))
+            raise
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            await ledger.move(key, unsure, expect=pending, detail=f"the call failed: {error}", error=error)
+            raise
+        await ledger.move(key, IntentStatus.DONE, expect=pending, detail="answered", result=_as_text(output))
         done.append(True)
         return output
 
-    if tool.effect == "none":
+    if tool.effect == "complete":
+        return await scope.commit(call_and_record())
+    try:
         return await call_and_record()
-    return await scope.commit(call_and_record())
+    except (asyncio.CancelledError, TurnStopped):
+        with contextlib.suppress(TurnStopped):
+            await scope.commit(ledger.move(key, unsure, expect=pending, detail="cut off by the stop"), effect=False)
+        raise
 
 
 def prompt_estimate(messages: list[Message], tools: list[Any] | None) -> int:

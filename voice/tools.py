@@ -17,6 +17,12 @@ against it before the call.
 
 ``expected_duration_ms``: a call is not started when the turn has less time
 left (event ``tool.not_started``, reason ``no_budget``).
+
+Injected parameters: a tool that declares ``idempotency_key: str`` receives
+its intent's key (the turn id plus the step index) and must pass it on to
+the external system, which applies each key at most once; one that declares
+``turn_id: str`` receives its turn's id (to pass downstream, so queued work
+of a stopped turn is skipped). Neither is shown to the model.
 """
 
 from __future__ import annotations
@@ -29,10 +35,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from turn.clock import Clock
+from turn.ledger import LookupAnswer
 from voice.llm import WEATHER_REPLY
 from voice.providers import ToolSpec
 
 Effect = Literal["none", "complete", "compensate"]
+
+#: parameters filled in by the server, never by the model
+INJECTED = frozenset({"idempotency_key", "turn_id"})
 
 
 class ToolArgumentsError(ValueError):
@@ -71,8 +81,38 @@ class Tool:
         except ValidationError as exc:
             raise ToolArgumentsError(f"bad arguments for {self.name}: {exc.errors(include_url=False)}") from None
 
-    async def __call__(self, **arguments: Any) -> Any:
-        return await self.fn(**arguments)
+    @property
+    def injected(self) -> frozenset[str]:
+        """The injected parameters this tool declares."""
+        return frozenset(inspect.signature(self.fn).parameters) & INJECTED
+
+    async def __call__(self, *, idempotency_key: str = "", turn_id: str = "", **arguments: Any) -> Any:
+        """Call the tool with the model's (validated) arguments, adding the
+        injected ones it declares."""
+        extra = {"idempotency_key": idempotency_key, "turn_id": turn_id}
+        return await self.fn(**arguments, **{k: extra[k] for k in self.injected})
+
+    # -- turn.ledger.EffectHandler ------------------------------------------------
+
+    async def compensate_effect(self, key: str, args: dict[str, Any]) -> None:
+        """Undo the effect of ``key`` with the declared ``compensate``.
+
+        Raises:
+            RuntimeError: the tool declares no compensation.
+        """
+        if self.compensate is None:
+            raise RuntimeError(f"tool {self.name} has no compensation")
+        await self.compensate(key)
+
+    async def lookup_effect(self, key: str) -> LookupAnswer:
+        """Ask the external system about ``key`` (UNKNOWN without ``lookup``)."""
+        if self.lookup is None:
+            return LookupAnswer.UNKNOWN
+        return LookupAnswer(await self.lookup(key))
+
+    async def retry_effect(self, key: str, args: dict[str, Any]) -> Any:
+        """Apply the effect again under the same key (the system dedupes)."""
+        return await self(idempotency_key=key, turn_id=key.split(":", 1)[0], **args)
 
 
 def tool(
@@ -92,20 +132,26 @@ def tool(
         effect: ``"none"``, ``"complete"`` or ``"compensate"`` (module doc).
         expected_duration_ms: how long a call usually takes, ms.
         max_duration_ms: a call is cut off after this long, ms.
-        compensate: undoes the effect (``"compensate"`` tools).
+        compensate: ``compensate(idempotency_key)`` undoes the effect
+            (required for ``"compensate"`` tools; idempotent, a no-op for a
+            key never applied).
         lookup: ``lookup(idempotency_key)`` asks the external system whether
-            the effect happened.
+            the effect happened: ``"present"``, ``"absent"`` or ``"unknown"``.
 
     Raises:
-        TypeError: the function is not async, or a parameter has no
-            annotation.
+        TypeError: the function is not async, a parameter has no
+            annotation, or a "compensate" tool has no compensation.
     """
 
     def wrap(fn: Callable[..., Awaitable[Any]]) -> Tool:
         if not inspect.iscoroutinefunction(fn):
             raise TypeError(f"tool {fn.__name__} must be an async function")
+        if effect == "compensate" and compensate is None:
+            raise TypeError(f"tool {fn.__name__}: effect 'compensate' needs a compensate function")
         fields: dict[str, Any] = {}
         for p in inspect.signature(fn).parameters.values():
+            if p.name in INJECTED:
+                continue
             if p.annotation is inspect.Parameter.empty:
                 raise TypeError(f"tool {fn.__name__}: parameter {p.name} needs a type annotation")
             default = ... if p.default is inspect.Parameter.empty else p.default

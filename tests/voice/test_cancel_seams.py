@@ -155,7 +155,7 @@ async def test_stop_while_a_must_complete_tool_commits(rig: Rig) -> None:
     report = {c.name: c.outcome for c in done.stop_report.children}  # type: ignore[union-attr]
     assert report["tool:charge_card"] is ChildOutcome.COMMITTING
     types = [e.type for e in await rig.events(turn.session_id)]
-    assert "tool.done" in types  # the completion was written
+    assert "tool.done" in types, " ".join(types)  # the completion was written
 
 
 async def test_stop_during_an_abandonable_tool_cancels_it(rig: Rig) -> None:
