@@ -178,6 +178,7 @@ class RedisStore:
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, prefix: str = "tk", client: Any = None) -> None:
         self.url = url
         self.prefix = prefix
+        self._groups: set[str] = set()
         self.client: aioredis.Redis | None = client
         self._own_client = client is None
         self._scripts: dict[str, Any] = {}
@@ -235,7 +236,7 @@ class RedisStore:
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
         except ResponseError as exc:
-            if str(exc).startswith(("BUSY", "LOADING", "TRYAGAIN", "CLUSTERDOWN")):
+            if str(exc).split(" ", 1)[0] in ("BUSY", "LOADING", "TRYAGAIN", "CLUSTERDOWN"):  # not BUSYGROUP
                 raise StoreUnavailable(f"redis: {exc}") from exc
             raise
 
@@ -527,11 +528,14 @@ class RedisStore:
         return f"{self.prefix}:queue:{queue}"
 
     async def _ensure_group(self, queue: str) -> None:
+        if queue in self._groups:
+            return
         try:
             await self._call(self._c().xgroup_create(self._queue(queue), "workers", id="0", mkstream=True))
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+        self._groups.add(queue)
 
     async def queue_push(self, queue: str, item: dict[str, Any]) -> str:
         await self._ensure_group(queue)

@@ -128,6 +128,8 @@ def choose_tool_call(messages: list[Message], tools: list[ToolSpec]) -> ToolCall
       if the user said "keep checking": a loop, on purpose);
     - "call X" / "use X" / "run X" calls the tool ``X`` with no arguments,
       once;
+    - "send five messages" calls ``send_messages(n=5)``, "order a coffee"
+      ``create_order(item="a coffee")``, "pay" or "charge" ``charge_payment``;
     - nothing else calls a tool.
     """
     names = {t.name for t in tools}
@@ -142,7 +144,27 @@ def choose_tool_call(messages: list[Message], tools: list[ToolSpec]) -> ToolCall
     m = _CALL_TOOL.search(text)
     if m and m.group(1) in names and not calls_since:
         return ToolCall(id=f"call_{number}", name=m.group(1), arguments={})
+    if calls_since:
+        return None
+    if (m := _SEND.search(text)) and "send_messages" in names:
+        return ToolCall(id=f"call_{number}", name="send_messages", arguments={"n": _number(m.group(1))})
+    if (m := _ORDER.search(text)) and "create_order" in names:
+        return ToolCall(id=f"call_{number}", name="create_order", arguments={"item": m.group(1).strip() or "a coffee"})
+    if re.search(r"\b(pay|charge)\b", text) and "charge_payment" in names:
+        return ToolCall(id=f"call_{number}", name="charge_payment", arguments={})
     return None
+
+
+_SEND = re.compile(r"\bsend (\w+) messages?\b")
+_ORDER = re.compile(r"\border (?:me )?((?:a|an|some|two|three)? ?\w*)")
+_NUMBER_WORDS = {w: i + 1 for i, w in enumerate(NUMBERS)}
+
+
+def _number(word: str) -> int:
+    """A count said as digits or as a word up to twenty (3 if neither)."""
+    if word.isdigit():
+        return max(1, min(100, int(word)))
+    return _NUMBER_WORDS.get(word, 3)
 
 
 def tokenize(text: str) -> list[str]:

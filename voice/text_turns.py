@@ -23,7 +23,8 @@ from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import Budget, Plan, StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
 from turn.scope import Child, TurnScope, TurnStopped
-from voice.providers import LanguageModel, Message
+from turn.ledger import Intent, IntentKind, IntentStatus
+from voice.providers import LanguageModel, Message, ToolCall
 from voice.respond import run_agent, sink_to
 from voice.session import describe_error
 from voice.tools import Toolbox
@@ -256,12 +257,26 @@ class TextTurns:
         for t in earlier[-HISTORY_TURNS:]:
             if t.transcript:
                 messages.append(Message(role="user", content=t.transcript))
+            messages += await self._tool_history(t.id)
             if t.reply:
                 messages.append(
                     Message(role="assistant", content=t.reply, interrupted=t.status is not TurnStatus.COMPLETED)
                 )
         messages.append(Message(role="user", content=turn.transcript or ""))
         return messages
+
+    async def _tool_history(self, turn_id: str) -> list[Message]:
+        """An earlier turn's tool calls as the ledger recorded them: a
+        finished call with its result (never run again), a cancelled one
+        marked cancelled, a reversed one marked reversed."""
+        out: list[Message] = []
+        for i in await self.manager.store_call(lambda: self.manager.store.ledger_list(turn_id)):
+            if i.kind is not IntentKind.EFFECT:
+                continue
+            call = ToolCall(id=i.key, name=i.tool, arguments=i.args)
+            out.append(Message(role="assistant", content="", tool_calls=[call]))
+            out.append(Message(role="tool", tool_call_id=i.key, status=i.status.value, content=tool_outcome_text(i)))
+        return out
 
     async def aclose(self) -> None:
         """Stop every running text turn with ``worker_shutdown`` and wait."""
@@ -274,6 +289,20 @@ class TextTurns:
         for session_id in list(self._sessions):
             await self.manager.events.close(session_id)
         self._sessions.clear()
+
+
+def tool_outcome_text(intent: Intent) -> str:
+    """What the model is told of an earlier tool call, from its ledger row."""
+    status = intent.status
+    if status is IntentStatus.DONE:
+        return intent.result or "done"
+    if status is IntentStatus.COMPENSATED:
+        return "cancelled: it was done, then reversed"
+    if status is IntentStatus.ABANDONED:
+        return "cancelled: it was not done"
+    if status is IntentStatus.HUMAN_REQUIRED:
+        return "outcome unknown: a person is checking it"
+    return "outcome unknown: being checked with the external system"
 
 
 def _tighter(asked: Budget | None, plan: Budget) -> Budget:

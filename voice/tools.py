@@ -28,6 +28,7 @@ of a stopped turn is skipped). Neither is shown to the model.
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -149,13 +150,14 @@ def tool(
         if effect == "compensate" and compensate is None:
             raise TypeError(f"tool {fn.__name__}: effect 'compensate' needs a compensate function")
         fields: dict[str, Any] = {}
+        hints = typing.get_type_hints(fn, include_extras=True)  # resolves postponed annotations
         for p in inspect.signature(fn).parameters.values():
             if p.name in INJECTED:
                 continue
-            if p.annotation is inspect.Parameter.empty:
+            if p.name not in hints:
                 raise TypeError(f"tool {fn.__name__}: parameter {p.name} needs a type annotation")
             default = ... if p.default is inspect.Parameter.empty else p.default
-            fields[p.name] = (p.annotation, default)
+            fields[p.name] = (hints[p.name], default)
         args_model = create_model(f"{fn.__name__}_arguments", __config__=ConfigDict(extra="forbid"), **fields)
         doc = inspect.getdoc(fn) or fn.__name__
         return Tool(

@@ -140,7 +140,11 @@ async def start_turn(request: web.Request) -> web.Response:
 async def get_turn(request: web.Request) -> web.Response:
     tenant = request.app[AUTH].require_tenant(request)
     turn = await _own_turn(request, tenant)
-    return web.json_response(turn_view(turn, request.app[MANAGER]))
+    manager = request.app[MANAGER]
+    view = turn_view(turn, manager)
+    ledger = await manager.store_call(lambda: manager.store.ledger_list(turn.id))
+    view["ledger"] = [i.model_dump(mode="json", exclude={"version"}) for i in ledger]
+    return web.json_response(view)
 
 
 async def stop_turn(request: web.Request) -> web.Response:
@@ -313,7 +317,7 @@ OPENAPI: dict[str, Any] = {
                 "400": _err("bad JSON or invalid request"), "401": _err("no or unknown token"),
                 "404": _err("the session belongs to nobody you know"), "503": _err("shutting down")}}},
         "/v1/turns/{turn_id}": {"get": {
-            "summary": "The turn record, with its stop reason and usage",
+            "summary": "The turn record, with its stop reason, usage, stop report and side-effect ledger",
             "parameters": [{"name": "turn_id", "in": "path", "required": True, "schema": {"type": "string"}}],
             "responses": {"200": _json("TurnView", "the turn"), "401": _err("no or unknown token"), "404": _err("unknown turn")}}},
         "/v1/turns/{turn_id}/stop": {"post": {

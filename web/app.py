@@ -33,6 +33,9 @@ from turn.store import StoreUnavailable
 from voice.llm import LocalAgent
 from voice.openai_llm import OpenAiChatModel
 from voice.providers import LanguageModel
+from turn.store import TurnStore
+from voice.demo_service import DemoService
+from voice.demo_tools import demo_tools, message_sender
 from voice.tools import Toolbox, embedded_tools
 from voice.session import Providers
 from voice.stt import PocketsphinxSTT
@@ -43,7 +46,7 @@ from web.auth import Auth
 from web.errors import ApiError
 from web.peer import OfferRejected, PeerSession
 from web.settings import Settings
-from web.state import AUTH, CLOCK, LEASES, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE, STREAMS, TEXT_TURNS
+from web.state import AUTH, CLOCK, LEASES, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE, STREAMS, TEXT_TURNS, WORKERS
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,14 @@ class EmbeddedProviders:
         self.clock = clock
         self.stt = PocketsphinxSTT(settings.stt)
         self._http: aiohttp.ClientSession | None = None
+        #: the demo tools' external system (in-process; see voice/demo_service.py)
+        self.service = DemoService(clock)
+        self._toolbox: Toolbox | None = None
+        self._store: TurnStore | None = None
+
+    def bind(self, store: TurnStore) -> None:
+        """Give the tools the store (their downstream work queue lives there)."""
+        self._store = store
 
     async def start(self) -> None:
         """Check the configuration before serving anyone.
@@ -110,13 +121,19 @@ class EmbeddedProviders:
         return LocalAgent(self.settings.llm, self.clock)
 
     def tools(self) -> Toolbox:
-        """The tools the agent may call."""
-        return embedded_tools(self.clock)
+        """The tools the agent may call: the demo tools on the in-process
+        service (one toolbox for the whole process)."""
+        if self._toolbox is None:
+            if self._store is None:
+                return embedded_tools(self.clock)
+            self._toolbox = demo_tools(self.clock, self.service, self._store)
+        return self._toolbox
 
     async def aclose(self) -> None:
         await self.stt.aclose()
         if self._http is not None:
             await self._http.close()
+        self.service.close()
 
 
 
@@ -184,6 +201,8 @@ def create_app(
     app[PEERS] = {}
     app[STREAMS] = set()
     app[PROVIDERS] = provs = providers or EmbeddedProviders(settings, app[CLOCK])
+    provs.bind(store)
+    app[MANAGER].ledger.handlers = lambda name: provs.tools().get(name)
     app[TEXT_TURNS] = TextTurns(
         app[MANAGER],
         provs.llm_for_session,
@@ -227,7 +246,14 @@ async def _startup(app: web.Application) -> None:
         app[CLOCK], settings.resume_token_ttl_s,
     )
     app[LEASES] = asyncio.get_running_loop().create_task(manager.keep_leases(), name="lease-keeper")
-    await app[PROVIDERS].start()
+    provs = app[PROVIDERS]
+    app[WORKERS] = [
+        asyncio.get_running_loop().create_task(manager.reconciliation_worker().run(), name="reconciliation"),
+        asyncio.get_running_loop().create_task(
+            message_sender(provs.service, store, app[CLOCK], consumer=manager.owner).run(), name="message-sender"
+        ),
+    ]
+    await provs.start()
 
 
 async def _shutdown(app: web.Application) -> None:
@@ -244,6 +270,11 @@ async def _shutdown(app: web.Application) -> None:
 async def _cleanup(app: web.Application) -> None:
     if LEASES in app:
         app[LEASES].cancel()
+    workers = app.get(WORKERS, [])
+    for task in workers:
+        task.cancel()
+    if workers:
+        await asyncio.wait(workers, timeout=5)
     await app[PROVIDERS].aclose()
     await app[MANAGER].signals.aclose()
     await app[STORE].close()  # type: ignore[attr-defined]

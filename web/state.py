@@ -25,5 +25,6 @@ TEXT_TURNS = web.AppKey("text_turns", TextTurns)
 AUTH = web.AppKey("auth", object)  # web.auth.Auth
 LEASES = web.AppKey("lease_keeper", asyncio.Task)
 STREAMS = web.AppKey("event_streams", set)  # running SSE handler tasks
+WORKERS = web.AppKey("workers", list)  # background tasks: reconciliation, message sender
 
-__all__ = ["SETTINGS", "CLOCK", "STORE", "MANAGER", "PEERS", "PROVIDERS", "TEXT_TURNS", "AUTH", "LEASES", "STREAMS", "Any"]
+__all__ = ["SETTINGS", "CLOCK", "STORE", "MANAGER", "PEERS", "PROVIDERS", "TEXT_TURNS", "AUTH", "LEASES", "STREAMS", "WORKERS", "Any"]

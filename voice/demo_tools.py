@@ -1,0 +1,75 @@
+"""The embedded agent's demo tools with real effects on the in-process
+:class:`voice.demo_service.DemoService`, one per kind of effect:
+
+- ``lookup_weather(city)``: effect "none" (a read);
+- ``create_order(item)``: effect "compensate", reversed by ``cancel_order``;
+- ``charge_payment(amount_cents)``: effect "complete" (must finish once
+  started);
+- ``send_messages(n)``: effect "complete": records the batch, then queues
+  ``n`` messages carrying the turn id on the store's work queue
+  ``outbound_messages``; a :class:`turn.downstream.DownstreamWorker` sends
+  them one by one and skips those of a stopped turn.
+
+Every call passes its idempotency key on; each message has its own key
+(``<batch key>:<i>``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field
+
+from turn.clock import Clock
+from turn.downstream import DownstreamWorker
+from turn.ledger import LookupAnswer
+from turn.store import TurnStore
+from voice.demo_service import DemoService
+from voice.tools import Toolbox, embedded_tools, tool
+
+#: the work queue of outbound messages
+MESSAGES_QUEUE = "outbound_messages"
+
+
+def demo_tools(clock: Clock, service: DemoService, store: TurnStore) -> Toolbox:
+    """The demo toolbox (see the module doc) on ``service`` and ``store``."""
+
+    async def lookup(idempotency_key: str) -> LookupAnswer:
+        return await service.lookup(idempotency_key)
+
+    async def cancel_order(idempotency_key: str) -> None:
+        await service.reverse(idempotency_key)
+
+    @tool(effect="compensate", compensate=cancel_order, lookup=lookup, expected_duration_ms=50, max_duration_ms=10_000)
+    async def create_order(idempotency_key: str, item: str = "a coffee") -> str:
+        """Place an order for an item in the shop."""
+        await service.apply("order", idempotency_key, {"item": item})
+        return f"Your order for {item} is placed."
+
+    @tool(effect="complete", lookup=lookup, expected_duration_ms=50, max_duration_ms=10_000)
+    async def charge_payment(idempotency_key: str, amount_cents: Annotated[int, Field(ge=1, le=1_000_000)] = 500) -> str:
+        """Charge the card on file (amount in US cents)."""
+        await service.apply("payment", idempotency_key, {"amount_cents": amount_cents})
+        return f"Charged {amount_cents / 100:.2f} dollars."
+
+    @tool(effect="complete", lookup=lookup, expected_duration_ms=50, max_duration_ms=10_000)
+    async def send_messages(idempotency_key: str, turn_id: str, n: Annotated[int, Field(ge=1, le=100)] = 3) -> str:
+        """Send a batch of n outbound messages to the customer."""
+        await service.apply("batch", idempotency_key, {"n": n})
+        for i in range(n):
+            await store.queue_push(MESSAGES_QUEUE, {"turn_id": turn_id, "key": f"{idempotency_key}:{i}", "text": f"message {i + 1} of {n}"})
+        return f"{n} messages are on their way."
+
+    box = embedded_tools(clock)
+    for t in (create_order, charge_payment, send_messages):
+        box.add(t)
+    return box
+
+
+def message_sender(service: DemoService, store: TurnStore, clock: Clock, **kw: Any) -> DownstreamWorker:
+    """The downstream worker that sends queued messages through ``service``."""
+
+    async def send(item: dict[str, Any]) -> None:
+        await service.apply("message", item["key"], {"text": item.get("text", "")})
+
+    return DownstreamWorker(store, MESSAGES_QUEUE, send, clock, **kw)
