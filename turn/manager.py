@@ -216,7 +216,9 @@ class TurnManager:
 
         async def stop_kind(turn_id: str) -> tuple[StopReasonKind | None, bool]:
             turn = await self.get(turn_id)
-            return (turn.stop_reason.kind if turn.stop_reason else None), turn.is_terminal
+            if turn.stop_reason is None or turn.status is TurnStatus.COMPLETED:
+                return None, turn.is_terminal  # a stop that came after the final step changed nothing
+            return turn.stop_reason.kind, turn.is_terminal
 
         return ReconciliationWorker(self.ledger, stop_kind, interval_s=interval_s)
 

@@ -56,7 +56,8 @@ class DemoService:
                 op TEXT NOT NULL,
                 payload TEXT NOT NULL,
                 applied INTEGER NOT NULL DEFAULT 1,
-                reversed INTEGER NOT NULL DEFAULT 0
+                reversed INTEGER NOT NULL DEFAULT 0,
+                applied_at TEXT NOT NULL DEFAULT ''
             );
             CREATE TABLE IF NOT EXISTS repeats (key TEXT NOT NULL);
             """
@@ -102,7 +103,10 @@ class DemoService:
         with self._lock:
             row = self._db.execute("SELECT op, payload FROM effects WHERE key = ?", (key,)).fetchone()
             if row is None:
-                self._db.execute("INSERT INTO effects (key, op, payload) VALUES (?,?,?)", (key, op, json.dumps(payload)))
+                self._db.execute(
+                    "INSERT INTO effects (key, op, payload, applied_at) VALUES (?,?,?,?)",
+                    (key, op, json.dumps(payload), self.clock.now().isoformat()),
+                )
             else:
                 self._db.execute("INSERT INTO repeats (key) VALUES (?)", (key,))
         if fault == "fail_after":
@@ -137,9 +141,12 @@ class DemoService:
     # -- what happened ---------------------------------------------------------------
 
     def applied(self, prefix: str = "") -> dict[str, dict[str, Any]]:
-        """Every applied key starting with ``prefix``: op, payload, reversed."""
-        rows = self._sql("SELECT key, op, payload, reversed FROM effects WHERE key LIKE ? ORDER BY rowid", (prefix + "%",))
-        return {r[0]: {"op": r[1], "payload": json.loads(r[2]), "reversed": bool(r[3])} for r in rows}
+        """Every applied key starting with ``prefix``: op, payload, reversed,
+        applied_at (ISO time on the service's clock)."""
+        rows = self._sql(
+            "SELECT key, op, payload, reversed, applied_at FROM effects WHERE key LIKE ? ORDER BY rowid", (prefix + "%",)
+        )
+        return {r[0]: {"op": r[1], "payload": json.loads(r[2]), "reversed": bool(r[3]), "applied_at": r[4]} for r in rows}
 
     def times_applied(self, key: str) -> int:
         """How many times ``key`` was applied: 0 or 1 (the table's primary

@@ -1,0 +1,374 @@
+"""Fault injector and fuzzer for the side-effect ledger.
+
+Each iteration runs one scripted turn through the real text-turn worker
+(cancel scope, agent loop, checkpoints, ledger, demo tools on the
+in-process :class:`voice.demo_service.DemoService`) on a virtual clock and
+the SQLite store, with random faults in the external system, and usually
+stops it: at a random checkpoint (the injector requests the stop as that
+checkpoint begins) or at a random moment (mid-call included), with a random
+stop reason. Then the reconciliation and downstream workers run until
+nothing is left for them, and the invariants are checked:
+
+1. no ledger row is left pending (pending, effect_unknown, retrying);
+2. every external effect is applied at most once, under its intent's key,
+   and nothing is applied that the ledger does not know of; no queued
+   message of a stopped turn is sent after its stop;
+3. every turn has exactly one terminal state, consistent with its ledger:
+   a CANCELLED (or limit-FAILED) turn keeps no effect after its stop; a
+   compensated effect is reversed in the external system; a done one is
+   applied there.
+
+``turnkeeper fuzz --iterations N [--seed S]`` runs it by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import tempfile
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from turn.clock import VirtualClock
+from turn.ledger import RESOLVED, IntentKind, IntentStatus, policy_for
+from turn.manager import TurnManager
+from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
+from turn.scope import LIMIT_KINDS
+from turn.sqlite_store import SqliteStore
+from turn.usage import Pricing, RequestMeter
+from voice.demo_service import DemoService
+from voice.demo_tools import demo_tools, message_sender
+from voice.llm import prompt_tokens, tokenize
+from voice.providers import Message, ToolCall, ToolSpec
+from voice.text_turns import TextTurns
+
+log = logging.getLogger(__name__)
+
+TOOLS = ("lookup_weather", "create_order", "charge_payment", "send_messages")
+REASONS = (
+    StopReasonKind.USER_CANCEL,
+    StopReasonKind.BARGE_IN,
+    StopReasonKind.SAFETY_ABORT,
+    StopReasonKind.WORKER_SHUTDOWN,
+)
+FAULTS = ("fail_before", "fail_after", "slow")
+
+
+class ScriptedModel:
+    """A model that calls the tools of its script, one step (a list of
+    calls) per request, then answers ``reply``. Deterministic; honours the
+    usual contract (cancellable stream, usage)."""
+
+    name = "scripted"
+    pricing = Pricing()
+
+    def __init__(self, script: list[list[ToolCall]], clock: VirtualClock, *, reply: str = "All done.", tps: float = 200.0) -> None:
+        self.script = script
+        self.clock = clock
+        self.reply = reply
+        self.interval = 1.0 / tps
+
+    async def stream(
+        self, messages: list[Message], *, tools: list[ToolSpec] | None = None, meter: RequestMeter | None = None
+    ) -> AsyncIterator[str | ToolCall]:
+        """The next step's tool calls, or the reply once the script is done."""
+        last_user = max(i for i, m in enumerate(messages) if m.role == "user")
+        steps = sum(1 for m in messages[last_user + 1 :] if m.role == "assistant" and m.tool_calls)
+        finished = False
+        try:
+            if steps < len(self.script):
+                await self.clock.sleep(self.interval)
+                if meter is not None:
+                    meter.chunk(len(self.script[steps]) * 8)
+                for call in self.script[steps]:
+                    yield call
+            else:
+                for token in tokenize(self.reply):
+                    await self.clock.sleep(self.interval)
+                    if meter is not None:
+                        meter.chunk()
+                    yield token
+            finished = True
+            if meter is not None:
+                meter.reported(prompt_tokens(messages, tools), meter.completion_tokens)
+        finally:
+            if meter is not None:
+                meter.finish(partial=not finished)
+
+
+@dataclass
+class FuzzReport:
+    """What a fuzz run did and found.
+
+    Attributes:
+        iterations / seed: as asked.
+        terminal: turns by terminal state.
+        stops: stops injected, by where ("checkpoint", "moment", "none").
+        intents: ledger rows by final status.
+        effects_applied: keys the external system applied.
+        messages_sent / messages_skipped: downstream items.
+        violations: every broken invariant, one line each (empty: all held).
+    """
+
+    iterations: int
+    seed: int
+    terminal: Counter[str] = field(default_factory=Counter)
+    stops: Counter[str] = field(default_factory=Counter)
+    intents: Counter[str] = field(default_factory=Counter)
+    effects_applied: int = 0
+    messages_sent: int = 0
+    messages_skipped: int = 0
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """All invariants held."""
+        return not self.violations
+
+    def invariants(self) -> dict[str, int]:
+        """Violations per invariant (0 everywhere when all held)."""
+        out = {"no_row_left_pending": 0, "effect_at_most_once": 0, "one_terminal_state_consistent_with_ledger": 0}
+        for v in self.violations:
+            out[v.split(":", 1)[0]] = out.get(v.split(":", 1)[0], 0) + 1
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "iterations": self.iterations, "seed": self.seed, "ok": self.ok,
+            "terminal": dict(self.terminal), "stops": dict(self.stops), "intents": dict(self.intents),
+            "effects_applied": self.effects_applied, "messages_sent": self.messages_sent,
+            "messages_skipped": self.messages_skipped, "invariants": self.invariants(),
+            "violations": self.violations[:50],
+        }
+
+
+class _Injector:
+    """Requests a stop as the n-th checkpoint of the armed turn begins."""
+
+    def __init__(self, manager: TurnManager) -> None:
+        self.manager = manager
+        self.turn_id: str | None = None
+        self.at = -1
+        self.seen = 0
+        self.reason: StopReason | None = None
+        self.fired = False
+        original = manager.checkpoint
+
+        async def checkpoint(turn_id: str, phase: str, **kw: Any) -> None:
+            if turn_id == self.turn_id and not self.fired:
+                self.seen += 1
+                if self.seen == self.at and self.reason is not None:
+                    self.fired = True
+                    await manager.request_stop(turn_id, self.reason)
+            await original(turn_id, phase, **kw)
+
+        manager.checkpoint = checkpoint  # type: ignore[method-assign]
+
+    def arm(self, turn_id: str, at: int, reason: StopReason | None) -> None:
+        self.turn_id, self.at, self.seen, self.reason, self.fired = turn_id, at, 0, reason, False
+
+
+async def _drive(clock: VirtualClock, done: Callable[[], bool], *, step: float = 0.02, limit_s: float = 3600) -> None:
+    """Advance virtual time until ``done()``, letting the store's thread
+    finish between steps."""
+    waited = 0.0
+    while not done():
+        if waited > limit_s:
+            raise TimeoutError("the fuzzed turn did not settle")
+        await clock.advance(step)
+        await asyncio.sleep(0.0002)
+        waited += step
+
+
+async def fuzz(iterations: int, seed: int = 1, *, folder: Path | None = None) -> FuzzReport:
+    """Run ``iterations`` scripted turns with injected stops and faults and
+    check the invariants (module doc).
+
+    Raises:
+        ValueError: ``iterations`` < 1.
+    """
+    if iterations < 1:
+        raise ValueError("iterations must be at least 1")
+    rng = random.Random(seed)
+    report = FuzzReport(iterations, seed)
+    with contextlib.ExitStack() as stack:
+        if folder is None:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="turnkeeper-fuzz-")))
+        clock = VirtualClock()
+        store = SqliteStore(folder / "fuzz.db")
+        await store.open()
+        service = DemoService(clock, latency_s=0.02)
+        stack.callback(service.close)
+        manager = TurnManager(store, clock, owner="fuzz")
+        toolbox = demo_tools(clock, service, store)
+        manager.ledger.handlers = toolbox.get
+        injector = _Injector(manager)
+        script: list[list[ToolCall]] = []
+        turns = TextTurns(
+            manager,
+            lambda: ScriptedModel(script, clock),
+            clock,
+            plans=lambda _t: Plan(deadline_s=60, max_steps=32),
+            tools=lambda: toolbox,
+        )
+        skipped: list[dict[str, Any]] = []
+        sender = message_sender(service, store, clock, consumer="fuzz", on_skip=skipped.append)
+        worker = manager.reconciliation_worker()
+        try:
+            for n in range(iterations):
+                script[:] = _random_script(rng)
+                _random_faults(rng, service)
+                session = f"fuzz-{n}-{uuid.uuid4().hex[:6]}"
+                turn = await turns.start(tenant_id="fuzz", text="do the scripted things", session_id=session)
+                mode = rng.choices(("checkpoint", "moment", "none"), weights=(5, 4, 1))[0]
+                reason = StopReason(kind=rng.choice(REASONS), initiator="fuzz", at=clock.now())
+                report.stops[mode] += 1
+                if mode == "checkpoint":
+                    injector.arm(turn.id, rng.randint(1, 2 + 3 * len(script)), reason)
+                else:
+                    injector.arm(turn.id, -1, None)
+                if mode == "moment":
+                    delay = rng.uniform(0, 0.2 + 0.1 * len(script))
+                    asyncio.get_running_loop().call_soon(
+                        lambda t=turn.id, d=delay, r=reason: asyncio.ensure_future(_stop_later(manager, clock, t, d, r))
+                    )
+                await _drive(clock, lambda t=turn.id: t not in turns.scopes and not _running(turns, t))
+                service.clear_faults()
+                await _settle_workers(clock, store, sender, worker)
+                await _check(manager, store, service, turn.id, report)
+            report.messages_sent = sender.done
+            report.messages_skipped = len(skipped)
+            report.effects_applied = len(service.applied())
+        finally:
+            await turns.aclose()
+            await manager.events.aclose()
+            await store.close()
+    return report
+
+
+def _running(turns: TextTurns, turn_id: str) -> bool:
+    return any(turn_id in s.running for s in turns._sessions.values())
+
+
+async def _stop_later(manager: TurnManager, clock: VirtualClock, turn_id: str, delay: float, reason: StopReason) -> None:
+    await clock.sleep(delay)
+    with contextlib.suppress(Exception):
+        await manager.request_stop(turn_id, reason.model_copy(update={"at": clock.now()}))
+
+
+def _random_script(rng: random.Random) -> list[list[ToolCall]]:
+    steps = []
+    for s in range(rng.randint(1, 4)):
+        calls = []
+        for c in range(rng.choice((1, 1, 1, 2))):
+            name = rng.choice(TOOLS)
+            args: dict[str, Any] = {"n": rng.randint(1, 4)} if name == "send_messages" else {}
+            calls.append(ToolCall(id=f"c{s}{c}", name=name, arguments=args))
+        steps.append(calls)
+    return steps
+
+
+def _random_faults(rng: random.Random, service: DemoService) -> None:
+    for op in ("order", "payment", "batch", "reverse", "lookup"):
+        if rng.random() < 0.15:
+            fault = "lookup_unknown" if op == "lookup" else rng.choice(FAULTS)
+            service.inject(op, fault)
+
+
+async def _settle_workers(clock: VirtualClock, store: SqliteStore, sender: Any, worker: Any) -> None:
+    """Run the downstream and reconciliation workers until nothing is left
+    for them (backoffs are waited out on the virtual clock)."""
+    for _ in range(200):
+        claimed = await _run_on(clock, sender.run_once(100))
+        acted = await _run_on(clock, worker.run_once())
+        if not claimed and not acted:
+            if await store.ledger_open_count() == 0 and await store.queue_pending("outbound_messages") == 0:
+                return
+            await clock.advance(60)  # wait out a backoff
+    raise TimeoutError("workers did not settle")
+
+
+async def _run_on(clock: VirtualClock, coro: Any) -> Any:
+    task = asyncio.ensure_future(coro)
+    await _drive(clock, task.done)
+    return task.result()
+
+
+async def _check(manager: TurnManager, store: SqliteStore, service: DemoService, turn_id: str, report: FuzzReport) -> None:
+    turn: Turn = await manager.get(turn_id)
+    intents = await store.ledger_list(turn_id)
+    bad = report.violations.append
+    report.terminal[turn.status.value] += 1
+    for i in intents:
+        report.intents[f"{i.kind.value}:{i.status.value}"] += 1
+    # 3a. exactly one terminal state
+    events = await store.read_events(turn.session_id, 0, 10_000)
+    terminal_events = [e for e in events if e.type == "turn" and e.turn_id == turn_id and TurnStatus(e.payload["status"]).is_terminal]
+    if not turn.is_terminal or len(terminal_events) != 1:
+        bad(f"one_terminal_state_consistent_with_ledger: turn {turn_id} is {turn.status} with {len(terminal_events)} terminal writes")
+    # 1. nothing left pending
+    for i in intents:
+        if i.status not in RESOLVED and i.status is not IntentStatus.HUMAN_REQUIRED:
+            bad(f"no_row_left_pending: {i.key} ({i.kind.value}) is {i.status.value}")
+    # 2. effects: each under its own key, at most once, none unknown to the ledger
+    applied = service.applied(turn_id)
+    keys = {i.key for i in intents if i.kind is IntentKind.EFFECT}
+    for key, eff in applied.items():
+        base = key if eff["op"] != "message" else key.rsplit(":", 1)[0]
+        if base not in keys:
+            bad(f"effect_at_most_once: {key} was applied but the ledger has no intent {base}")
+        if service.times_applied(key) > 1:
+            bad(f"effect_at_most_once: {key} applied {service.times_applied(key)} times")
+        if eff["op"] == "message" and turn.stop_reason is not None:
+            if datetime.fromisoformat(eff["applied_at"]) > turn.stop_reason.at:
+                bad(f"effect_at_most_once: message {key} of a stopped turn was sent after the stop")
+    # 3b. consistency of terminal state and ledger
+    stop = turn.stop_reason
+    policy = policy_for(stop.kind if stop else None)
+    for i in intents:
+        if i.kind is not IntentKind.EFFECT or i.effect == "none":
+            continue
+        eff = applied.get(i.key)
+        if i.status is IntentStatus.DONE and (eff is None or eff["reversed"]):
+            bad(f"one_terminal_state_consistent_with_ledger: {i.key} is done but not applied")
+        if i.status is IntentStatus.COMPENSATED and eff is not None and not eff["reversed"]:
+            bad(f"one_terminal_state_consistent_with_ledger: {i.key} is compensated but still applied")
+        if i.status is IntentStatus.ABANDONED and eff is not None and not eff["reversed"]:
+            bad(f"one_terminal_state_consistent_with_ledger: {i.key} is abandoned but was applied")
+    cancelled_like = turn.status is TurnStatus.CANCELLED or (
+        turn.status is TurnStatus.FAILED and stop is not None and stop.kind in LIMIT_KINDS
+    )
+    if cancelled_like and stop is not None:
+        for i in intents:
+            if i.kind is not IntentKind.EFFECT or i.effect == "none":
+                continue
+            if i.status is IntentStatus.DONE and i.done_at is not None and i.done_at > stop.at:
+                bad(f"one_terminal_state_consistent_with_ledger: {turn.status} turn {turn_id} has {i.key} done after its stop")
+            if i.status is IntentStatus.DONE and i.effect == "compensate" and policy.compensate:
+                bad(f"one_terminal_state_consistent_with_ledger: {turn.status} turn {turn_id} kept {i.key}, which its stop reverses")
+            if i.status is IntentStatus.HUMAN_REQUIRED:
+                bad(f"one_terminal_state_consistent_with_ledger: {turn.status} turn {turn_id} has {i.key} unresolved")
+    if turn.status is TurnStatus.COMPLETED and any(i.status is IntentStatus.COMPENSATED for i in intents):
+        bad(f"one_terminal_state_consistent_with_ledger: completed turn {turn_id} had an effect reversed")
+
+
+def print_report(report: FuzzReport) -> None:
+    """The report as a short table."""
+    print(f"fuzz: {report.iterations} iterations, seed {report.seed}")
+    print(f"  stops injected: {dict(report.stops)}")
+    print(f"  terminal states: {dict(report.terminal)}")
+    print(f"  ledger rows: {dict(report.intents)}")
+    print(f"  effects applied: {report.effects_applied}; messages sent {report.messages_sent}, skipped {report.messages_skipped}")
+    print("  invariants (violations):")
+    for name, count in report.invariants().items():
+        print(f"    {name:<45} {count}")
+    for v in report.violations[:20]:
+        print(f"  ! {v}")
+    print("OK" if report.ok else f"BROKEN: {len(report.violations)} violations")
