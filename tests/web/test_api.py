@@ -393,3 +393,18 @@ async def test_weather_goes_through_the_tool(api: Api) -> None:
     )
     types = [e.get("type") for e in events]
     assert "tool.started" in types and "tool.done" in types and types.count("usage") == 2
+
+
+async def test_the_turn_shows_its_ledger_and_the_stream_its_tool_events(api: Api) -> None:
+    started = await api.start("please order a coffee")
+    turn_id = started["turn"]["id"]
+    done = await api.wait_terminal(turn_id)
+    assert done["status"] == "COMPLETED"
+    [row] = done["ledger"]
+    assert (row["tool"], row["status"], row["effect"], row["key"]) == ("create_order", "done", "compensate", f"{turn_id}:2")
+    assert row["args"] == {"item": "a coffee"} and row["done_at"]
+    events = await api.sse(
+        f"/v1/sessions/{started['session_id']}/events", headers=ACME, until=lambda m: m.get("type") == "agent.done"
+    )
+    types = [e.get("type") for e in events]
+    assert types.index("tool.intent") < types.index("tool.done") < types.index("agent.done")

@@ -1,0 +1,180 @@
+"""The ledger through real text turns, on a virtual clock: the embedded
+agent's demo tools against the in-process external system, stops in the
+middle of each kind of effect, downstream messages of a stopped turn, the
+events a client sees, and the tool history the next model call gets."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+
+from turn.clock import VirtualClock
+from turn.ledger import IntentKind, IntentStatus
+from turn.manager import TurnManager
+from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
+from turn.sqlite_store import SqliteStore
+from voice.demo_service import DemoService
+from voice.demo_tools import MESSAGES_QUEUE, demo_tools, message_sender
+from voice.llm import LlmConfig, LocalAgent
+from voice.providers import Message
+from voice.text_turns import TextTurns
+
+
+class RecordingAgent(LocalAgent):
+    """The embedded agent, keeping what each request was sent."""
+
+    seen: list[list[Message]] = []
+
+    async def stream(self, messages, *, tools=None, meter=None):  # type: ignore[no-untyped-def]
+        RecordingAgent.seen.append(list(messages))
+        async for item in super().stream(messages, tools=tools, meter=meter):
+            yield item
+
+
+@dataclass
+class Flow:
+    clock: VirtualClock
+    manager: TurnManager
+    turns: TextTurns
+    store: SqliteStore
+    service: DemoService
+
+    async def until(self, pred, limit_s: float = 300) -> None:  # type: ignore[no-untyped-def]
+        waited = 0.0
+        while not pred():
+            assert waited < limit_s, "condition not reached"
+            await self.clock.advance(0.01)
+            await asyncio.sleep(0.001)
+            waited += 0.01
+
+    async def settled(self, turn_id: str) -> Turn:
+        await self.until(lambda: turn_id not in self.turns.scopes and not any(turn_id in s.running for s in self.turns._sessions.values()))
+        return await self.manager.get(turn_id)
+
+    async def start(self, text: str, session_id: str | None = None) -> Turn:
+        return await self.turns.start(tenant_id="t", text=text, session_id=session_id)
+
+    async def stop(self, turn_id: str, kind: StopReasonKind = StopReasonKind.USER_CANCEL) -> None:
+        await self.manager.request_stop(turn_id, StopReason(kind=kind, initiator="test", at=self.clock.now()))
+
+    async def event_types(self, session_id: str) -> list[str]:
+        await self.manager.events.log(session_id).flush()
+        return [e.type for e in await self.store.read_events(session_id)]
+
+
+@pytest.fixture
+async def flow(store: SqliteStore, clock: VirtualClock) -> AsyncIterator[Flow]:
+    service = DemoService(clock, latency_s=0.3)
+    manager = TurnManager(store, clock, owner="me")
+    tools = demo_tools(clock, service, store)
+    manager.ledger.handlers = tools.get
+    RecordingAgent.seen = []
+    turns = TextTurns(
+        manager, lambda: RecordingAgent(LlmConfig(tokens_per_second=50), clock), clock,
+        plans=lambda _t: Plan(), tools=lambda: tools,
+    )
+    yield Flow(clock, manager, turns, store, service)
+    await turns.aclose()
+    service.close()
+
+
+def in_tool(flow: Flow, turn_id: str, name: str) -> bool:
+    scope = flow.turns.scopes.get(turn_id)
+    return scope is not None and any(c.name == f"tool:{name}" and not c.done.is_set() for c in scope.children)
+
+
+async def test_an_order_completes_and_the_ledger_shows_it(flow: Flow) -> None:
+    turn = await flow.start("please order a coffee")
+    done = await flow.settled(turn.id)
+    assert done.status is TurnStatus.COMPLETED and "order for a coffee is placed" in (done.reply or "")
+    [intent] = await flow.store.ledger_list(turn.id)
+    assert intent.key == f"{turn.id}:2" and intent.status is IntentStatus.DONE and intent.effect == "compensate"
+    applied = flow.service.applied(turn.id)
+    assert list(applied) == [intent.key]  # applied once, under the intent's own key
+    assert applied[intent.key]["payload"] == {"item": "a coffee"} and not applied[intent.key]["reversed"]
+    types = await flow.event_types(turn.session_id)
+    assert types.index("tool.intent") < types.index("tool.done")
+
+
+async def test_a_stop_mid_order_compensates_it_and_the_turn_is_cancelled(flow: Flow) -> None:
+    turn = await flow.start("please order a coffee")
+    await flow.until(lambda: in_tool(flow, turn.id, "create_order"))
+    await flow.clock.advance(0.1)
+    await flow.stop(turn.id)
+    done = await flow.settled(turn.id)
+    assert done.status is TurnStatus.CANCELLED
+    rows = {i.kind: i for i in await flow.store.ledger_list(turn.id)}
+    assert rows[IntentKind.EFFECT].status is IntentStatus.COMPENSATED
+    assert rows[IntentKind.COMPENSATION].status is IntentStatus.DONE
+    # the call was cut off before the shop answered: nothing stands there
+    applied = flow.service.applied(turn.id)
+    assert all(e["reversed"] for e in applied.values())
+    types = await flow.event_types(turn.session_id)
+    assert "tool.intent" in types and "tool.effect_unknown" in types and "tool.compensated" in types
+
+
+async def test_a_stop_after_the_order_reverses_it(flow: Flow) -> None:
+    turn = await flow.start("please order a coffee")
+    await flow.until(lambda: bool(flow.service.applied(turn.id)))
+    await flow.until(lambda: not in_tool(flow, turn.id, "create_order"))
+    await flow.stop(turn.id)
+    done = await flow.settled(turn.id)
+    if done.status is TurnStatus.COMPLETED:
+        pytest.skip("the reply was already complete")
+    assert done.status is TurnStatus.CANCELLED
+    [(key, effect)] = flow.service.applied(turn.id).items()
+    assert effect["reversed"]
+    assert (await flow.store.ledger_get(key)).status is IntentStatus.COMPENSATED
+
+
+async def test_a_safety_abort_during_a_payment_lets_it_finish_and_needs_reconciliation(flow: Flow) -> None:
+    turn = await flow.start("please pay")
+    await flow.until(lambda: in_tool(flow, turn.id, "charge_payment"))
+    await flow.stop(turn.id, StopReasonKind.SAFETY_ABORT)
+    done = await flow.settled(turn.id)
+    assert done.status is TurnStatus.RECONCILE_REQUIRED
+    [intent] = await flow.store.ledger_list(turn.id)
+    assert intent.status is IntentStatus.DONE and flow.service.times_applied(intent.key) == 1
+    assert done.usage.model_requests == 1  # no model call after the stop
+
+
+async def test_queued_messages_of_a_stopped_turn_are_skipped(flow: Flow) -> None:
+    sender = message_sender(flow.service, flow.store, flow.clock, consumer="t")
+    turn = await flow.start("please send five messages")
+    await flow.until(lambda: not in_tool(flow, turn.id, "send_messages") and bool(flow.service.applied(f"{turn.id}:")))
+    await flow.stop(turn.id)  # the batch is queued; none is sent yet
+    stopped = await flow.settled(turn.id)
+    assert stopped.status is TurnStatus.CANCELLED  # the batch was recorded before the stop, and nothing went out after it
+    await _run(flow, sender.run_once(10))
+    assert sender.skipped == 5 and sender.done == 0
+    assert [e["op"] for e in flow.service.applied(turn.id).values()] == ["batch"]
+    # a turn that completes has all its messages sent
+    other = await flow.start("please send three messages")
+    assert (await flow.settled(other.id)).status is TurnStatus.COMPLETED
+    await _run(flow, sender.run_once(10))
+    assert sender.done == 3 and await flow.store.queue_pending(MESSAGES_QUEUE) == 0
+
+
+async def test_the_next_model_call_sees_a_consistent_tool_history(flow: Flow) -> None:
+    first = await flow.start("please order a coffee")
+    await flow.until(lambda: in_tool(flow, first.id, "create_order"))
+    await flow.stop(first.id)
+    await flow.settled(first.id)
+    second = await flow.start("what is the weather", session_id=first.session_id)
+    done = await flow.settled(second.id)
+    assert done.status is TurnStatus.COMPLETED
+    sent = RecordingAgent.seen[-2]  # the second turn's first request
+    tool_messages = [m for m in sent if m.role == "tool"]
+    assert tool_messages and tool_messages[0].status == "compensated"
+    assert "cancelled" in tool_messages[0].content
+    # the finished weather lookup of this turn is used, not run again
+    assert len([i for i in await flow.store.ledger_list(second.id) if i.tool == "lookup_weather"]) == 1
+
+
+async def _run(flow: Flow, coro):  # type: ignore[no-untyped-def]
+    task = asyncio.ensure_future(coro)
+    await flow.until(task.done)
+    return task.result()
