@@ -31,6 +31,7 @@ TEST_PHRASES = [
     "front right",
     "rear center",
     "hello there",
+    "please order a coffee",
 ]
 
 GRAMMAR = "#JSGF V1.0;\ngrammar turnkeeper_test;\npublic <utt> = " + " | ".join(TEST_PHRASES) + ";\n"

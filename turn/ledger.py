@@ -232,8 +232,11 @@ MAX_ATTEMPTS = 6
 #: first retry delay of a lookup or compensation, s (doubling, at most BACKOFF_MAX_S)
 BACKOFF_S = 1.0
 BACKOFF_MAX_S = 300.0
-#: how long a stop may spend on its compensations before the terminal write, s
-COMPENSATE_NOW_S = 2.0
+#: how long a stop may spend on one compensation before the terminal write,
+#: s; a slower one goes on as a durable job and the turn is RECONCILE_REQUIRED
+#: (a voice barge-in's new turn is recorded after the old turn's stop, so
+#: this bounds how much a slow external system can delay it)
+COMPENSATE_NOW_S = 0.5
 
 
 class EffectNotApplied(Exception):

@@ -24,6 +24,8 @@ from turn.manager import TurnManager
 from turn.models import ChildOutcome, StopReasonKind, TurnStatus
 from turn.sqlite_store import SqliteStore
 from voice.llm import LocalAgent, LocalLlmConfig
+from voice.demo_service import DemoService
+from voice.demo_tools import demo_tools
 from voice.tools import embedded_tools
 from voice.session import AgentSession, Providers
 from voice.stt import PocketsphinxConfig, PocketsphinxSTT
@@ -387,3 +389,36 @@ def test_audible_pending() -> None:
     assert not buf.audible_pending(1)
     buf.push(PlayoutFrame(bytes(1920), 1, audible=True))
     assert buf.audible_pending(1) and not buf.audible_pending(2)
+
+
+async def test_barge_in_during_a_tool_call_follows_the_ledger_rules(
+    store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+) -> None:
+    """A voice barge-in while create_order is in flight: the old turn's order
+    is reversed by its compensation, the turn ends CANCELLED, and the new
+    turn is answered; the same rules as a REST stop."""
+    h = Harness(store, grammar_file)
+    service = DemoService(h.clock, latency_s=0.02)
+    service.slow_s = 3.0
+    service.inject("order", "slow")  # a slow shop: the barge-in lands mid-call
+    tools = demo_tools(h.clock, service, store)
+    h.manager.ledger.handlers = tools.get
+    h.session.providers.tools = tools
+    await h.start()
+    try:
+        h.mic.say(pcm48(say("please order a coffee")))
+        await h.wait_for(lambda: any(e["type"] == "tool.intent" for e in h.events), timeout=30)
+        h.mic.say(pcm48(say("hello there")))
+        await h.wait_for(lambda: sum(e.get("status") == "COMPLETED" for e in h.turn_events()) == 1, timeout=40)
+        old, new = await store.list_session("sess-1")
+        assert old.transcript == "please order a coffee" and old.stop_reason.kind is StopReasonKind.BARGE_IN  # type: ignore[union-attr]
+        assert old.status is TurnStatus.CANCELLED
+        rows = {i.kind.value: i for i in await store.ledger_list(old.id)}
+        assert rows["effect"].tool == "create_order" and rows["effect"].status.value == "compensated"
+        assert rows["compensation"].status.value == "done"
+        assert all(e["reversed"] for e in service.applied(old.id).values())  # nothing of it stands
+        assert new.status is TurnStatus.COMPLETED and new.transcript == "hello there"
+        assert any(e["type"] == "tool.compensated" for e in h.events)
+    finally:
+        await h.stop()
+        service.close()
