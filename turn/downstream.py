@@ -14,7 +14,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from turn.clock import Clock
-from turn.models import Turn, TurnStatus
+from turn.ledger import AuditRow
+from turn.models import StopReasonKind, Turn, TurnStatus
 from turn.store import TurnStore, UnknownTurn
 
 log = logging.getLogger(__name__)
@@ -24,12 +25,23 @@ STOPPED = frozenset({TurnStatus.CANCEL_REQUESTED, TurnStatus.CANCELLED})
 
 
 def turn_stopped(turn: Turn) -> bool:
-    """True if ``turn`` was asked to stop (its queued work must not run)."""
-    return turn.status in STOPPED or turn.stop_reason is not None
+    """True if ``turn``'s queued work must not run: it was asked to stop,
+    for any reason but ``worker_shutdown`` (a server that went down was not
+    asked to undo anything: what the turn queued is kept and carried out,
+    as the ledger's policy for that reason says). A stop that came after the
+    turn had completed changes nothing."""
+    if turn.status is TurnStatus.COMPLETED:
+        return False
+    stopped = turn.status in STOPPED or turn.stop_reason is not None
+    return stopped and (turn.stop_reason is None or turn.stop_reason.kind is not StopReasonKind.WORKER_SHUTDOWN)
 
 
 class DownstreamWorker:
     """Carries out queued items, one by one, checking each item's turn first.
+    A skipped item leaves an audit row on the intent that queued it
+    (``downstream_skipped``), so the ledger shows what never went out. A
+    failed item is logged and counted, not retried (its handler should
+    retry what it can).
 
     Args:
         store: where the queue and the turns are.
@@ -77,6 +89,10 @@ class DownstreamWorker:
                     self.skipped += 1
                     if self.on_skip is not None:
                         self.on_skip(item)
+                    batch = str(item.get("key", "")).rsplit(":", 1)[0]
+                    await self.store.audit_add(
+                        AuditRow(key=batch, at=self.clock.now(), action="downstream_skipped", detail=f"{item.get('key')}: its turn was stopped")
+                    )
                 else:
                     await self.handle(item)
                     self.done += 1

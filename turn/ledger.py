@@ -358,6 +358,32 @@ class Ledger:
                     await self._tell(new.turn_id, f"tool.{status.value}", _payload(new))
                 return new
 
+    async def settle_late(self, key: str, status: IntentStatus, **fields: Any) -> Intent | None:
+        """The call itself answered (``status``, normally DONE): its answer
+        is authoritative, also when it came after a stop's resolution or a
+        reconciliation had already called the row effect_unknown or
+        abandoned. An effect that landed after its compensation had run is
+        reversed again (compensations are idempotent by key)."""
+        moved = await self.move(
+            key, status,
+            expect=frozenset({IntentStatus.PENDING, IntentStatus.EFFECT_UNKNOWN, IntentStatus.ABANDONED}),
+            detail="answered" if status is IntentStatus.DONE else "the call answered late", **fields,
+        )
+        if moved is not None or status is not IntentStatus.DONE:
+            return moved
+        cur: Intent = await self._call(lambda: self.store.ledger_get(key))
+        if cur.status is IntentStatus.COMPENSATED:
+            handler = self.handlers(cur.tool)
+            await self._audit(key, "late_effect", "the effect landed after its compensation; reversing it again")
+            if handler is not None:
+                try:
+                    await handler.compensate_effect(key, cur.args)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    await self.move(key, IntentStatus.HUMAN_REQUIRED, detail=f"late effect could not be reversed: {exc}", error=str(exc))
+        return None
+
     # -- a stop --------------------------------------------------------------------
 
     async def resolve_on_stop(
@@ -517,6 +543,9 @@ class ReconciliationWorker:
         turn_stop_kind: the stop kind of a turn (None if it was not stopped)
             and whether it is terminal: ``async (turn_id) -> (kind, terminal)``.
         interval_s: pause between passes, s.
+        pending_grace_s: a pending row of an ended turn is taken over only
+            when it has not changed for this long, s (its call may still be
+            running: a must-complete section outlives the stop's grace).
     """
 
     def __init__(
@@ -525,10 +554,12 @@ class ReconciliationWorker:
         turn_stop_kind: Callable[[str], Awaitable[tuple[StopReasonKind | None, bool]]],
         *,
         interval_s: float = 1.0,
+        pending_grace_s: float = 30.0,
     ) -> None:
         self.ledger = ledger
         self.turn_stop_kind = turn_stop_kind
         self.interval_s = interval_s
+        self.pending_grace_s = pending_grace_s
 
     async def run_once(self, limit: int = 100) -> int:
         """One pass over the rows that are due; returns how many it acted on."""
@@ -541,7 +572,11 @@ class ReconciliationWorker:
                     await ledger.run_compensation(row)
                 elif row.status is IntentStatus.EFFECT_UNKNOWN:
                     await ledger.reconcile(row, kind)
-                elif row.status is IntentStatus.PENDING and terminal:
+                elif (
+                    row.status is IntentStatus.PENDING
+                    and terminal
+                    and (ledger.clock.now() - row.updated_at).total_seconds() >= self.pending_grace_s
+                ):
                     # its worker is gone (the turn ended without resolving it)
                     status = IntentStatus.ABANDONED if row.effect == "none" else IntentStatus.EFFECT_UNKNOWN
                     await ledger.move(row.key, status, expect=frozenset({IntentStatus.PENDING}), detail="its turn ended without an answer")

@@ -445,6 +445,12 @@ class RedisStore:
         return f"{self.prefix}:ledger_open"
 
     async def _index_open(self, intent: Intent) -> None:
+        """Keep the global index of open rows in step with ``intent``. It
+        lives in another hash slot, so it cannot join the row's script: an
+        open row is indexed *before* it is written and a resolved one
+        unindexed *after*, so a crash in between leaves at worst an index
+        entry too many (``ledger_due`` mends those), never an open row
+        nobody will find."""
         member = f"{intent.turn_id}|{intent.key}"
         if intent.status in OPEN:
             score = intent.next_attempt_at.timestamp() if intent.next_attempt_at else 0.0
@@ -455,14 +461,16 @@ class RedisStore:
     async def ledger_add(self, intent: Intent) -> tuple[Intent, bool]:
         c = self._c()
         n = await self._call(c.incr(f"{self.prefix}:ledger_seq"))
+        if intent.status in OPEN:
+            await self._index_open(intent)  # before the row: see _index_open
         created, data = await self._script(
             "ledger_add",
             [self._intent(intent.turn_id, intent.key), f"{self._turn(intent.turn_id)}:ledger"],
             [intent.model_dump_json(), intent.status.value, intent.version, n, intent.key],
         )
         stored = Intent.model_validate_json(data)
-        if created:
-            await self._index_open(stored)
+        if not created and stored.status not in OPEN:
+            await self._index_open(stored)  # our early index entry was for nothing
         return stored, bool(created)
 
     async def ledger_get(self, key: str) -> Intent:
@@ -473,6 +481,8 @@ class RedisStore:
         return Intent.model_validate_json(data)
 
     async def ledger_replace(self, intent: Intent) -> bool:
+        if intent.status in OPEN:
+            await self._index_open(intent)  # before the row: see _index_open
         res = await self._script(
             "ledger_replace",
             [self._intent(intent.turn_id, intent.key)],
@@ -480,7 +490,7 @@ class RedisStore:
         )
         if int(res) < 0:
             raise UnknownIntent(intent.key)
-        if int(res) == 1:
+        if int(res) == 1 and intent.status not in OPEN:
             await self._index_open(intent)
         return int(res) == 1
 
@@ -505,7 +515,10 @@ class RedisStore:
                 continue
             intent = Intent.model_validate_json(data)
             if intent.status in OPEN:
-                out.append(intent)
+                if intent.next_attempt_at is None or intent.next_attempt_at <= now:
+                    out.append(intent)
+                else:  # indexed early with another score: mend it
+                    await self._index_open(intent)
             else:  # the index lagged behind a change: mend it
                 await self._index_open(intent)
         return out

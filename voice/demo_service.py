@@ -37,7 +37,9 @@ class DemoService:
 
     Args:
         clock: time source for its latency.
-        path: its SQLite file (":memory:" by default: one process).
+        path: its SQLite file; it outlives restarts, so a lookup after a
+            crash still knows what was applied (":memory:": this process
+            only, for tests).
         latency_s: time each call takes, s.
     """
 
@@ -47,7 +49,9 @@ class DemoService:
         self.clock = clock
         self.latency_s = latency_s
         self.slow_s = 5.0
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        if str(path) != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=5.0)
         self._lock = threading.Lock()
         self._db.executescript(
             """

@@ -18,7 +18,9 @@ nothing is left for them, and the invariants are checked:
    compensated effect is reversed in the external system; a done one is
    applied there.
 
-``turnkeeper fuzz --iterations N [--seed S]`` runs it by hand.
+``turnkeeper fuzz --iterations N [--seed S]`` runs it by hand. A seed fixes
+the scripts, the stops and the faults; the interleaving with the store's
+thread is real, so two runs of one seed may take slightly different paths.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from turn.clock import VirtualClock
+from turn.downstream import turn_stopped
 from turn.ledger import RESOLVED, IntentKind, IntentStatus, policy_for
 from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
@@ -326,7 +329,9 @@ async def _check(manager: TurnManager, store: SqliteStore, service: DemoService,
             bad(f"effect_at_most_once: {key} was applied but the ledger has no intent {base}")
         if service.times_applied(key) > 1:
             bad(f"effect_at_most_once: {key} applied {service.times_applied(key)} times")
-        if eff["op"] == "message" and turn.stop_reason is not None:
+        if service.repeats(key):
+            bad(f"effect_at_most_once: {key} was sent again after it had been applied (a blind retry)")
+        if eff["op"] == "message" and turn.stop_reason is not None and turn_stopped(turn):
             if datetime.fromisoformat(eff["applied_at"]) > turn.stop_reason.at:
                 bad(f"effect_at_most_once: message {key} of a stopped turn was sent after the stop")
     # 3b. consistency of terminal state and ledger

@@ -24,9 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from turn.ledger import EffectNotApplied, IntentStatus
+from turn.ledger import EffectNotApplied, IntentStatus, effect_key
 from turn.manager import TurnManager
 from turn.scope import NotStarted, TurnScope, TurnStopped
+from turn.store import UnknownIntent
 from turn.usage import RequestMeter, UsageMeter, estimate_tokens
 from voice.providers import LanguageModel, Message, ToolCall
 from voice.tools import Tool, ToolArgumentsError, Toolbox
@@ -210,15 +211,14 @@ async def _invoke(
     settles it). A step already done is never run again."""
     ledger = manager.ledger
     on_event("tool.started", call_id=call.id, name=call.name, arguments=arguments, effect=tool.effect)
-    intent = await ledger.intent(turn_id, step, tool.name, arguments, tool.effect)
-    if intent.status is IntentStatus.DONE:
-        done.append(True)
-        return intent.result
-    key = intent.key
+    key = effect_key(turn_id, step)
     pending = frozenset({IntentStatus.PENDING})
     unsure = IntentStatus.ABANDONED if tool.effect == "none" else IntentStatus.EFFECT_UNKNOWN
+    sent = False
 
     async def call_and_record() -> Any:
+        nonlocal sent
+        sent = True
         try:
             output = await tool(idempotency_key=key, turn_id=turn_id, **arguments)
         except EffectNotApplied as exc:
@@ -228,17 +228,29 @@ async def _invoke(
             error = f"{type(exc).__name__}: {exc}"
             await ledger.move(key, unsure, expect=pending, detail=f"the call failed: {error}", error=error)
             raise
-        await ledger.move(key, IntentStatus.DONE, expect=pending, detail="answered", result=_as_text(output))
+        await ledger.settle_late(key, IntentStatus.DONE, result=_as_text(output))
         done.append(True)
         return output
 
-    if tool.effect == "complete":
-        return await scope.commit(call_and_record())
     try:
+        intent = await ledger.intent(turn_id, step, tool.name, arguments, tool.effect)
+        if intent.status is IntentStatus.DONE:
+            done.append(True)
+            return intent.result
+        # the last look before anything is sent: a stop known here starts nothing
+        await manager.checkpoint(turn_id, "tool_call")
+        if scope.stopped.is_set():
+            raise scope.limit or TurnStopped(turn_id, "tool_call")
+        if tool.effect == "complete":
+            return await scope.commit(call_and_record())
         return await call_and_record()
     except (asyncio.CancelledError, TurnStopped):
-        with contextlib.suppress(TurnStopped):
-            await scope.commit(ledger.move(key, unsure, expect=pending, detail="cut off by the stop"), effect=False)
+        if not done:
+            # never sent: abandoned; cut off mid-call: a read abandoned, a write unknown
+            status = unsure if sent else IntentStatus.ABANDONED
+            detail = "cut off by the stop" if sent else "stopped before it was sent"
+            with contextlib.suppress(TurnStopped, UnknownIntent):
+                await scope.commit(ledger.move(key, status, expect=pending, detail=detail), effect=False)
         raise
 
 

@@ -154,27 +154,18 @@ class TextTurns:
         try:
             async with scope:
                 try:
-                    agent: Child | None = scope.spawn("agent", self._answer(turn, llm, scope))
-                except TurnStopped:
-                    agent = None  # no time left at all: the scope stopped itself (deadline_exceeded)
-                if agent is not None:
-                    stop = asyncio.ensure_future(self.manager.stop_event(turn.id).wait())
-                    ended = asyncio.ensure_future(agent.done.wait())
-                    try:
-                        await asyncio.wait({stop, ended}, return_when=asyncio.FIRST_COMPLETED)
-                    finally:
-                        stop.cancel()
-                        ended.cancel()
-                    if not agent.done.is_set() and not scope.stopped.is_set():
-                        scope.stop(None)  # asked from outside: the reason is in the store
-                if scope.stopped.is_set():
-                    await self.manager.settle_stop(turn.id, scope)
-                elif agent is not None and agent.error is not None:
-                    log.error("text turn %s: %s", turn.id, describe_error(agent.error))
-                    await self.manager.fail(turn.id, describe_error(agent.error))
+                    await self._work(turn, llm, scope)
+                except asyncio.CancelledError:
+                    # The server is shutting down. The stop is recorded now,
+                    # before the children wind down (a must-complete call
+                    # may still commit, and that is after this stop).
+                    reason = StopReason(kind=StopReasonKind.WORKER_SHUTDOWN, initiator="server", at=self.clock.now())
+                    scope.stop(reason)
+                    await asyncio.shield(self._request_stop(turn.id, reason))
+                    raise
         except asyncio.CancelledError:
-            # The server is shutting down: record that, then go on cancelling.
-            await asyncio.shield(self._shutdown_stop(turn.id))
+            # every child has ended: resolve the ledger and write the terminal state
+            await asyncio.shield(self._settle_shutdown(turn.id, scope))
             raise
         except Exception:
             log.exception("text turn %s: stop handling failed", turn.id)
@@ -189,12 +180,40 @@ class TextTurns:
                     log.exception("text turn %s: could not record its final usage", turn.id)
             self.scopes.pop(turn.id, None)
 
-    async def _shutdown_stop(self, turn_id: str) -> None:
-        reason = StopReason(kind=StopReasonKind.WORKER_SHUTDOWN, initiator="server", at=self.clock.now())
+    async def _work(self, turn: Turn, llm: LanguageModel, scope: TurnScope) -> None:
+        """Inside the scope: run the agent child until it ends or a stop
+        comes, then write the terminal state."""
         try:
-            res = await self.manager.request_stop(turn_id, reason)
-            if not res.turn.is_terminal:
-                await self.manager.confirm_stopped(turn_id)
+            agent: Child | None = scope.spawn("agent", self._answer(turn, llm, scope))
+        except TurnStopped:
+            agent = None  # no time left at all: the scope stopped itself (deadline_exceeded)
+        if agent is not None:
+            stop = asyncio.ensure_future(self.manager.stop_event(turn.id).wait())
+            ended = asyncio.ensure_future(agent.done.wait())
+            try:
+                await asyncio.wait({stop, ended}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+                ended.cancel()
+            if not agent.done.is_set() and not scope.stopped.is_set():
+                scope.stop(None)  # asked from outside: the reason is in the store
+        if scope.stopped.is_set():
+            await self.manager.settle_stop(turn.id, scope)
+        elif agent is not None and agent.error is not None:
+            log.error("text turn %s: %s", turn.id, describe_error(agent.error))
+            await self.manager.fail(turn.id, describe_error(agent.error))
+
+    async def _request_stop(self, turn_id: str, reason: StopReason) -> None:
+        try:
+            await self.manager.request_stop(turn_id, reason)
+        except Exception:
+            log.exception("text turn %s: could not record the shutdown's stop request", turn_id)
+
+    async def _settle_shutdown(self, turn_id: str, scope: TurnScope) -> None:
+        """After a shutdown stopped the turn: the ledger is resolved and the
+        terminal state written from the children's reports, as for any stop."""
+        try:
+            await self.manager.settle_stop(turn_id, scope)
         except Exception:
             log.exception("text turn %s: could not record the shutdown", turn_id)
 

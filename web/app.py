@@ -81,7 +81,7 @@ class EmbeddedProviders:
         self.stt = PocketsphinxSTT(settings.stt)
         self._http: aiohttp.ClientSession | None = None
         #: the demo tools' external system (in-process; see voice/demo_service.py)
-        self.service = DemoService(clock)
+        self.service = DemoService(clock, demo_service_path(settings))
         self._toolbox: Toolbox | None = None
         self._store: TurnStore | None = None
 
@@ -136,6 +136,17 @@ class EmbeddedProviders:
         self.service.close()
 
 
+
+
+def demo_service_path(settings: Settings) -> Path:
+    """Where the demo tools' external system keeps its table (it outlives
+    restarts, so reconciliation after a crash asks a system that remembers)."""
+    if settings.demo_service_db:
+        return Path(settings.demo_service_db)
+    if settings.store.startswith("sqlite:"):
+        db = path_from_url(settings.store)
+        return db.with_name(db.name + ".demo-service.db")
+    return Path("var/demo-service.db")
 
 
 def open_store(settings: Settings) -> tuple[SqliteStore | RedisStore, StopSignals]:
@@ -249,11 +260,30 @@ async def _startup(app: web.Application) -> None:
     provs = app[PROVIDERS]
     app[WORKERS] = [
         asyncio.get_running_loop().create_task(manager.reconciliation_worker().run(), name="reconciliation"),
+        asyncio.get_running_loop().create_task(_sweep_abandoned(manager, app[CLOCK]), name="lease-sweeper"),
         asyncio.get_running_loop().create_task(
             message_sender(provs.service, store, app[CLOCK], consumer=manager.owner).run(), name="message-sender"
         ),
     ]
     await provs.start()
+
+
+async def _sweep_abandoned(manager: TurnManager, clock: Clock) -> None:
+    """Every lease TTL, stop the turns whose worker stopped heartbeating
+    (another instance crashed, or this one was restarted within the TTL):
+    a turn never stays open because its owner died."""
+    while True:
+        await clock.sleep(manager.lease_ttl_s)
+        reason = StopReason(
+            kind=StopReasonKind.WORKER_SHUTDOWN, initiator="server", at=clock.now(),
+            detail="its worker stopped renewing its lease",
+        )
+        try:
+            await manager.recover_abandoned(reason, all_open=False)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("lease sweep failed")
 
 
 async def _shutdown(app: web.Application) -> None:

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     fz = sub.add_parser("fuzz", help="cancel scripted turns at random checkpoints and check the ledger's invariants")
     fz.add_argument("--iterations", type=int, default=1000, help="scripted turns to run (default 1000)")
-    fz.add_argument("--seed", type=int, default=1, help="random seed (default 1); a failing seed reproduces")
+    fz.add_argument("--seed", type=int, default=1, help="random seed (default 1): fixes scripts, stops and faults")
     fz.add_argument("--json", action="store_true", help="print one JSON object of the counts")
 
     args = parser.parse_args(argv)

@@ -66,6 +66,9 @@ class Settings(BaseSettings):
         api_tokens: bearer tokens of the REST API, ``tenant:token`` pairs
             separated by commas; empty disables the REST turn API.
         resume_token_ttl_s: lifetime of an event-stream resume token, s.
+        demo_service_db: the SQLite file of the demo tools' external system
+            (empty: next to the SQLite store's file, or
+            ``var/demo-service.db`` with Redis).
         plans: each tenant's limits for every turn (deadline, budget, max
             steps, shutdown reserve; see :class:`turn.models.Plan`), by
             tenant id; ``default`` applies to tenants without one (and to
@@ -95,6 +98,7 @@ class Settings(BaseSettings):
     stop_flag_staleness_ms: int = Field(100, ge=0, le=60_000)
     api_tokens: str = Field("", repr=False)
     resume_token_ttl_s: int = Field(3600, ge=10, le=7 * 24 * 3600)
+    demo_service_db: str = ""
 
     @field_validator("api_tokens")
     @classmethod

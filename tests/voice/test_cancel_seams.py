@@ -145,8 +145,8 @@ async def test_stop_while_a_must_complete_tool_commits(rig: Rig) -> None:
     """Between the tool call and its completion write: the write happens,
     the model is not called again, and the turn needs reconciliation."""
     turn = await rig.turns.start(tenant_id="t", text="please call charge_card")
-    await rig.until(lambda: any(c.name == "tool:charge_card" for c in _children(rig, turn.id)))
-    await rig.clock.advance(0.2)  # inside the tool
+    await rig.until(lambda: any(c.name == "tool:charge_card" and c.committing for c in _children(rig, turn.id)))
+    await rig.clock.advance(0.2)  # inside the tool's must-complete section
     await rig.manager.request_stop(turn.id, rig.stop())
     done = await rig.settled(turn.id)
     assert rig.effects == ["charged"]

@@ -99,10 +99,31 @@ async def test_an_order_completes_and_the_ledger_shows_it(flow: Flow) -> None:
     assert types.index("tool.intent") < types.index("tool.done")
 
 
-async def test_a_stop_mid_order_compensates_it_and_the_turn_is_cancelled(flow: Flow) -> None:
+async def test_a_stop_before_the_order_was_sent_abandons_it(flow: Flow, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = flow.store.ledger_add
+
+    async def slow_add(intent):  # type: ignore[no-untyped-def]
+        await flow.clock.sleep(0.5)  # a slow store: the stop lands while the intent is written
+        return await original(intent)
+
+    monkeypatch.setattr(flow.store, "ledger_add", slow_add)
     turn = await flow.start("please order a coffee")
     await flow.until(lambda: in_tool(flow, turn.id, "create_order"))
     await flow.clock.advance(0.1)
+    await flow.stop(turn.id)
+    done = await flow.settled(turn.id)
+    assert done.status is TurnStatus.CANCELLED
+    rows = await flow.store.ledger_list(turn.id)
+    assert all(i.status is IntentStatus.ABANDONED for i in rows)
+    assert flow.service.applied(turn.id) == {}
+
+
+async def test_a_stop_mid_order_compensates_it_and_the_turn_is_cancelled(flow: Flow) -> None:
+    turn = await flow.start("please order a coffee")
+    while not await flow.store.ledger_list(turn.id):  # the intent is written; the call goes out next
+        await flow.clock.advance(0.01)
+        await asyncio.sleep(0.001)
+    await flow.clock.advance(0.1)  # the shop takes 0.3 s to answer
     await flow.stop(turn.id)
     done = await flow.settled(turn.id)
     assert done.status is TurnStatus.CANCELLED
@@ -178,3 +199,19 @@ async def _run(flow: Flow, coro):  # type: ignore[no-untyped-def]
     task = asyncio.ensure_future(coro)
     await flow.until(task.done)
     return task.result()
+
+
+async def test_a_shutdown_during_a_payment_records_the_stop_first_and_resolves_the_ledger(flow: Flow) -> None:
+    flow.service.slow_s = 2.0
+    flow.service.inject("payment", "slow")
+    turn = await flow.start("please pay")
+    await flow.until(lambda: in_tool(flow, turn.id, "charge_payment") and any(
+        c.committing for c in flow.turns.scopes[turn.id].children))
+    closing = asyncio.ensure_future(flow.turns.aclose())  # the server shuts down mid-payment
+    await flow.until(closing.done)
+    done = await flow.manager.get(turn.id)
+    assert done.stop_reason is not None and done.stop_reason.kind is StopReasonKind.WORKER_SHUTDOWN
+    [row] = await flow.store.ledger_list(turn.id)
+    assert row.status is IntentStatus.DONE and row.done_at is not None and row.done_at > done.stop_reason.at
+    assert done.status is TurnStatus.RECONCILE_REQUIRED  # the payment committed after the stop
+    assert flow.service.times_applied(row.key) == 1 and done.stop_report is not None
