@@ -28,12 +28,17 @@ unresolved, is RECONCILE_REQUIRED (:func:`effect_remains`).
 
 from __future__ import annotations
 
-from datetime import datetime
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from turn.clock import timeout_after
 from turn.models import StopReasonKind
 
 
@@ -213,13 +218,6 @@ def effect_remains(intents: list[Intent], stop_at: datetime, policy: EffectPolic
 
 # -- the ledger service ----------------------------------------------------------
 
-import asyncio  # noqa: E402
-import logging  # noqa: E402
-from collections.abc import Awaitable, Callable  # noqa: E402
-from datetime import timedelta  # noqa: E402
-from typing import TYPE_CHECKING, Protocol  # noqa: E402
-
-from turn.clock import timeout_after  # noqa: E402
 
 if TYPE_CHECKING:
     from turn.clock import Clock
@@ -519,8 +517,6 @@ class Ledger:
 
 def json_args(args: dict[str, Any]) -> str:
     """Arguments as compact JSON, for audit rows."""
-    import json
-
     return json.dumps(args, sort_keys=True, default=str)
 
 

@@ -75,7 +75,6 @@ class RequestMeter:
         self.completion_tokens += tokens
         if self._meter.stopped:
             self.after_stop += tokens
-        self._meter.changed()
 
     def reported(self, prompt_tokens: int, completion_tokens: int) -> None:
         """The provider's own usage figures (they replace the counted ones;
@@ -87,7 +86,6 @@ class RequestMeter:
         self.completion_tokens = completion_tokens
         self.after_stop = min(self.after_stop, completion_tokens)
         self.reported_usage = True
-        self._meter.changed()
 
     def not_billed(self) -> None:
         """The request was refused before any generation (connection
@@ -96,7 +94,6 @@ class RequestMeter:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.after_stop = 0
-        self._meter.changed()
 
     def finish(self, *, partial: bool) -> None:
         """The request ended; ``partial`` if it was aborted before its end.
@@ -105,7 +102,6 @@ class RequestMeter:
             return
         self.finished = True
         self.partial = partial
-        self._meter.changed()
 
     def record(self) -> UsageRecord:
         """This request as a :class:`turn.models.UsageRecord`."""
@@ -127,8 +123,6 @@ class UsageMeter:
 
     Args:
         pricing: token prices (cents per 1,000).
-        on_change: called (no arguments, must not block) after every change,
-            e.g. to check the budget while a stream runs.
         now: wall clock (UTC) for each request's start, so requests can be
             compared with the stored time of the stop request.
     """
@@ -136,7 +130,6 @@ class UsageMeter:
     def __init__(
         self,
         pricing: Pricing | None = None,
-        on_change: Callable[[], None] | None = None,
         now: Callable[[], datetime] | None = None,
     ) -> None:
         self.pricing = pricing or Pricing()
@@ -144,7 +137,6 @@ class UsageMeter:
         self.stopped = False
         #: the stop request's time as the store recorded it (see :meth:`reconcile_stop`)
         self.stop_at: datetime | None = None
-        self._on_change = on_change
         self._now = now
 
     def mark_stopped(self) -> None:
@@ -164,12 +156,8 @@ class UsageMeter:
         started_at = self._now() if self._now is not None else None
         req = RequestMeter(self, len(self.requests) + 1, prompt_estimate, self.stopped, started_at)
         self.requests.append(req)
-        self.changed()
         return req
 
-    def changed(self) -> None:
-        if self._on_change is not None:
-            self._on_change()
 
     @property
     def total_tokens(self) -> int:
