@@ -181,7 +181,10 @@ async def test_queued_messages_of_a_stopped_turn_are_skipped(flow: Flow) -> None
 
 async def test_the_next_model_call_sees_a_consistent_tool_history(flow: Flow) -> None:
     first = await flow.start("please order a coffee")
-    await flow.until(lambda: in_tool(flow, first.id, "create_order"))
+    while not await flow.store.ledger_list(first.id):  # the intent is written; the call goes out next
+        await flow.clock.advance(0.01)
+        await asyncio.sleep(0.001)
+    await flow.clock.advance(0.1)  # the order is on its way to the shop
     await flow.stop(first.id)
     await flow.settled(first.id)
     second = await flow.start("what is the weather", session_id=first.session_id)
@@ -190,6 +193,8 @@ async def test_the_next_model_call_sees_a_consistent_tool_history(flow: Flow) ->
     sent = RecordingAgent.seen[-2]  # the second turn's first request
     tool_messages = [m for m in sent if m.role == "tool"]
     assert tool_messages and tool_messages[0].status == "compensated"
+    [effect] = [i for i in await flow.store.ledger_list(first.id) if i.kind is IntentKind.EFFECT]
+    assert effect.status is IntentStatus.COMPENSATED  # the history says what the ledger says
     assert "cancelled" in tool_messages[0].content
     # the finished weather lookup of this turn is used, not run again
     assert len([i for i in await flow.store.ledger_list(second.id) if i.tool == "lookup_weather"]) == 1
