@@ -1,23 +1,35 @@
 #!/usr/bin/env python3
-"""Barge-in benchmark: how fast does the agent go silent when the user speaks?
+"""Barge-in benchmark over a labelled corpus: fast, and right.
 
-Starts a turnkeeper server in its own process on loopback, then makes calls
-with the headless aiortc client (web/call.py). Each call asks for a story and
-interrupts the agent again and again at varied offsets after it starts
-talking; every barge-in gives two figures:
+Starts a turnkeeper server in its own process on loopback and makes calls
+with the headless aiortc client (web/call.py). Each call asks for a story;
+while the agent talks, the client plays corpus clips into its microphone at
+random offsets (0.3 to 2 s after the agent's audio starts again):
 
-- audible stop (client): from the first sample of barge-in speech handed to
-  the client's RTP sender, to the arrival of the first decoded agent frame
-  after which the agent stays silent (includes the client's 20 ms jitter
-  buffer, the network, the server's inbound jitter buffer, VAD onset, the
-  fence, the next 20 ms outbound tick, Opus encode and decode);
-- onset to fence (server): from the arrival of the first voiced frame of the
-  barge-in to the generation fence.
+- speech (should barge in): "tell me a story" from espeak-ng in four voices
+  at three speeds, and the alsa-utils human recordings;
+- backchannels (should cancel nothing): espeak-ng "uh-huh", "mm-hmm",
+  "yeah", "okay", "right" in two voices;
+- not speech (should cancel nothing): alsa Noise.wav, white and brown noise,
+  tones, DTMF, a sweep, clicks, knocks, coughs;
+- echo (should cancel nothing): calls whose client is a speakerphone, playing
+  the agent's audio back into its microphone (-6 dB, +60 ms) for 8 s before
+  the user speaks over it.
 
-Barge-ins that land while the agent happens to be silent (between sentences)
-are counted but left out of the audible-stop figures, which would flatter us.
+Figures (min, p50, p95, max where they apply):
 
-Usage: python bench/bargein.py [--barge-ins N] [--per-call K] [--json]
+- audible stop: from the first sample of speech handed to the client's RTP
+  sender to the arrival (at the client's RTP receiver, before its jitter
+  buffer) of the packet where the agent's sound ends, for barge-ins that
+  landed while the agent was audible;
+- commit time: server side, from the first gated frame of the speech to the
+  committed barge-in (generation advanced, buffers cleared, work cancelled);
+- false cancels: barge-ins committed for a backchannel, a noise or echo;
+- missed: speech that committed no barge-in;
+- false interruptions: pauses that resumed (not errors: the audio was held
+  while the detector made sure).
+
+Usage: python bench/bargein.py [--json] [--seed S] [--per-call K] [--quick]
 """
 
 from __future__ import annotations
@@ -39,14 +51,15 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
-from media.frames import PLAYOUT_RATE, load_pcm  # noqa: E402
-from web.call import CallClient, Utterance  # noqa: E402
+import corpus as C  # noqa: E402  (the tests' labelled corpus)
+from conftest import GRAMMAR  # noqa: E402  (the tests' grammar: test phrases and backchannels)
+from media.frames import PLAYOUT_RATE, VAD_RATE  # noqa: E402
+from web.call import BargeInMeasure, CallClient, CallResult, Utterance  # noqa: E402
 
-GRAMMAR = (
-    "#JSGF V1.0;\ngrammar bench;\n"
-    "public <utt> = tell me a story | what is the weather like today | count to twenty;\n"
-)
+STORY = "tell me a story"
+WEATHER = "what is the weather like today"
 
 
 def free_port() -> int:
@@ -55,9 +68,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def speak(text: str, path: Path) -> bytes:
-    subprocess.run(["espeak-ng", "-v", "en-us", "-s", "140", "-w", str(path), text], check=True)
-    return load_pcm(path, PLAYOUT_RATE)
+def up(pcm16: bytes) -> bytes:
+    return C.resample(pcm16, VAD_RATE, PLAYOUT_RATE)
 
 
 async def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
@@ -89,13 +101,40 @@ def stats(values: list[float]) -> dict[str, float | int | None]:
     }
 
 
+def corpus_items(quick: bool) -> list[Utterance]:
+    """The clips played over the agent, labelled."""
+    items: list[Utterance] = []
+    voices, speeds = (C.VOICES[:2], C.SPEEDS[1:2]) if quick else (C.VOICES, C.SPEEDS)
+    for voice in voices:
+        for wpm in speeds:
+            pcm, _ = C.embed(C.espeak(STORY, voice, wpm), 0, 300)
+            items.append(Utterance(up(pcm), label=f"story-{voice}-{wpm}", kind="speech"))
+    for clip in C.backchannel_clips()[: 4 if quick else None]:
+        items.append(Utterance(up(clip.pcm), label=clip.name, kind="backchannel"))
+    for clip in C.nonspeech_clips()[:: 3 if quick else 1]:
+        items.append(Utterance(up(clip.pcm), label=clip.name, kind="noise"))
+    return items
+
+
+def human_items() -> list[Utterance]:
+    """alsa-utils recordings of a human voice (short words: each ends a call)."""
+    out = []
+    for clip in C.speech_clips():
+        if clip.name.startswith("alsa-"):
+            out.append(Utterance(up(clip.pcm), label=clip.name, kind="speech"))
+    return out
+
+
 async def run(args: argparse.Namespace) -> dict[str, object]:
     rng = random.Random(args.seed)
+    items = corpus_items(args.quick)
+    rng.shuffle(items)
+    humans = human_items()[: 2 if args.quick else None]
+    weather, _ = C.embed(C.espeak(WEATHER, "en-us", 140), 0, 300)
+    story, _ = C.embed(C.espeak(STORY, "en-us", 140), 0, 300)
     with tempfile.TemporaryDirectory(prefix="tk-bench-") as tmp:
         d = Path(tmp)
         (d / "bench.gram").write_text(GRAMMAR)
-        story = speak("tell me a story", d / "story.wav")
-        weather = speak("what is the weather like today", d / "weather.wav")
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         env = {
@@ -105,52 +144,79 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             "TURNKEEPER_STT__GRAMMAR": str(d / "bench.gram"),
             "TURNKEEPER_LOG_LEVEL": "WARNING",
         }
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "web.cli", "serve", "--port", str(port)], env=env, cwd=d
-        )
-        measures = []
+        proc = subprocess.Popen([sys.executable, "-m", "web.cli", "serve", "--port", str(port)], env=env, cwd=d)
+        measures: list[BargeInMeasure] = []
+        echo_calls: list[CallResult] = []
         try:
             await wait_healthy(url, proc)
-            remaining = args.barge_ins
-            while remaining > 0:
-                k = min(args.per_call, remaining)
-                offsets = [round(rng.uniform(args.min_at, args.max_at), 2) for _ in range(k)]
-                # Each barge-in asks for the story again, so there is always a
-                # long answer to interrupt; the last asks for the short weather
-                # report, so the call does not wait out a whole story.
-                barge_ins = [Utterance(pcm=story, at_s=at, label=f"story@{at}") for at in offsets[:-1]]
-                barge_ins.append(Utterance(pcm=weather, at_s=offsets[-1], label=f"weather@{offsets[-1]}"))
+            # Calls of K corpus items; each ends with a human recording (or the
+            # weather question) so it does not wait out a whole story.
+            chunks = [items[i : i + args.per_call] for i in range(0, len(items), args.per_call)]
+            for n, chunk in enumerate(chunks):
+                last = humans[n] if n < len(humans) else Utterance(up(weather), label="weather", kind="speech")
+                script = [*chunk, last]
+                for u in script:
+                    u.at_s = round(rng.uniform(args.min_at, args.max_at), 2)
                 result = await CallClient(url).run(
-                    Utterance(pcm=story, label="story"), barge_ins, timeout_s=30 + 15 * k, settle_s=0.2
+                    Utterance(up(story), label="story"), script, timeout_s=40 + 12 * len(script), settle_s=0.3
                 )
                 measures.extend(result.barge_ins)
-                remaining -= k
                 if not args.json:
-                    print(f"  call {result.session_id[:8]}: {k} barge-ins", file=sys.stderr)
+                    print(f"  call {n + 1}/{len(chunks)} {result.session_id[:8]}: {len(script)} clips", file=sys.stderr)
+            for n in range(args.echo_calls):
+                client = CallClient(url, echo_gain_db=-6, echo_delay_ms=60)
+                result = await client.run(
+                    Utterance(up(story), label="story"),
+                    [Utterance(up(weather), at_s=8.0, label="weather over echo", kind="speech")],
+                    timeout_s=60,
+                    settle_s=0.3,
+                )
+                echo_calls.append(result)
+                measures.extend(result.barge_ins)
+                if not args.json:
+                    print(f"  speakerphone call {n + 1}/{args.echo_calls} {result.session_id[:8]}", file=sys.stderr)
         finally:
             proc.terminate()
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    audible = [m.stop_ms for m in measures if m.speaking_at_onset and m.stop_ms is not None]
-    fence = [m.server_onset_to_fence_ms for m in measures if m.server_onset_to_fence_ms is not None]
+    speech = [m for m in measures if m.kind == "speech"]
+    others = [m for m in measures if m.kind != "speech"]
+    audible = [m.stop_ms for m in speech if m.barged_in and m.speaking_at_onset and m.stop_ms is not None]
+    commit = [m.server_onset_to_fence_ms for m in speech if m.barged_in and m.server_onset_to_fence_ms is not None]
+    echo_false = sum(max(0, sum(e.get("type") == "barge_in" for e in r.events) - 1) for r in echo_calls)
+    echo_pauses = sum(sum(e.get("type") == "false_interruption" for e in r.events) for r in echo_calls)
+    by_kind: dict[str, dict[str, int]] = {}
+    for m in measures:
+        k = by_kind.setdefault(m.label.split("-")[0] if m.kind == "noise" else m.kind, {"n": 0, "barged_in": 0, "resumed": 0})
+        k["n"] += 1
+        k["barged_in"] += m.barged_in
+        k["resumed"] += m.resumed is not None
     return {
-        "barge_ins": len(measures),
-        "agent_silent_at_onset": sum(1 for m in measures if not m.speaking_at_onset),
-        "unmeasured": sum(1 for m in measures if m.stop_ms is None),
+        "clips": len(measures),
+        "speech": len(speech),
+        "agent_silent_at_onset": sum(1 for m in speech if not m.speaking_at_onset),
         "audible_stop_ms": stats([v for v in audible if v is not None]),
-        "onset_to_fence_ms": stats(fence),
-        "offsets_s": [m.at_s for m in measures],
+        "commit_ms": stats([v for v in commit if v is not None]),
+        "false_cancels": sum(m.barged_in for m in others) + echo_false,
+        "false_cancels_echo": echo_false,
+        "missed": sum(not m.barged_in for m in speech),
+        "false_interruptions": sum(m.resumed == "false_interruption" for m in others) + echo_pauses,
+        "backchannels_resumed": sum(m.resumed == "backchannel" for m in others),
+        "echo_calls": len(echo_calls),
+        "by_kind": by_kind,
+        "failures": [m.as_dict() for m in measures if m.barged_in != (m.kind == "speech")],
     }
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--barge-ins", type=int, default=24, help="how many barge-ins in all (default 24)")
-    p.add_argument("--per-call", type=int, default=6, help="barge-ins per call (default 6)")
-    p.add_argument("--min-at", type=float, default=0.2, help="earliest offset after the agent starts talking, s")
-    p.add_argument("--max-at", type=float, default=2.5, help="latest offset, s")
+    p.add_argument("--per-call", type=int, default=8, help="corpus clips per call (default 8)")
+    p.add_argument("--echo-calls", type=int, default=3, help="speakerphone calls (default 3)")
+    p.add_argument("--min-at", type=float, default=0.3, help="earliest offset after the agent's audio starts, s")
+    p.add_argument("--max-at", type=float, default=2.0, help="latest offset, s")
+    p.add_argument("--quick", action="store_true", help="a small subset of the corpus")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print one JSON object of the figures")
     args = p.parse_args()
@@ -158,14 +224,19 @@ def main() -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"barge-ins: {out['barge_ins']}  (agent already silent at onset: {out['agent_silent_at_onset']}, "
-          f"unmeasured: {out['unmeasured']})")
+    print(f"clips: {out['clips']}  speech: {out['speech']} (agent already silent at onset: {out['agent_silent_at_onset']})")
     print(f"{'figure':<34}{'n':>4}{'min':>9}{'p50':>9}{'p95':>9}{'max':>9}")
-    for name, key in (("audible stop at client (ms)", "audible_stop_ms"), ("onset to fence on server (ms)", "onset_to_fence_ms")):
+    for name, key in (("audible stop at client (ms)", "audible_stop_ms"), ("commit time on server (ms)", "commit_ms")):
         s = out[key]
         assert isinstance(s, dict)
         cells = "".join(f"{'-' if s[c] is None else s[c]:>9}" for c in ("min", "p50", "p95", "max"))
         print(f"{name:<34}{s['n']:>4}{cells}")
+    print(f"false cancels: {out['false_cancels']} (echo: {out['false_cancels_echo']})   missed: {out['missed']}   "
+          f"false interruptions (paused, resumed): {out['false_interruptions']}   "
+          f"backchannels resumed: {out['backchannels_resumed']}")
+    print("by kind: " + ", ".join(f"{k} {v['barged_in']}/{v['n']} barged in" for k, v in sorted(out["by_kind"].items())))  # type: ignore[union-attr]
+    for f in out["failures"]:  # type: ignore[union-attr]
+        print(f"  wrong: {f}")
     return 0
 
 

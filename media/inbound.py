@@ -1,9 +1,12 @@
-"""Inbound audio: decoded track frames -> 16 kHz mono 20 ms frames -> VAD.
+"""Inbound audio: decoded track frames -> 16 kHz mono 20 ms frames ->
+two-stage barge-in detector.
 
 aiortc decodes Opus/PCMU to ``av.AudioFrame`` (Opus: 48 kHz stereo s16, 960
 samples). :class:`InboundAudio` resamples each to 16 kHz mono with PyAV,
-reframes to exact 20 ms and runs the stream's own VAD, yielding
-:class:`InboundFrame` items stamped with the injected clock.
+reframes to exact 20 ms and runs the stream's own
+:class:`media.bargein.BargeInDetector` (webrtcvad gate, Silero confirmation,
+echo guard), yielding :class:`InboundFrame` items stamped with the injected
+clock.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from typing import Any, Protocol
 from aiortc.jitterbuffer import JitterBuffer
 from aiortc.mediastreams import MediaStreamError
 
+from media.bargein import BargeInConfig, BargeInDetector, DetectorEvent, EchoReference
 from media.frames import VAD_RATE, PcmResampler, Reframer
-from media.vad import VadConfig, VadEvent, VoiceActivityDetector
+from media.vad import VadConfig
 from turn.clock import Clock
 
 
@@ -35,13 +39,18 @@ class InboundFrame:
         pcm: 640 bytes, 16 kHz mono s16.
         at: clock seconds when it was taken off the track.
         voiced: webrtcvad's verdict on this frame.
-        event: speech_started / speech_stopped when hysteresis decided here.
+        gated: it passed the detector's gate (voiced, above the noise floor,
+            not the agent's own echo).
+        echo: the echo guard found it explained by the agent's own audio.
+        events: the detector's decisions made on this frame, in order.
     """
 
     pcm: bytes
     at: float
     voiced: bool
-    event: VadEvent | None = None
+    gated: bool = False
+    echo: bool = False
+    events: tuple[DetectorEvent, ...] = ()
 
 
 class InboundAudio:
@@ -51,12 +60,22 @@ class InboundAudio:
         track: the remote audio track.
         clock: time source for frame stamps.
         vad: VAD settings (one webrtcvad instance per InboundAudio).
+        bargein: the detector's two-stage settings.
+        echo: what the server is playing to this client (the echo guard's
+            reference); None: no echo guard.
     """
 
-    def __init__(self, track: AudioSource, clock: Clock, vad: VadConfig | None = None) -> None:
+    def __init__(
+        self,
+        track: AudioSource,
+        clock: Clock,
+        vad: VadConfig | None = None,
+        bargein: BargeInConfig | None = None,
+        echo: EchoReference | None = None,
+    ) -> None:
         self.track = track
         self.clock = clock
-        self.vad = VoiceActivityDetector(vad)
+        self.detector = BargeInDetector(vad, bargein, echo)
         self._resampler = PcmResampler(VAD_RATE)
         self._reframer = Reframer(VAD_RATE)
         self._aligned = False
@@ -90,8 +109,10 @@ class InboundAudio:
             if not self._aligned:
                 self._align(frame, pcm16)
             for pcm in self._reframer.push(pcm16):
-                voiced, event = self.vad.feed(pcm, at)
-                yield InboundFrame(pcm=pcm, at=at, voiced=voiced, event=event)
+                verdict, events = self.detector.feed(pcm, at)
+                yield InboundFrame(
+                    pcm=pcm, at=at, voiced=verdict.voiced, gated=verdict.gated, echo=verdict.echo, events=tuple(events)
+                )
 
 
 def set_jitter_prefetch(receiver: Any, packets: int) -> None:

@@ -136,6 +136,7 @@ class PacedAudioTrack(MediaStreamTrack):
             return None
         while (frame := self.buffer.pop()) is not None:
             if self.gate.passes(frame.generation):
+                self.buffer.note_played(frame)
                 return frame
             self.audit.fenced_frames += 1
         return None

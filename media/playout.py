@@ -3,7 +3,12 @@ jitter buffer), each tagged with the generation that made it.
 
 It knows nothing of turns. The delivery gate (in :mod:`media.outbound`)
 decides per frame whether it may go out; :meth:`PlayoutBuffer.clear` empties
-the queue at once on barge-in.
+the queue at once on a committed barge-in, and :meth:`PlayoutBuffer.pause`
+holds it (the track sends silence from its next 20 ms tick) while a possible
+barge-in is being confirmed, so :meth:`PlayoutBuffer.resume` can go on from
+the very frame where it stopped. :meth:`PlayoutBuffer.played_samples` says how
+much of a generation's audio actually left, which is what "only what was
+heard" is measured in.
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ class PlayoutBuffer:
         self._empty = asyncio.Event()
         self._empty.set()
         self.cleared_frames = 0
+        #: while True nothing is taken: the track sends silence (stage 1 of a barge-in)
+        self.paused = False
+        self._played: dict[int, int] = {}
 
     def push(self, frame: PlayoutFrame) -> None:
         """Queue a frame for playout.
@@ -59,9 +67,34 @@ class PlayoutBuffer:
         self._frames.append(frame)
         self._empty.clear()
 
+    def pause(self) -> bool:
+        """Hold playout where it is; queued frames stay. Returns True if it
+        was playing (not already paused)."""
+        was, self.paused = self.paused, True
+        return not was
+
+    def resume(self) -> bool:
+        """Go on from the frame where :meth:`pause` stopped. Returns True if
+        it was paused."""
+        was, self.paused = self.paused, False
+        return was
+
+    def note_played(self, frame: PlayoutFrame) -> None:
+        """The delivery gate let ``frame`` out (called by the outbound track)."""
+        end = frame.sample + len(frame.pcm) // 2
+        if end > self._played.get(frame.generation, 0):
+            self._played[frame.generation] = end
+            if len(self._played) > 64:  # keep the recent generations only
+                del self._played[min(self._played)]
+
+    def played_samples(self, generation: int) -> int:
+        """How far into ``generation``'s audio playout got, in samples at
+        ``rate`` (the end of the last frame sent; 0 if none was)."""
+        return self._played.get(generation, 0)
+
     def pop(self) -> PlayoutFrame | None:
-        """Take the oldest frame, or None when empty."""
-        if not self._frames:
+        """Take the oldest frame, or None when empty or paused."""
+        if self.paused or not self._frames:
             return None
         frame = self._frames.popleft()
         if not self._frames:
@@ -81,6 +114,10 @@ class PlayoutBuffer:
         while self._frames:
             self._empty.clear()
             await self._empty.wait()
+
+    def pending_audible_generations(self) -> set[int]:
+        """Generations with sound still queued."""
+        return {f.generation for f in self._frames if f.audible}
 
     def audible_pending(self, generation: int) -> bool:
         """True if a frame of ``generation`` with sound is still queued (so a

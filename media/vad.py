@@ -6,8 +6,10 @@ voiced frame is not speech: :class:`VoiceActivityDetector` reports
 ``speech_started`` only after ``onset_ms`` of consecutive voiced frames and
 ``speech_stopped`` only after ``offset_ms`` of consecutive unvoiced ones.
 
-Defaults: onset 60 ms (3 frames) keeps the barge-in fast; offset 500 ms
-(25 frames) lets a speaker pause between words without ending the utterance.
+Defaults: onset 60 ms (3 frames) keeps the barge-in fast; offset 200 ms
+(10 frames) is the hangover after the last voiced frame before
+speech_stopped. It does not end the user's turn: endpointing
+(``voice.session.EndpointConfig``, 500 ms of silence by default) does.
 Known limit: webrtcvad also marks broadband noise and tones as speech; the
 barge-in quality work adds a confirmation stage on top of this gate.
 """
@@ -35,7 +37,7 @@ class VadConfig(BaseModel):
 
     aggressiveness: int = Field(3, ge=0, le=3)
     onset_ms: int = Field(60, ge=FRAME_MS, le=2000)
-    offset_ms: int = Field(500, ge=FRAME_MS, le=5000)
+    offset_ms: int = Field(200, ge=FRAME_MS, le=5000)
     preroll_ms: int = Field(300, ge=0, le=2000)
 
     @model_validator(mode="after")

@@ -32,6 +32,13 @@ TEST_PHRASES = [
     "rear center",
     "hello there",
     "please order a coffee",
+    "charge my card",
+    # backchannels (words of pocketsphinx's dictionary)
+    "uh huh",
+    "mhm",
+    "yeah",
+    "okay",
+    "right",
 ]
 
 GRAMMAR = "#JSGF V1.0;\ngrammar turnkeeper_test;\npublic <utt> = " + " | ".join(TEST_PHRASES) + ";\n"

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -159,6 +159,10 @@ class TurnScope:
         self.stopped = asyncio.Event()
         self.children: list[Child] = []
         self._final: asyncio.Future[Any] | None = None
+        #: a stop waiting for the must-complete sections under way to end
+        self._deferred: Callable[[], StopReason] | None = None
+        self._commits_done = asyncio.Event()
+        self._commits_done.set()
         self._tg = asyncio.TaskGroup()
         self._entered = False
 
@@ -345,6 +349,7 @@ class TurnScope:
         inner = asyncio.ensure_future(work)
         if child is not None and effect:
             child.committing = True
+            self._commits_done.clear()
         if not effect:
             self._final = inner  # a stop's settle waits for it: the turn may be completing
         cancelled = False
@@ -360,6 +365,12 @@ class TurnScope:
                 child.committing = False
                 if self.stopped.is_set():
                     child.committed_after_stop = True
+                if not self.committing:
+                    self._commits_done.set()
+                    deferred, self._deferred = self._deferred, None
+                    if deferred is not None:
+                        # Synchronously, before this child takes another step.
+                        self.stop(deferred())
         result = inner.result()
         if cancelled:
             raise asyncio.CancelledError
@@ -377,6 +388,33 @@ class TurnScope:
             return False
         self._stop(reason)
         return True
+
+    @property
+    def committing(self) -> bool:
+        """A child is inside a must-complete section with an effect now."""
+        return any(c.committing for c in self.children)
+
+    def stop_after_commits(self, reason: Callable[[], StopReason]) -> bool:
+        """Stop once no must-complete section is under way: now if none is,
+        else the moment the last one ends (synchronously, before its child
+        takes another step). ``reason`` is called then, so the stop's time is
+        the time it took effect. This is the non-interruptible window of a
+        voice barge-in: the audio is silenced at once, the turn stopped after
+        the commit. Returns True if the stop happened now."""
+        if self.stopped.is_set():
+            return True
+        if not self.committing:
+            self.stop(reason())
+            return True
+        if self._deferred is None:
+            self._deferred = reason
+        return False
+
+    async def commits_done(self) -> None:
+        """Return once no must-complete section is under way."""
+        while self.committing:
+            self._commits_done.clear()
+            await self._commits_done.wait()
 
     def stop_self(self, exc: TurnStopped) -> None:
         """The turn stops itself (a limit, see ``exc.kind``)."""

@@ -49,6 +49,8 @@ class DemoService:
         self.clock = clock
         self.latency_s = latency_s
         self.slow_s = 5.0
+        #: keys of the apply calls that have arrived (answered or not), in order
+        self.received: list[str] = []
         if str(path) != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=5.0)
@@ -100,6 +102,7 @@ class DemoService:
             raise ValueError(f"unknown operation {op!r}")
         if not key:
             raise ValueError("an idempotency key is required")
+        self.received.append(key)
         fault = self._fault(op)
         await self._wait(fault)
         if fault == "fail_before":

@@ -23,17 +23,18 @@ import asyncio
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from media.frames import PLAYOUT_RATE, Reframer, rms_dbfs, samples_per_frame
+from media.bargein import DetectorEvent, DetectorEventKind
 from media.inbound import InboundFrame
 from media.playout import PlayoutBuffer, PlayoutFrame
-from media.vad import VadConfig, VadEvent, VadEventKind
+from media.vad import VadConfig
 from turn.clock import Clock
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
@@ -59,6 +60,87 @@ class EventSink(Protocol):
     def __call__(self, type: str, *, generation: int, turn_id: str | None = None, **payload: Any) -> None: ...
 
 
+#: short replies a listener gives without taking the turn (lower case, no
+#: punctuation; hyphens and spaces are equivalent)
+DEFAULT_BACKCHANNELS = (
+    "uh huh", "mm hmm", "mhm", "hmm", "hm", "mm", "aha", "uh", "um", "huh", "ah", "oh", "eh",
+    "yeah", "yes", "yep", "yup", "okay", "ok", "right", "sure", "alright", "all right", "i see", "got it",
+)
+
+
+class BackchannelConfig(BaseModel):
+    """Backchannels (env ``TURNKEEPER_SESSION__BACKCHANNEL__*``): short
+    utterances such as "uh-huh" or "okay" while the agent speaks, which tell
+    it to go on rather than to stop.
+
+    An utterance made while the agent speaks is a backchannel when it ends
+    (speech_stopped) no more than ``max_ms`` after its onset and every word
+    the recogniser heard in it is in ``words`` (or it heard none). The agent's
+    paused audio then resumes; the utterance is not added to the next user
+    turn. Longer speech commits the barge-in the moment it passes ``max_ms``.
+
+    Attributes:
+        enabled: on by default; off, confirmed speech commits at once.
+        max_ms: longest backchannel, ms from speech onset to its end.
+        words: the word list.
+    """
+
+    enabled: bool = True
+    max_ms: int = Field(800, ge=100, le=3000)
+    words: list[str] = Field(default_factory=lambda: list(DEFAULT_BACKCHANNELS))
+
+    def matches(self, text: str) -> bool:
+        """True if ``text`` (a transcript) is empty or made only of
+        backchannel words and phrases ("uh-huh", "okay okay", "yeah right")."""
+        words = _normalise(text).split()
+        phrases = {tuple(_normalise(w).split()) for w in self.words} - {()}
+        i = 0
+        while i < len(words):
+            for n in sorted({len(p) for p in phrases}, reverse=True):
+                if tuple(words[i : i + n]) in phrases:
+                    i += n
+                    break
+            else:
+                return False
+        return True
+
+
+class EndpointConfig(BaseModel):
+    """Endpointing: when the user's turn is over (env
+    ``TURNKEEPER_SESSION__ENDPOINT__*``).
+
+    After speech_stopped (the VAD's ``offset_ms`` of non-speech), the turn
+    ends once the user has been silent ``silence_ms`` since the end of their
+    speech; the wait after speech_stopped is kept within ``min_delay_ms`` and
+    ``max_delay_ms``. Speech confirmed again inside that wait continues the
+    same utterance. ``max_delay_ms`` also ends a turn whose detector keeps
+    seeing sound (a noisy room) that long after the last confirmed speech,
+    and ``max_utterance_ms`` ends one that never stops.
+
+    Attributes:
+        silence_ms: silence after the end of speech that ends the turn, ms.
+        min_delay_ms / max_delay_ms: bounds of the wait after speech_stopped, ms.
+        max_utterance_ms: longest user utterance, ms.
+        continue_window_ms: speech confirmed this soon after the end of the
+            previous utterance, whose reply has not been heard at all yet,
+            continues it: that reply is cancelled (it never plays) and one
+            reply answers both parts, ms. A turn that already called a tool
+            is never merged (its words were acted on; the ledger has them).
+    """
+
+    silence_ms: int = Field(500, ge=0, le=10_000)
+    continue_window_ms: int = Field(1500, ge=0, le=30_000)
+    min_delay_ms: int = Field(0, ge=0, le=10_000)
+    max_delay_ms: int = Field(3000, ge=0, le=30_000)
+    max_utterance_ms: int = Field(60_000, ge=1000, le=600_000)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "EndpointConfig":
+        if self.min_delay_ms > self.max_delay_ms:
+            raise ValueError("endpoint min_delay_ms must not exceed max_delay_ms")
+        return self
+
+
 class SessionConfig(BaseModel):
     """Agent session settings (env ``TURNKEEPER_SESSION__*``).
 
@@ -66,10 +148,20 @@ class SessionConfig(BaseModel):
         stop_grace_ms: how long a stopped turn's work may take to wind down
             before its terminal state is written anyway (ms).
         history_messages: how many past messages the model sees at most.
+        backchannel: see :class:`BackchannelConfig`.
+        endpoint: see :class:`EndpointConfig`.
     """
 
     stop_grace_ms: int = Field(250, ge=0, le=10_000)
     history_messages: int = Field(40, ge=2, le=1000)
+    backchannel: BackchannelConfig = BackchannelConfig()
+    endpoint: EndpointConfig = EndpointConfig()
+
+
+def _normalise(text: str) -> str:
+    """Lower case, hyphens as spaces, letters, digits and apostrophes only."""
+    cleaned = "".join(c if c.isalnum() or c == "'" else " " for c in text.lower().replace("-", " "))
+    return " ".join(cleaned.split())
 
 
 @dataclass
@@ -110,11 +202,49 @@ class TurnRun:
     stop_task: asyncio.Task[None] | None = None
     transcript: str | None = None
     reply: list[str] = field(default_factory=list)
+    #: each sentence sent to TTS: (first sample, end sample, text); samples
+    #: at 48 kHz from the start of this generation's audio
+    spoken: list[tuple[int, int, str]] = field(default_factory=list)
+    #: an earlier turn whose reply was never heard: this one answers both
+    #: utterances as one (the user paused, the endpoint fired, they went on)
+    continues: "TurnRun | None" = None
+    #: its words went into a later turn (see ``continues``)
+    merged: bool = False
+    #: it called a tool: it acted on the words, so they are not merged away
+    acted: bool = False
+    #: opened by push-to-talk: only ptt.end ends its utterance
+    ptt: bool = False
+    #: clock seconds when the user's speech in it ended (None: not yet)
+    speech_end_at: float | None = None
     phase: str = "listening"
     finished: bool = False
     remembered: bool = False
     #: its terminal state is in the store (or it was never written)
     settled: bool = False
+
+
+@dataclass
+class Candidate:
+    """Speech that the detector's first stage heard and the second has not
+    yet decided on (or that may be a backchannel).
+
+    Attributes:
+        onset_at: clock seconds of its first gated frame.
+        pcm: its audio so far (16 kHz frames, pre-roll included), fed to the
+            new turn's recogniser if it is committed.
+        paused: playout was paused for it (so a rejection resumes it).
+        confirmed_at: when the second stage confirmed it, if it did.
+        ended_at: when it ended (speech_stopped), if it did.
+        classifying: the recogniser is deciding whether it is a backchannel.
+    """
+
+    onset_at: float
+    pcm: list[bytes]
+    paused: bool
+    paused_at: float
+    confirmed_at: float | None = None
+    ended_at: float | None = None
+    classifying: asyncio.Task[None] | None = None
 
 
 @dataclass
@@ -180,6 +310,18 @@ class AgentSession:
         self._preroll: deque[bytes] = deque(maxlen=max(1, self.vad.preroll_frames))
         self._runs: list[TurnRun] = []
         self._listening: TurnRun | None = None
+        self._candidate: Candidate | None = None
+        #: endpointing of the utterance being listened to (clock seconds)
+        self._endpoint_at: float | None = None
+        self._speech_end_at: float | None = None
+        self._last_speech_at = 0.0
+        self._utterance_at = 0.0
+        #: push-to-talk is held: the detector's decisions are not used
+        self.ptt_active = False
+        #: forgets the detector's current run (set by whoever owns it)
+        self.reset_detector: Callable[[], None] | None = None
+        self.false_interruptions = 0
+        self.backchannels = 0
         self._tg: asyncio.TaskGroup | None = None
 
     # -- main loop -------------------------------------------------------------
@@ -219,26 +361,204 @@ class AgentSession:
                 raise asyncio.CancelledError
 
     def _on_frame(self, frame: InboundFrame) -> None:
-        """Per 20 ms frame, on the hot path: no awaits, no I/O."""
-        ev = frame.event
-        if ev is not None and ev.kind is VadEventKind.SPEECH_STARTED:
-            self._on_speech_started(ev)
+        """Per 20 ms frame, on the hot path: no awaits, no I/O.
+
+        The detector's decisions drive it (see :mod:`media.bargein`):
+        speech_started pauses playout (stage 1), speech_confirmed commits a
+        barge-in or opens the user's turn (stage 2), speech_rejected resumes
+        (a false interruption), speech_stopped starts endpointing.
+        """
+        if not self.ptt_active:
+            for ev in frame.events:
+                self._on_detector(ev)
         if self._listening is not None:
             self._listening.stt.feed(frame.pcm)
+        elif self._candidate is not None:
+            self._candidate.pcm.append(frame.pcm)
         else:
             self._preroll.append(frame.pcm)
-        if ev is not None and ev.kind is VadEventKind.SPEECH_STOPPED:
-            self._send("vad", event="speech_stopped")
-            run, self._listening = self._listening, None
-            if run is not None:
-                self._end_utterance(run)
+        self._tick(frame.at, frame.gated)
 
-    def _end_utterance(self, run: TurnRun) -> None:
-        """The user's utterance is complete: start its STT final at once, so
-        the recogniser is free for the next utterance whatever the turn's
+    def _on_detector(self, ev: DetectorEvent) -> None:
+        kind = ev.kind
+        self._send("vad", event=kind.value)
+        cand = self._candidate
+        if kind is DetectorEventKind.SPEECH_STARTED:
+            if self._listening is not None:
+                self._endpoint_at = None  # the user goes on: hold the endpoint
+                return
+            if cand is not None and cand.ended_at is not None:
+                # More speech after a short one that may have been a
+                # backchannel: it was not; this is the user taking the turn.
+                self._commit(cand, ev.at)
+                self._endpoint_at = None
+                return
+            paused = self.playout.pause()
+            self._candidate = Candidate(ev.onset_at, [*self._preroll], paused, ev.at)
+            self._preroll.clear()
+        elif kind is DetectorEventKind.SPEECH_CONFIRMED:
+            self._last_speech_at = ev.at
+            if self._listening is not None:
+                self._endpoint_at = None
+                return
+            if cand is None:
+                return
+            cand.confirmed_at = ev.at
+            if not (self.config.backchannel.enabled and self._agent_speaking()):
+                self._commit(cand, ev.at)
+        elif kind is DetectorEventKind.SPEECH_REJECTED:
+            if self._listening is not None:
+                # not speech after all: the silence still counts from the end of speech
+                if not self._listening.ptt:
+                    self._arm_endpoint(ev.at, self._speech_end_at if self._speech_end_at is not None else ev.at)
+                return
+            if cand is not None and cand.confirmed_at is None:
+                self._candidate = None
+                self._resume(cand, ev.at, "false_interruption")
+        elif kind is DetectorEventKind.SPEECH_STOPPED:
+            speech_end = ev.at - self.vad.offset_ms / 1000
+            if self._listening is not None:
+                if not self._listening.ptt:
+                    self._arm_endpoint(ev.at, speech_end)
+                return
+            if cand is not None and cand.confirmed_at is not None and cand.classifying is None:
+                cand.ended_at = speech_end
+                self._classify(cand)
+
+    def _tick(self, at: float, gated: bool) -> None:
+        """Timers, checked once per frame (``gated``: the frame passed the
+        detector's gate): the endpoint, a backchannel that grew too long, an
+        utterance that never ends."""
+        cand = self._candidate
+        if cand is not None and cand.confirmed_at is not None and cand.ended_at is None and gated:
+            if (at - cand.onset_at) * 1000 > self.config.backchannel.max_ms:
+                self._commit(cand, at)  # still speaking: too long for a backchannel
+        run = self._listening
+        if run is None or run.ptt:
+            return
+        ep = self.config.endpoint
+        if (
+            (self._endpoint_at is not None and at >= self._endpoint_at)
+            or at - self._last_speech_at > (ep.max_delay_ms + ep.silence_ms) / 1000
+            or at - self._utterance_at > ep.max_utterance_ms / 1000
+        ):
+            self._send("vad", event="end_of_turn")
+            self._listening = None
+            self._endpoint_at = None
+            self._end_utterance(run, self._speech_end_at if self._speech_end_at is not None else at)
+
+    def _arm_endpoint(self, stopped_at: float, speech_end: float) -> None:
+        """speech_stopped: the turn ends ``silence_ms`` after the end of
+        speech, the wait after ``stopped_at`` kept within min and max."""
+        ep = self.config.endpoint
+        self._speech_end_at = speech_end
+        wait = speech_end + ep.silence_ms / 1000 - stopped_at
+        wait = min(max(wait, ep.min_delay_ms / 1000), ep.max_delay_ms / 1000)
+        self._endpoint_at = stopped_at + wait
+
+    def _agent_speaking(self) -> bool:
+        """The agent has a reply on the way out (queued or being produced)."""
+        run = self._active_run()
+        if run is None:
+            return False
+        return len(self.playout) > 0 or (run.phase == "speaking" and not run.tts_done)
+
+    def _resume(self, cand: Candidate, at: float, why: str, **payload: Any) -> None:
+        """Speech that was no barge-in: play on from where playout paused."""
+        if cand.paused:
+            self.playout.resume()
+        for pcm in cand.pcm[-self._preroll.maxlen :] if self._preroll.maxlen else []:
+            self._preroll.append(pcm)
+        held = cand.paused and self._active_run() is not None
+        if why == "false_interruption":
+            self.false_interruptions += held
+        else:
+            self.backchannels += 1
+        if held or why != "false_interruption":
+            self._send(why, paused_ms=round((at - cand.paused_at) * 1000, 1) if cand.paused else 0, **payload)
+
+    def _classify(self, cand: Candidate) -> None:
+        """A short confirmed utterance while the agent speaks has ended: ask
+        the recogniser whether it was only a backchannel."""
+        assert self._tg is not None
+        cand.classifying = self._tg.create_task(self._classify_backchannel(cand))
+
+    async def _classify_backchannel(self, cand: Candidate) -> None:
+        stream = self.providers.stt.open_stream()
+        try:
+            for pcm in cand.pcm:
+                stream.feed(pcm)
+            text = await stream.finish()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("backchannel recognition failed; taking it as a barge-in")
+            text = None
+        finally:
+            await stream.aclose()
+        if self._candidate is not cand:
+            return  # decided meanwhile (the user went on)
+        if text is not None and self.config.backchannel.matches(text):
+            self._candidate = None
+            self._resume(cand, self.clock.monotonic(), "backchannel", text=text)
+        else:
+            self._commit(cand, self.clock.monotonic())
+
+    # -- push-to-talk ----------------------------------------------------------
+
+    def ptt_start(self) -> str | None:
+        """Push-to-talk pressed: an immediate, committed barge-in with no VAD
+        involved; everything heard until :meth:`ptt_end` is the user's turn.
+
+        Returns:
+            None, or an error code (``ptt_already_active``) for the client.
+        """
+        if self.ptt_active:
+            return "ptt_already_active"
+        if self._tg is None:
+            return "session_not_ready"
+        self.ptt_active = True
+        if self.reset_detector is not None:
+            self.reset_detector()
+        now = self.clock.monotonic()
+        cand, self._candidate = self._candidate, None
+        if cand is not None and cand.classifying is not None:
+            cand.classifying.cancel()
+        if self._listening is not None:
+            # Already listening to the user: push-to-talk takes that utterance over.
+            self._listening.ptt = True
+            self._endpoint_at = None
+            return None
+        self._commit(Candidate(now, [], self.playout.pause(), now), now, initiator="ptt")
+        return None
+
+    def ptt_end(self) -> str | None:
+        """Push-to-talk released: the user's turn ends at once (no endpointing
+        wait).
+
+        Returns:
+            None, or an error code (``ptt_not_active``) for the client.
+        """
+        if not self.ptt_active:
+            return "ptt_not_active"
+        self.ptt_active = False
+        if self.reset_detector is not None:
+            self.reset_detector()
+        run, self._listening = self._listening, None
+        self._endpoint_at = None
+        if run is not None:
+            self._send("vad", event="end_of_turn")
+            self._end_utterance(run, self.clock.monotonic())
+        return None
+
+    def _end_utterance(self, run: TurnRun, speech_end_at: float) -> None:
+        """The user's utterance is complete (their speech ended at clock
+        seconds ``speech_end_at``): start its STT final at once, so the
+        recogniser is free for the next utterance whatever the turn's
         bookkeeping is doing."""
         if run.utterance_ended.is_set():
             return
+        run.speech_end_at = speech_end_at
         run.utterance_ended.set()
         run.stt_final = asyncio.ensure_future(run.stt.finish())
         # its failure is read by the turn's work; don't also log it as lost
@@ -260,18 +580,24 @@ class AgentSession:
                 return run
         return None
 
-    def _on_speech_started(self, ev: VadEvent) -> None:
-        """The user started speaking: fence, clear, cancel, open a new turn.
+    def _commit(self, cand: Candidate, at: float, initiator: str = "vad") -> None:
+        """Stage 2: the user is taking the turn. Fence, clear, cancel the turn
+        in flight (barge_in), open a new one fed with the speech so far.
 
         The fence and the clear happen before anything else, synchronously, so
-        the very next outbound tick is silent.
+        the very next outbound tick is silent (it already is if stage 1 paused
+        it). A turn whose reply was never heard merges into the new one: the
+        user paused, the endpoint fired, they went on; one reply answers both.
         """
         assert self._tg is not None
+        if cand.classifying is not None and cand.classifying is not asyncio.current_task():
+            cand.classifying.cancel()
+        if self._candidate is cand:
+            self._candidate = None
         if self._listening is not None:
-            # VAD never starts speech twice without a stop in between; should a
-            # caller do so, the unfinished utterance ends here and is stopped
-            # like any other turn in flight.
-            self._end_utterance(self._listening)
+            # Never two utterances at once; should it happen, the unfinished
+            # one ends here and is stopped like any other turn in flight.
+            self._end_utterance(self._listening, at)
             self._listening = None
         old = self._active_run()
         if old is not None and old.tts_done and not self.playout.audible_pending(old.generation):
@@ -282,30 +608,52 @@ class AgentSession:
         generation = self.fence.advance()
         fenced_at = self.clock.monotonic()
         cleared = self.playout.clear()
+        self.playout.resume()
         after: asyncio.Task[None] | None = None
+        run = TurnRun(generation=generation, stt=self.providers.stt.open_stream(), ptt=initiator == "ptt")
         if old is not None:
-            reason = StopReason(kind=StopReasonKind.BARGE_IN, initiator="vad", at=self.clock.now())
-            if old.scope is not None:
-                old.scope.stop(reason)  # every child gets the reason: model stream, tools, TTS, playout
-            if old.work is not None:
-                old.work.cancel()
-            old.stop_task = self._tg.create_task(self._stop_run(old, reason))
+            if old.scope is not None and old.scope.committing:
+                # A must-complete tool is committing: its audio is silenced
+                # (fenced, cleared) now; the turn is stopped when the commit
+                # ends, and only then does the new turn start.
+                self._send("stop_deferred", turn_id=old.turn_id, generation=old_generation, why="must_complete")
+                old.stop_task = self._tg.create_task(self._stop_after_commit(old, initiator))
+            else:
+                reason = StopReason(kind=StopReasonKind.BARGE_IN, initiator=initiator, at=self.clock.now())
+                if old.scope is not None:
+                    old.scope.stop(reason)  # every child gets the reason: model stream, tools, TTS, playout
+                if old.work is not None:
+                    old.work.cancel()
+                old.stop_task = self._tg.create_task(self._stop_run(old, reason))
             after = old.stop_task
-            rec = BargeInRecord(old.turn_id, old_generation, generation, ev.onset_at, fenced_at)
+            window = self.config.endpoint.continue_window_ms / 1000
+            if (
+                self.playout.played_samples(old.generation) == 0
+                and not old.merged
+                and not old.acted
+                and old.speech_end_at is not None
+                and cand.onset_at - old.speech_end_at <= window
+            ):
+                run.continues, old.merged = old, True
+            rec = BargeInRecord(old.turn_id, old_generation, generation, cand.onset_at, fenced_at)
             self.barge_ins.append(rec)
             self._send(
                 "barge_in",
                 old_turn_id=old.turn_id,
                 old_generation=old_generation,
+                initiator=initiator,
                 onset_to_fence_ms=round(rec.onset_to_fence_ms, 2),
+                paused_ms=round((at - cand.paused_at) * 1000, 1) if cand.paused else 0,
                 cleared_ms=cleared * 20,
             )
-        self._send("vad", event="speech_started")
-        run = TurnRun(generation=generation, stt=self.providers.stt.open_stream())
-        for pcm in self._preroll:
+        for pcm in cand.pcm:
             run.stt.feed(pcm)
         self._preroll.clear()
         self._listening = run
+        self._endpoint_at = self._speech_end_at = None
+        self._last_speech_at = self._utterance_at = at
+        if cand.ended_at is not None and not run.ptt:
+            self._arm_endpoint(at, cand.ended_at)
         self._runs.append(run)
         run.open_task = self._tg.create_task(self._open(run, after))
         run.work = self._tg.create_task(self._work(run))
@@ -356,7 +704,9 @@ class AgentSession:
                 shutdown_reserve_s=self.plan.shutdown_reserve_ms / 1000,
             )
             async with run.scope as scope:
-                run.transcript = transcript = await scope.run("stt", self._stt_final(run))
+                transcript = await scope.run("stt", self._stt_final(run))
+                earlier = await self._earlier_words(run)
+                run.transcript = transcript = " ".join(t for t in (earlier, transcript) if t)
                 await self.manager.record(turn.id, transcript=transcript)
                 self._output(run, "transcript", role="user", text=transcript)
                 if not transcript:
@@ -406,6 +756,25 @@ class AgentSession:
             self._phase(run, "idle")
             await run.stt.aclose()
 
+    async def _earlier_words(self, run: TurnRun) -> str:
+        """The words of the turn this one continues (its reply was never
+        heard), or "" if it continues none or they could not be recognised."""
+        old = run.continues
+        if old is None:
+            return ""
+        if old.transcript is not None:
+            return old.transcript
+        if old.stt_final is None:
+            return ""
+        try:
+            return await asyncio.shield(old.stt_final)
+        except asyncio.CancelledError:
+            if old.stt_final.cancelled():
+                return ""
+            raise
+        except Exception:
+            return ""
+
     async def _stt_final(self, run: TurnRun) -> str:
         """The utterance's transcript (the STT final started when it ended)."""
         assert run.stt_final is not None
@@ -429,6 +798,8 @@ class AgentSession:
             self._output(run, "agent.delta", text=token, withheld=True)
 
         def on_event(type: str, **payload: Any) -> None:
+            if type.startswith("tool."):
+                run.acted = True
             self._send(type, turn_id=run.turn_id, generation=run.generation, **payload)
 
         try:
@@ -464,7 +835,9 @@ class AgentSession:
 
         while (sentence := await sentences.get()) is not None:
             self._phase(run, "speaking")
+            start = position + reframer.pending_bytes // 2
             await self.providers.tts.synthesize(sentence, sink)
+            run.spoken.append((start, position + reframer.pending_bytes // 2, sentence))
         tail = reframer.flush()
         if tail is not None:
             self.playout.push(PlayoutFrame(tail, run.generation, position, audible=rms_dbfs(tail) > SILENCE_DBFS))
@@ -486,6 +859,25 @@ class AgentSession:
             run.work.cancel()
         assert self._tg is not None
         run.stop_task = self._tg.create_task(self._stop_run(run, None))
+
+    async def _stop_after_commit(self, run: TurnRun, initiator: str) -> None:
+        """A barge-in during a must-complete commit: stop the turn the moment
+        the commit ends (its reason is timed then), then record it."""
+        scope = run.scope
+        assert scope is not None
+        stopped: list[StopReason] = []
+
+        def reason() -> StopReason:
+            stopped.append(StopReason(kind=StopReasonKind.BARGE_IN, initiator=initiator, at=self.clock.now()))
+            return stopped[0]
+
+        scope.stop_after_commits(reason)
+        await scope.commits_done()
+        if not stopped:  # the scope had been stopped otherwise meanwhile
+            reason()
+        if run.work is not None:
+            run.work.cancel()
+        await self._stop_run(run, stopped[0])
 
     async def _stop_run(self, run: TurnRun, reason: StopReason | None) -> None:
         """Record a stop: CANCEL_REQUESTED, bounded wait for the work to end,
@@ -589,13 +981,32 @@ class AgentSession:
 
     # -- history and events ----------------------------------------------------
 
+    def heard(self, run: TurnRun) -> str:
+        """The part of ``run``'s reply whose audio actually left the playout
+        buffer (see :func:`heard_text`)."""
+        return heard_text(run.spoken, self.playout.played_samples(run.generation))
+
     def _remember(self, run: TurnRun, *, interrupted: bool) -> None:
-        """Add the turn to the history the model sees next, once."""
-        if not run.transcript or run.remembered:
+        """Add the turn to the history the model sees next, once.
+
+        An interrupted reply is kept only as far as it was heard, marked
+        interrupted; nothing of it if nothing was played. A turn merged into
+        a later one (its reply never heard) leaves nothing: the later turn
+        carries its words.
+        """
+        if not run.transcript or run.remembered or run.merged:
             return
         run.remembered = True
         self.history.append(Message(role="user", content=run.transcript))
-        reply = "".join(run.reply).strip()
+        if interrupted:
+            reply = self.heard(run)
+            played = self.playout.played_samples(run.generation)
+            self._send(
+                "agent.interrupted", turn_id=run.turn_id, generation=run.generation, heard=reply,
+                played_ms=round(played * 1000 / self.playout.rate), reply_chars=len("".join(run.reply).strip()),
+            )
+        else:
+            reply = "".join(run.reply).strip()
         if reply:
             self.history.append(Message(role="assistant", content=reply, interrupted=interrupted))
         del self.history[: -self.config.history_messages]
@@ -616,6 +1027,42 @@ class AgentSession:
             self._emit(type, generation=self.fence.active if generation is None else generation, **payload)
         except Exception:
             log.exception("event sink failed")
+
+
+def heard_text(spoken: list[tuple[int, int, str]], played: int) -> str:
+    """The text of the sentences in ``spoken`` whose audio had been played
+    up to sample ``played``, cut to whole words.
+
+    Each sentence's first and end sample are exact (each is synthesised on
+    its own, so they are sentence marks). Inside the sentence being played,
+    word boundaries are estimated: a word counts as heard when the share of
+    the sentence's samples played reaches the share of its characters up to
+    that word's end (speech time is close to proportional to letters; a half
+    heard word is left out).
+
+    Args:
+        spoken: (first sample, end sample, text) per sentence, in order.
+        played: samples of this generation's audio that left the buffer.
+    """
+    out: list[str] = []
+    for start, end, text in spoken:
+        if played >= end:
+            out.append(text.strip())
+            continue
+        if played > start and end > start:
+            share = (played - start) / (end - start)
+            words = text.split()
+            total = len(" ".join(words))
+            kept, upto = [], 0
+            for w in words:
+                upto += len(w) + (1 if kept else 0)
+                if upto / total > share:
+                    break
+                kept.append(w)
+            if kept:
+                out.append(" ".join(kept))
+        break
+    return " ".join(t for t in out if t)
 
 
 def stopped_by(exc: BaseException) -> bool:

@@ -8,11 +8,19 @@ from the data channel, and for each barge-in the audible stop time.
 
 Audible stop time = from the moment the first sample of barge-in speech was
 handed to the RTP sender, to the point where the agent's sound ends in the
-audio received, on the packet-arrival timeline: the arrival of the last
-frame with agent sound plus where in that frame the sound ends (Opus carries
-a few ms of tail into the frame after the last one sent), provided the agent
-then stays silent for ``SILENT_RUN_MS``. The client's own jitter buffer is set
-to its minimum (one 20 ms packet), so the figure includes that 20 ms.
+audio received, on the RTP packet-arrival timeline: the arrival of the RTP
+packet of the last frame with agent sound plus where in that frame the sound
+ends (Opus carries a few ms of tail into the frame after the last one sent),
+provided the agent then stays silent for ``SILENT_RUN_MS``. Arrival is taken
+when the packet reaches the client's RTP receiver, before its jitter buffer
+(as a browser's ``getStats`` would see it); ``jitter_prefetch`` only changes
+when the audio is heard, not the figure.
+
+A client can also behave like a speakerphone (``echo_gain_db``): whatever
+agent audio it receives is played back into its own microphone, attenuated
+and delayed, mixed with what it says; the server's echo guard must not take
+it for the user. Utterances can be sent with push-to-talk (``ptt.start`` on
+the data channel before the audio, ``ptt.end`` after it).
 """
 
 from __future__ import annotations
@@ -21,11 +29,13 @@ import asyncio
 import json
 import logging
 import wave
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
@@ -41,6 +51,7 @@ SILENCE_DBFS = -50.0  # a received 20 ms frame quieter than this is silence
 SILENT_RUN_MS = 500  # agent counts as stopped once silent this long
 LEAD_SILENCE_MS = 300  # microphone silence before the first utterance
 NO_SPEECH_S = 5.0  # an opening utterance that starts no turn within this is not speech
+VERDICT_WAIT_S = 1.5  # events this long after an utterance ends still count as about it
 
 
 class CallError(RuntimeError):
@@ -56,11 +67,16 @@ class Utterance:
         at_s: for barge-ins, seconds after the agent starts talking; None for
             the opening utterance.
         label: for the timeline (e.g. the file name).
+        kind: what it is, for scoring: ``speech`` (should barge in),
+            ``backchannel`` or ``noise`` (should cancel nothing).
+        ptt: sent with push-to-talk (ptt.start before, ptt.end after).
     """
 
     pcm: bytes
     at_s: float | None = None
     label: str = ""
+    kind: str = "speech"
+    ptt: bool = False
 
 
 @dataclass
@@ -69,11 +85,18 @@ class BargeInMeasure:
 
     label: str
     at_s: float
+    kind: str = "speech"
     agent_started_at: float | None = None
     onset_sent_at: float | None = None
+    sent_from: float | None = None
+    sent_until: float | None = None
     silent_at: float | None = None
     speaking_at_onset: bool = False
     server_onset_to_fence_ms: float | None = None
+    #: the server committed a barge-in for it
+    barged_in: bool = False
+    #: it paused the agent, which then resumed (false_interruption / backchannel)
+    resumed: str | None = None
 
     @property
     def stop_ms(self) -> float | None:
@@ -85,7 +108,10 @@ class BargeInMeasure:
     def as_dict(self) -> dict[str, Any]:
         return {
             "label": self.label,
+            "kind": self.kind,
             "at_s": self.at_s,
+            "barged_in": self.barged_in,
+            "resumed": self.resumed,
             "stop_ms": None if self.stop_ms is None else round(self.stop_ms, 1),
             "speaking_at_onset": self.speaking_at_onset,
             "server_onset_to_fence_ms": self.server_onset_to_fence_ms,
@@ -156,6 +182,25 @@ class _OpenGate:
         return True
 
 
+class _SpeakerphoneMic(PacedAudioTrack):
+    """The client's microphone: what it says, plus (speakerphone) the agent's
+    audio it played, attenuated, mixed in."""
+
+    def __init__(self, buffer: PlayoutBuffer, clock: Clock, on_sent: Any, echo: deque[np.ndarray] | None) -> None:
+        super().__init__(buffer, _OpenGate(), clock, on_sent=on_sent)
+        self.echo = echo
+
+    def _next_deliverable(self) -> PlayoutFrame | None:
+        frame = super()._next_deliverable()
+        if not self.echo:
+            return frame
+        echo = self.echo.popleft()
+        if frame is None:
+            return PlayoutFrame(echo.astype("<i2").tobytes(), generation=-1)
+        mixed = np.frombuffer(frame.pcm, dtype="<i2").astype(np.int32) + echo
+        return PlayoutFrame(mixed.clip(-32768, 32767).astype("<i2").tobytes(), frame.generation, frame.sample)
+
+
 class CallClient:
     """One call against ``base_url`` (e.g. ``http://127.0.0.1:8080``).
 
@@ -163,12 +208,31 @@ class CallClient:
         base_url: the server.
         clock: pacing clock for the microphone (system clock by default).
         jitter_prefetch: the client's inbound jitter buffer, 20 ms packets.
+        echo_gain_db: None, or play the agent's audio back into the
+            microphone at this gain (dB, e.g. -10), as a speakerphone does.
+        echo_delay_ms: extra delay of that echo (acoustic path and the
+            device's buffers), ms, multiple of 20.
     """
 
-    def __init__(self, base_url: str, *, clock: Clock | None = None, jitter_prefetch: int = 1) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        clock: Clock | None = None,
+        jitter_prefetch: int = 1,
+        echo_gain_db: float | None = None,
+        echo_delay_ms: int = 60,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.clock = clock or SystemClock()
         self.jitter_prefetch = jitter_prefetch
+        self.echo_gain = None if echo_gain_db is None else 10 ** (echo_gain_db / 20)
+        self._echo: deque[np.ndarray] | None = None
+        if echo_gain_db is not None:
+            self._echo = deque(np.zeros(960, dtype=np.int32) for _ in range(max(0, echo_delay_ms // 20)))
+        self._rtp_arrival: dict[int, float] = {}
+        self._channel: Any = None
+        self._event_times: list[tuple[float, dict[str, Any]]] = []
         self.session_id = ""
         self._turns: dict[str, TurnView] = {}
         self._events: list[dict[str, Any]] = []
@@ -179,7 +243,6 @@ class CallClient:
         self._sound_cond = asyncio.Condition()
         self._onsets: dict[int, int] = {}  # utterance index -> onset sample
         self._onset_sent: dict[int, float] = {}
-        self._server_fences: list[float | None] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(
@@ -200,9 +263,9 @@ class CallClient:
         """
         pc = RTCPeerConnection()
         mic_buffer = PlayoutBuffer()
-        mic = PacedAudioTrack(mic_buffer, _OpenGate(), self.clock, on_sent=self._on_mic_sent)
+        mic = _SpeakerphoneMic(mic_buffer, self.clock, self._on_mic_sent, self._echo)
         pc.addTrack(mic)
-        channel = pc.createDataChannel("events")
+        channel = self._channel = pc.createDataChannel("events")
         channel.on("message", self._on_event)
         receive_task: asyncio.Task[None] | None = None
         connected = asyncio.Event()
@@ -234,6 +297,7 @@ class CallClient:
             for t in pc.getTransceivers():
                 if t.kind == "audio":
                     set_jitter_prefetch(t.receiver, self.jitter_prefetch)
+                    self._note_rtp_arrival(t.receiver)
             try:
                 await asyncio.wait_for(connected.wait(), 15)
             except TimeoutError as exc:
@@ -307,8 +371,26 @@ class CallClient:
         for i, f in enumerate(frames):
             buffer.push(PlayoutFrame(f, generation=index, sample=i * 960))
 
+    def _note_rtp_arrival(self, receiver: Any) -> None:
+        """Record when each RTP packet reaches the receiver, by RTP timestamp
+        (the decoded frame's pts), before the jitter buffer holds it."""
+        handle = receiver._handle_rtp_packet
+
+        async def timed(packet: Any, arrival_time_ms: int) -> None:
+            self._rtp_arrival[packet.timestamp] = self.clock.monotonic()
+            if len(self._rtp_arrival) > 2000:
+                for key in list(self._rtp_arrival)[:1000]:
+                    del self._rtp_arrival[key]
+            await handle(packet, arrival_time_ms)
+
+        receiver._handle_rtp_packet = timed
+
+    def _send(self, message: dict[str, Any]) -> None:
+        if self._channel is not None and self._channel.readyState == "open":
+            self._channel.send(json.dumps(message))
+
     def _on_mic_sent(self, frame: PlayoutFrame | None, at: float) -> None:
-        if frame is None:
+        if frame is None or frame.generation < 0:
             return
         onset = self._onsets.get(frame.generation)
         if onset is not None and frame.generation not in self._onset_sent and frame.sample + 960 > onset:
@@ -328,11 +410,22 @@ class CallClient:
         await mic.wait_empty()
         await self._expect_a_turn()
         for k, (utt, m) in enumerate(zip(barge_ins, measures), start=2):
+            m.kind = utt.kind
             sent_at = self.clock.monotonic()
             m.agent_started_at = await self._wait_sound_after(sent_at)
             await asyncio.sleep(max(0.0, m.agent_started_at + (utt.at_s or 0.0) - self.clock.monotonic()))
+            if utt.ptt:
+                self._send({"type": "ptt.start"})
+            m.sent_from = self.clock.monotonic()
             self._queue(mic, k, utt.pcm)
             await mic.wait_empty()
+            m.sent_until = self.clock.monotonic()
+            if utt.ptt:
+                self._send({"type": "ptt.end"})
+            if utt.kind != "speech":
+                # Let its verdict come (a confirmation times out after 600 ms
+                # by default) before the next one.
+                await asyncio.sleep(1.0)
         # Wait for the last turn to reach a terminal state.
         await self._wait_last_turn_terminal()
 
@@ -381,10 +474,13 @@ class CallClient:
                 frame = await track.recv()
             except MediaStreamError:
                 return
-            at = self.clock.monotonic()
+            now = self.clock.monotonic()
+            at = self._rtp_arrival.pop(frame.pts, now) if frame.pts is not None else now
             for f in reframer.push(resampler.frame(frame)):
                 self._pcm_out += f
                 self._received.append((at, rms_dbfs(f), sound_end_ms(f)))
+                if self._echo is not None and self.echo_gain is not None:
+                    self._echo.append((np.frombuffer(f, dtype="<i2") * self.echo_gain).astype(np.int32))
             async with self._sound_cond:
                 self._sound_cond.notify_all()
 
@@ -395,6 +491,7 @@ class CallClient:
             log.warning("non-JSON event: %r", message)
             return
         self._events.append(ev)
+        self._event_times.append((self.clock.monotonic(), ev))
         kind = ev.get("type")
         if kind == "turn":
             t = self._turns.setdefault(ev["turn_id"], TurnView(id=ev["turn_id"], generation=ev["generation"]))
@@ -414,8 +511,6 @@ class CallClient:
             t = self._turns.setdefault(ev["turn_id"], TurnView(id=ev["turn_id"], generation=ev["generation"]))
             if t.status not in ("COMPLETED", "CANCELLED"):
                 t.reply += ev["text"]
-        elif kind == "barge_in":
-            self._server_fences.append(ev.get("onset_to_fence_ms"))
         task = asyncio.get_running_loop().create_task(self._notify_events())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -428,9 +523,22 @@ class CallClient:
 
     def _measure(self, measures: list[BargeInMeasure]) -> None:
         run = SILENT_RUN_MS // 20
-        fences = iter(self._server_fences)
         for k, m in enumerate(measures, start=2):
-            m.server_onset_to_fence_ms = next(fences, None)
+            if m.sent_from is not None:
+                # What the server decided about it: events from its start to
+                # a little after its end (the verdict can take 600 ms).
+                until = (m.sent_until or m.sent_from) + VERDICT_WAIT_S
+                nxt = measures[k - 1].sent_from if k - 1 < len(measures) else None
+                if nxt is not None:
+                    until = min(until, nxt)
+                for at, ev in self._event_times:
+                    if not m.sent_from <= at <= until:
+                        continue
+                    if ev.get("type") == "barge_in" and not m.barged_in:
+                        m.barged_in = True
+                        m.server_onset_to_fence_ms = ev.get("onset_to_fence_ms")
+                    elif ev.get("type") in ("false_interruption", "backchannel") and m.resumed is None:
+                        m.resumed = ev["type"]
             t = self._onset_sent.get(k)
             m.onset_sent_at = t
             if t is None:

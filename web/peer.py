@@ -21,6 +21,7 @@ from typing import Any
 from aiortc import RTCDataChannel, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamTrack
 
+from media.bargein import EchoReference
 from media.inbound import InboundAudio, set_jitter_prefetch
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer, PlayoutFrame
@@ -42,6 +43,12 @@ CLOSE_WAIT_S = 0.5
 MAX_CLIENT_MESSAGE = 16 * 1024
 #: largest event sent (SCTP peers must accept 64 KiB; RFC 8831 section 6.6)
 MAX_EVENT_BYTES = 64 * 1024
+#: what a refused push-to-talk message is told
+PTT_ERRORS = {
+    "ptt_already_active": "push-to-talk is already held (ptt.start twice)",
+    "ptt_not_active": "ptt.end without ptt.start",
+    "session_not_ready": "the session is not connected yet",
+}
 #: how often the watchdog looks at the connection, seconds
 WATCH_INTERVAL_S = 0.25
 
@@ -165,6 +172,8 @@ class PeerSession:
         self.fence = GenerationFence(clock)
         self.playout = PlayoutBuffer()
         self.outbound = PacedAudioTrack(self.playout, self.fence, clock, on_sent=self._on_sent)
+        #: what this session plays, for the echo guard (None: guard off)
+        self.echo = EchoReference(settings.bargein.echo_max_delay_ms) if settings.bargein.echo_guard else None
         self._segment: tuple[int, int] | None = None  # (generation, first sample) of the audio going out
         self.providers = providers
         self.manager = manager
@@ -212,9 +221,12 @@ class PeerSession:
                 self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
 
     def _on_sent(self, frame: PlayoutFrame | None, at: float) -> None:
-        """Per 20 ms tick: log where agent audio segments start and end on
-        the wire (``audio.start`` / ``audio.end``, positions in 48 kHz
-        samples of the turn's audio). Cheap unless a segment changes."""
+        """Per 20 ms tick: feed the echo guard what is played, and log where
+        agent audio segments start and end on the wire (``audio.start`` /
+        ``audio.end``, positions in 48 kHz samples of the turn's audio).
+        Cheap unless a segment changes."""
+        if self.echo is not None:
+            self.echo.played(frame.pcm if frame is not None else None, at)
         gen = frame.generation if frame is not None else None
         current = self._segment
         if current is not None and current[0] == gen:
@@ -259,7 +271,8 @@ class PeerSession:
             return
         if self.pc.connectionState != "connected":
             return
-        self.inbound = InboundAudio(self._track, self.clock, self.settings.vad)
+        self.inbound = InboundAudio(self._track, self.clock, self.settings.vad, self.settings.bargein, self.echo)
+        self.agent.reset_detector = self.inbound.detector.reset
         self._task = asyncio.get_running_loop().create_task(self._run(self.inbound), name=f"session-{self.id}")
 
     async def _follow(self) -> None:
@@ -333,7 +346,13 @@ class PeerSession:
             self.events.send({"type": "error", "code": "bad_message", "message": "expected a JSON object with a string type"})
             return
         kind = msg["type"]
-        if kind == "ping":
+        if kind in ("ptt.start", "ptt.end"):
+            # Push-to-talk: start is a committed barge-in, end ends the
+            # user's turn at once (voice.session.AgentSession.ptt_start/_end).
+            error = self.agent.ptt_start() if kind == "ptt.start" else self.agent.ptt_end()
+            if error is not None:
+                self.events.send({"type": "error", "code": error, "message": PTT_ERRORS.get(error, error)})
+        elif kind == "ping":
             ping_id = msg.get("id")
             self.events.send({"type": "pong", "id": ping_id if isinstance(ping_id, (int, float, str)) and len(str(ping_id)) <= 64 else None})
         else:

@@ -25,6 +25,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from media.bargein import BargeInConfig
 from media.vad import VadConfig
 from turn.models import Plan
 from voice.llm import LlmConfig
@@ -120,6 +121,7 @@ class Settings(BaseSettings):
         """``api_tokens`` as token -> tenant."""
         return parse_api_tokens(self.api_tokens)
     vad: VadConfig = VadConfig()
+    bargein: BargeInConfig = BargeInConfig()
     session: SessionConfig = SessionConfig()
     stt: PocketsphinxConfig = PocketsphinxConfig()
     llm: LlmConfig = LlmConfig()

@@ -13,7 +13,7 @@ from av.audio.frame import AudioFrame
 
 from media.frames import PLAYOUT_RATE, load_pcm
 from media.inbound import InboundAudio, jitter_prefetch, set_jitter_prefetch
-from media.vad import VadEventKind
+from media.bargein import DetectorEventKind
 from turn.clock import VirtualClock
 
 
@@ -43,8 +43,10 @@ async def test_inbound_resamples_and_detects_speech(say: Callable[..., Path], cl
     assert all(len(f.pcm) == 640 for f in frames)
     # 48 kHz in -> 16 kHz out, same duration (within resampler delay)
     assert abs(len(frames) - len(pcm) // 1920) <= 2
-    kinds = [f.event.kind for f in frames if f.event]
-    assert kinds == [VadEventKind.SPEECH_STARTED, VadEventKind.SPEECH_STOPPED]
+    kinds = [e.kind for f in frames for e in f.events]
+    assert kinds == [
+        DetectorEventKind.SPEECH_STARTED, DetectorEventKind.SPEECH_CONFIRMED, DetectorEventKind.SPEECH_STOPPED
+    ]
     assert not any(f.voiced for f in frames[:15])
 
 

@@ -120,10 +120,7 @@ async def test_a_stop_before_the_order_was_sent_abandons_it(flow: Flow, monkeypa
 
 async def test_a_stop_mid_order_compensates_it_and_the_turn_is_cancelled(flow: Flow) -> None:
     turn = await flow.start("please order a coffee")
-    while not await flow.store.ledger_list(turn.id):  # the intent is written; the call goes out next
-        await flow.clock.advance(0.01)
-        await asyncio.sleep(0.001)
-    await flow.clock.advance(0.1)  # the shop takes 0.3 s to answer
+    await flow.until(lambda: f"{turn.id}:2" in flow.service.received)  # sent; the shop takes 0.3 s to answer
     await flow.stop(turn.id)
     done = await flow.settled(turn.id)
     assert done.status is TurnStatus.CANCELLED
@@ -153,7 +150,9 @@ async def test_a_stop_after_the_order_reverses_it(flow: Flow) -> None:
 
 async def test_a_safety_abort_during_a_payment_lets_it_finish_and_needs_reconciliation(flow: Flow) -> None:
     turn = await flow.start("please pay")
-    await flow.until(lambda: in_tool(flow, turn.id, "charge_payment"))
+    # the payment is committing (sent, not yet answered) when the stop lands
+    await flow.until(lambda: in_tool(flow, turn.id, "charge_payment") and any(
+        c.committing for c in flow.turns.scopes[turn.id].children))
     await flow.stop(turn.id, StopReasonKind.SAFETY_ABORT)
     done = await flow.settled(turn.id)
     assert done.status is TurnStatus.RECONCILE_REQUIRED
@@ -181,10 +180,7 @@ async def test_queued_messages_of_a_stopped_turn_are_skipped(flow: Flow) -> None
 
 async def test_the_next_model_call_sees_a_consistent_tool_history(flow: Flow) -> None:
     first = await flow.start("please order a coffee")
-    while not await flow.store.ledger_list(first.id):  # the intent is written; the call goes out next
-        await flow.clock.advance(0.01)
-        await asyncio.sleep(0.001)
-    await flow.clock.advance(0.1)  # the order is on its way to the shop
+    await flow.until(lambda: f"{first.id}:2" in flow.service.received)  # the order is on its way to the shop
     await flow.stop(first.id)
     await flow.settled(first.id)
     second = await flow.start("what is the weather", session_id=first.session_id)

@@ -24,6 +24,7 @@ import pytest
 from aiohttp import web
 
 import web.app as web_app
+from turn.events import event_json
 from turn.models import StopReasonKind
 from web.app import create_app
 from web.settings import Settings
@@ -390,6 +391,359 @@ async def test_microphone_denied_is_shown(server: Server, playwright) -> None:  
         status = await page.text_content("#status") or ""
         assert "NotAllowedError" in status, status
         assert await page.is_enabled("#connect")
+        assert errors == [], errors
+    finally:
+        await browser.close()
+
+
+# ---- push-to-talk and the new voice events ----------------------------------
+
+#: records what the client sends on its data channel (pings left out) in
+#: ``window.__sent`` and keeps the channel in ``window.__dc``, so a test can
+#: send a message the client itself never would
+RECORD_DATA_CHANNEL = """
+window.__sent = [];
+const _send = RTCDataChannel.prototype.send;
+RTCDataChannel.prototype.send = function (data) {
+  try { const m = JSON.parse(data); if (m.type !== "ping") window.__sent.push(m.type); } catch (_) {}
+  return _send.call(this, data);
+};
+const _create = RTCPeerConnection.prototype.createDataChannel;
+RTCPeerConnection.prototype.createDataChannel = function (...args) {
+  const dc = _create.apply(this, args);
+  window.__dc = dc;
+  return dc;
+};
+"""
+PTT_ENABLED = "!document.getElementById('ptt').disabled"
+
+
+def make_silent_wav(tmp_path: Path, seconds: float = 60.0) -> Path:
+    """A fake microphone that hears nothing (the default fake device beeps)."""
+    wav = tmp_path / "silence.wav"
+    subprocess.run(["sox", "-n", "-r", "48000", "-c", "1", "-b", "16", str(wav), "trim", "0", str(seconds)], check=True)
+    return wav
+
+
+def wav_seconds(path: Path) -> float:
+    return float(subprocess.run(["sox", "--i", "-D", str(path)], check=True, capture_output=True, text=True).stdout)
+
+
+def the_peer(app: web.Application):  # type: ignore[no-untyped-def]
+    (peer,) = app[web_app.PEERS].values()
+    return peer
+
+
+async def server_events(peer) -> list[dict]:  # type: ignore[no-untyped-def]
+    """The session's event log as the server stored it (fenced ones included)."""
+    out = []
+    for ev in await peer.manager.store.read_events(peer.id):
+        d = event_json(ev)
+        d["fenced"] = ev.fenced
+        out.append(d)
+    return out
+
+
+async def wait_server_event(peer, pred, what: str, timeout_s: float = 10.0) -> dict:  # type: ignore[no-untyped-def]
+    """The first logged event matching ``pred``, waiting for it."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        for ev in await server_events(peer):
+            if pred(ev):
+                return ev
+        if asyncio.get_running_loop().time() > deadline:
+            types = [(e["type"], e.get("event") or e.get("status")) for e in await server_events(peer)]
+            pytest.fail(f"no {what} in the server's event log after {timeout_s} s: {types}")
+        await asyncio.sleep(0.05)
+
+
+async def connect_for_ptt(page, url: str) -> None:  # type: ignore[no-untyped-def]
+    await page.add_init_script(RECORD_DATA_CHANNEL)
+    await page.goto(f"{url}/?raw=1")
+    assert await page.is_disabled("#ptt")
+    await page.click("#connect")
+    await page.wait_for_function(PTT_ENABLED, timeout=15_000)
+
+
+async def test_ptt_button_follows_the_connection(server: Server, playwright, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """(a) "Hold to talk" is disabled until the session is connected, enabled
+    then, disabled again after Disconnect; losing the connection while it is
+    held resets it (not pressed, no talking state)."""
+    _require("sox")
+    mic = make_silent_wav(tmp_path)
+    browser = await launch(playwright, [f"--use-file-for-fake-audio-capture={mic}"])
+    try:
+        page = await browser.new_page()
+        errors = collect_page_errors(page)
+        await page.add_init_script(RECORD_DATA_CHANNEL)
+        await page.goto(f"{server.url}/?raw=1")
+        assert await page.is_disabled("#ptt")
+        assert await page.get_attribute("#ptt", "aria-pressed") == "false"
+        assert await page.text_content("#ptt") == "Hold to talk"
+        # Not connected: pressing it or Space sends nothing.
+        await page.keyboard.down("Space")
+        await page.keyboard.up("Space")
+        assert await page.evaluate("window.__sent") == []
+
+        await page.click("#connect")
+        await page.wait_for_function(PTT_ENABLED, timeout=15_000)
+        assert await page.get_attribute("#status", "data-state") == "connected"
+        await page.click("#disconnect")
+        await wait_peers(server.app, 0, timeout_s=5)
+        assert await page.is_disabled("#ptt")
+
+        # Held when the server ends the session: the press is forgotten.
+        await page.click("#connect")
+        await page.wait_for_function(PTT_ENABLED, timeout=15_000)
+        await page.hover("#ptt")
+        await page.mouse.down()
+        assert await page.get_attribute("#ptt", "aria-pressed") == "true"
+        assert await page.text_content("#ptt-state") == "talking (push-to-talk)"
+        peer = the_peer(server.app)
+        await wait_server_event(peer, lambda e: e["type"] == "turn" and e["status"] == "RUNNING", "running turn")
+        await peer.close(StopReasonKind.WORKER_SHUTDOWN)
+        await page.wait_for_function("document.getElementById('status').dataset.state === 'error'", timeout=10_000)
+        assert await page.is_disabled("#ptt")
+        assert await page.get_attribute("#ptt", "aria-pressed") == "false"
+        assert (await page.text_content("#ptt-state") or "") == ""
+        assert not await page.evaluate("document.body.classList.contains('ptt-held')")
+        await page.mouse.up()
+        assert await page.evaluate("window.__sent") == ["ptt.start"]
+        assert errors == [], errors
+    finally:
+        await browser.close()
+
+
+async def test_ptt_turn_and_ptt_barge_in(server: Server, playwright, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """(b) Holding the button while asking opens a turn on ptt.start (no VAD
+    involved), releasing ends it at once (end_of_turn) and it is answered;
+    holding it again while the agent speaks barges in with initiator "ptt",
+    and the interrupted reply shows what was heard, the rest struck."""
+    _require("espeak-ng", "sox")
+    lead_s = 5.0  # silence before the question: time to connect and press
+    mic = make_mic_wav(tmp_path, (lead_s, "what is the weather like today"), tail_s=40.0)
+    speech_s = wav_seconds(tmp_path / "spoken0.wav")
+    browser = await launch(playwright, [f"--use-file-for-fake-audio-capture={mic}%noloop"])
+    try:
+        page = await browser.new_page()
+        errors = collect_page_errors(page)
+        await page.add_init_script(RECORD_DATA_CHANNEL)
+        await page.goto(f"{server.url}/?raw=1")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()  # the fake file starts playing when the mic opens, just after this
+        await page.click("#connect")
+        await page.wait_for_function(PTT_ENABLED, timeout=15_000)
+        if loop.time() - t0 > lead_s - 1.0:
+            pytest.fail(f"connecting took {loop.time() - t0:.1f} s: too late to press before the question")
+        peer = the_peer(server.app)
+
+        await page.hover("#ptt")
+        await page.mouse.down()
+        assert await page.get_attribute("#ptt", "aria-pressed") == "true"
+        assert await page.text_content("#ptt-state") == "talking (push-to-talk)"
+        opened = await wait_server_event(
+            peer, lambda e: e["type"] == "turn" and e["status"] == "RUNNING", "turn opened by ptt.start"
+        )
+        first = opened["turn_id"]
+        assert peer.agent.ptt_active
+        # Hold through the question, then release: the turn ends at once.
+        await asyncio.sleep(max(0.0, t0 + lead_s + speech_s + 1.5 - loop.time()))
+        await page.mouse.up()
+        assert await page.get_attribute("#ptt", "aria-pressed") == "false"
+        await wait_server_event(peer, lambda e: e["type"] == "vad" and e["event"] == "end_of_turn", "end_of_turn")
+        assert not peer.agent.ptt_active
+
+        user = page.locator(f'#transcript .user[data-turn-id="{first}"]')
+        await page.wait_for_function(
+            "id => (document.querySelector(`#transcript .user[data-turn-id=\"${id}\"] .text`) || {}).textContent"
+            " === 'what is the weather like today'",
+            arg=first,
+            timeout=CONVERSATION_TIMEOUT_MS,
+        )
+        assert "weather" in await user.inner_text()
+        # Let the reply be heard for a while, then take the turn by push-to-talk.
+        await page.wait_for_function(
+            "document.getElementById('agent-phase').textContent === 'speaking'", timeout=CONVERSATION_TIMEOUT_MS
+        )
+        await wait_server_event(
+            peer, lambda e: e["type"] == "audio.start" and e["turn_id"] == first, "reply audio", timeout_s=15
+        )
+        await asyncio.sleep(2.5)
+        await page.hover("#ptt")
+        await page.mouse.down()
+        barge = await wait_server_event(peer, lambda e: e["type"] == "barge_in", "barge_in")
+        assert barge["initiator"] == "ptt" and barge["old_turn_id"] == first, barge
+        interrupted = await wait_server_event(
+            peer, lambda e: e["type"] == "agent.interrupted" and e["turn_id"] == first, "agent.interrupted"
+        )
+        assert interrupted["heard"], interrupted  # 2.5 s of it were played
+        await asyncio.sleep(0.5)
+        await page.mouse.up()
+
+        entry = page.locator(f'#transcript li.turn[data-turn-id="{first}"]')
+        await page.wait_for_function(
+            "id => document.querySelector(`#transcript li.turn[data-turn-id=\"${id}\"]`).dataset.state === 'cancelled'",
+            arg=first,
+            timeout=15_000,
+        )
+        assert "interrupted" in (await entry.get_attribute("class") or "")
+        assert await entry.get_attribute("data-heard") == interrupted["heard"]
+        tag = await entry.locator(".agent .tag").inner_text()
+        assert tag.startswith("(interrupted; heard ") and "by push-to-talk" in tag, tag
+        heard_text = await entry.locator(".agent > .text").inner_text()
+        assert heard_text.split() == interrupted["heard"].split(), (heard_text, interrupted)
+        unheard = await entry.locator(".agent .unheard").inner_text()
+        assert "not heard" in unheard and len(unheard) > len("(not heard:)") + 3, unheard
+        log_li = page.locator("#barge-ins li").first
+        assert await log_li.get_attribute("data-initiator") == "ptt"
+        assert "by push-to-talk" in await log_li.inner_text()
+
+        # The second press opened a turn (silence: nothing recognized) that
+        # release ended; the turn was never the VAD's doing.
+        second = (await wait_server_event(
+            peer, lambda e: e["type"] == "turn" and e["turn_id"] != first and e["status"] == "FAILED", "second turn"
+        ))["turn_id"]
+        stopped = await peer.manager.get(first)
+        assert stopped.stop_reason.kind is StopReasonKind.BARGE_IN and stopped.stop_reason.initiator == "ptt"
+        events = await server_events(peer)
+        vad = [e["event"] for e in events if e["type"] == "vad"]
+        assert vad == ["end_of_turn", "end_of_turn"], vad
+        assert not [e for e in events if e["type"] == "error"], events
+        assert second != first
+        assert await page.evaluate("window.__sent") == ["ptt.start", "ptt.end", "ptt.start", "ptt.end"]
+        await page.screenshot(path="/tmp/turnkeeper-ptt.png", full_page=True)
+
+        await page.click("#disconnect")
+        await wait_peers(server.app, 0, timeout_s=5)
+        assert errors == [], errors
+    finally:
+        await browser.close()
+
+
+async def test_space_key_repeat_sends_one_start(server: Server, playwright, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """(c) Holding Space (auto-repeating) is one ptt.start, releasing it one
+    ptt.end; the server opens one turn and ends it; Space in a text field
+    types a space instead."""
+    _require("sox")
+    mic = make_silent_wav(tmp_path)
+    browser = await launch(playwright, [f"--use-file-for-fake-audio-capture={mic}"])
+    try:
+        page = await browser.new_page()
+        errors = collect_page_errors(page)
+        await connect_for_ptt(page, server.url)
+        peer = the_peer(server.app)
+
+        for _ in range(6):  # the first is a press, the rest key repeats (event.repeat)
+            await page.keyboard.down("Space")
+        assert await page.evaluate("window.__sent") == ["ptt.start"]
+        assert await page.get_attribute("#ptt", "aria-pressed") == "true"
+        assert await page.text_content("#ptt-state") == "talking (push-to-talk)"
+        opened = await wait_server_event(peer, lambda e: e["type"] == "turn" and e["status"] == "RUNNING", "turn")
+        await page.keyboard.up("Space")
+        assert await page.evaluate("window.__sent") == ["ptt.start", "ptt.end"]
+        assert await page.get_attribute("#ptt", "aria-pressed") == "false"
+        await wait_server_event(peer, lambda e: e["type"] == "vad" and e["event"] == "end_of_turn", "end_of_turn")
+        await wait_server_event(
+            peer, lambda e: e["type"] == "turn" and e["status"] == "FAILED", "the silent turn's end"
+        )
+        events = await server_events(peer)
+        assert {e["turn_id"] for e in events if e["type"] == "turn"} == {opened["turn_id"]}
+        assert not [e for e in events if e["type"] == "error"], events
+        # Space did not press a focused button either (Disconnect, say).
+        assert await page.get_attribute("#status", "data-state") == "connected"
+
+        # In a text field Space types.
+        await page.evaluate("document.body.append(Object.assign(document.createElement('input'), {id: 'box'}))")
+        await page.focus("#box")
+        await page.keyboard.press("Space")
+        assert await page.input_value("#box") == " "
+        assert await page.evaluate("window.__sent") == ["ptt.start", "ptt.end"]
+
+        await page.click("#disconnect")
+        await wait_peers(server.app, 0, timeout_s=5)
+        assert errors == [], errors
+    finally:
+        await browser.close()
+
+
+async def test_ptt_refusal_is_shown(server: Server, playwright, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """(d) A ptt.end without a start (sent behind the client's back) is
+    refused: the error event is shown with its code."""
+    _require("sox")
+    mic = make_silent_wav(tmp_path)
+    browser = await launch(playwright, [f"--use-file-for-fake-audio-capture={mic}"])
+    try:
+        page = await browser.new_page()
+        errors = collect_page_errors(page)
+        await connect_for_ptt(page, server.url)
+        await page.evaluate("window.__dc.send(JSON.stringify({type: 'ptt.end'}))")
+        error = page.locator('#errors li[data-code="ptt_not_active"]')
+        await error.wait_for(timeout=5_000)
+        assert "ptt_not_active" in await error.inner_text()
+        assert await page.get_attribute("#ptt-state", "data-state") == "error"
+        assert "refused" in (await page.text_content("#ptt-state") or "")
+        # The button still works afterwards, and a press clears the message.
+        await page.hover("#ptt")
+        await page.mouse.down()
+        assert await page.text_content("#ptt-state") == "talking (push-to-talk)"
+        await page.mouse.up()
+        assert (await page.text_content("#ptt-state") or "") == ""
+        await page.click("#disconnect")
+        await wait_peers(server.app, 0, timeout_s=5)
+        assert errors == [], errors
+    finally:
+        await browser.close()
+
+
+async def test_voice_events_are_rendered(server: Server, playwright, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The new events, logged by the server on a live session, are shown:
+    the heard part of an interrupted reply with the rest struck, the barge-in's
+    initiator, a false interruption and a backchannel as notes, a deferred
+    stop, and the VAD's states."""
+    _require("sox")
+    mic = make_silent_wav(tmp_path)
+    browser = await launch(playwright, [f"--use-file-for-fake-audio-capture={mic}"])
+    try:
+        page = await browser.new_page()
+        errors = collect_page_errors(page)
+        await connect_for_ptt(page, server.url)
+        peer = the_peer(server.app)
+        emit = peer.log.emit
+        gen = peer.fence.active
+        tid = "f" * 32
+        emit("agent.delta", generation=gen, turn_id=tid, text="It is sunny and warm. Tomorrow it will rain.")
+        emit("false_interruption", generation=gen, paused_ms=420.0)
+        emit("backchannel", generation=gen, text="uh huh", paused_ms=0)
+        emit("vad", generation=gen, event="speech_rejected")
+        emit("barge_in", generation=gen + 1, old_turn_id=tid, old_generation=gen, initiator="vad",
+             onset_to_fence_ms=3.2, paused_ms=150.0, cleared_ms=2400)
+        emit("stop_deferred", generation=gen, turn_id=tid, why="must_complete")
+        emit("agent.interrupted", generation=gen, turn_id=tid, heard="It is sunny and warm.", played_ms=1800,
+             reply_chars=44)
+
+        entry = page.locator(f'#transcript li.turn[data-turn-id="{tid}"]')
+        await page.wait_for_function(
+            "id => { const e = document.querySelector(`#transcript li.turn[data-turn-id=\"${id}\"]`);"
+            " return e && e.dataset.heard !== undefined; }",
+            arg=tid,
+            timeout=10_000,
+        )
+        assert await entry.locator(".agent > .text").inner_text() == "It is sunny and warm."
+        unheard = entry.locator(".agent s.unheard")
+        assert "Tomorrow it will rain." in await unheard.inner_text()
+        assert await unheard.evaluate("el => getComputedStyle(el).textDecorationLine") == "line-through"
+        tag = await entry.locator(".agent .tag").inner_text()
+        assert tag == "(interrupted; heard 1.8 s, 2.4 s of speech not played, by voice)", tag
+        notes = await entry.locator(".note").all_inner_texts()
+        assert any("paused 420 ms for a noise, resumed" in n for n in notes), notes
+        assert any("backchannel “uh huh”, kept talking" in n for n in notes), notes
+        assert any("stop deferred" in n and "must-complete" in n for n in notes), notes
+        assert await page.text_content("#vad") == "noise (ignored)"
+        barge = await page.locator("#barge-ins li").all_inner_texts()
+        assert any("by voice" in b and "paused 150 ms before" in b for b in barge), barge
+        await page.screenshot(path="/tmp/turnkeeper-events.png", full_page=True)
+        await page.click("#disconnect")
+        await wait_peers(server.app, 0, timeout_s=5)
         assert errors == [], errors
     finally:
         await browser.close()

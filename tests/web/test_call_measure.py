@@ -25,8 +25,9 @@ def measure(rx: list[tuple[float, float, float]], onset: float) -> BargeInMeasur
     c = CallClient("http://127.0.0.1:1")
     c._received = rx
     c._onset_sent[2] = onset
-    c._server_fences.append(40.0)
-    m = BargeInMeasure(label="b", at_s=1.0)
+    m = BargeInMeasure(label="b", at_s=1.0, sent_from=onset - 0.1, sent_until=onset + 0.5)
+    c._event_times.append((onset + 0.05, {"type": "barge_in", "onset_to_fence_ms": 40.0}))
+    c._event_times.append((onset + 5.0, {"type": "barge_in", "onset_to_fence_ms": 99.0}))  # another clip's
     c._measure([m])
     return m
 
@@ -38,7 +39,15 @@ def test_stop_counts_to_where_the_sound_ends() -> None:
     assert m.speaking_at_onset
     # last sound frame arrives at index 10 (10.2 s) and its sound ends 6.5 ms in
     assert m.stop_ms is not None and abs(m.stop_ms - (200 - 60 + 6.5)) < 1e-6
-    assert m.server_onset_to_fence_ms == 40.0
+    assert m.server_onset_to_fence_ms == 40.0 and m.barged_in and m.resumed is None
+
+
+def test_a_clip_that_only_paused_the_agent_is_scored_as_resumed() -> None:
+    c = CallClient("http://127.0.0.1:1")
+    m = BargeInMeasure(label="cough", at_s=1.0, kind="noise", sent_from=10.0, sent_until=10.4)
+    c._event_times.append((10.9, {"type": "false_interruption", "paused_ms": 600.0}))
+    c._measure([m])
+    assert not m.barged_in and m.resumed == "false_interruption"
 
 
 def test_pause_shorter_than_the_silent_run_is_not_a_stop() -> None:

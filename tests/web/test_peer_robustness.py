@@ -103,6 +103,29 @@ async def test_hostile_client_messages_get_errors_and_session_lives(
         await client.close()
 
 
+async def test_push_to_talk_out_of_order_gets_errors_and_loses_nothing(server: tuple[web.Application, str]) -> None:
+    """ptt.end without ptt.start, and ptt.start twice: clear errors; the held
+    push-to-talk still ends normally afterwards."""
+    app, url = server
+    client = RawClient()
+    try:
+        session_id = await client.connect(url)
+        peer = app[PEERS][session_id]
+        await client.wait_event(lambda e: e.get("type") == "session.ready")
+        client.channel.send(json.dumps({"type": "ptt.end"}))
+        err = await client.wait_event(lambda e: e.get("type") == "error")
+        assert err["code"] == "ptt_not_active"
+        client.channel.send(json.dumps({"type": "ptt.start"}))
+        client.channel.send(json.dumps({"type": "ptt.start", "extra": [1, 2, 3]}))
+        err = await client.wait_event(lambda e: e.get("type") == "error" and e.get("code") == "ptt_already_active")
+        assert peer.agent.ptt_active
+        client.channel.send(json.dumps({"type": "ptt.end"}))
+        await client.wait_event(lambda e: e.get("type") == "vad" and e.get("event") == "end_of_turn")
+        assert not peer.agent.ptt_active and client.pc.connectionState == "connected"
+    finally:
+        await client.close()
+
+
 async def test_application_only_offer_with_dangling_bundle(server: tuple[web.Application, str]) -> None:
     """An offer whose BUNDLE group names a missing m-line trips aiortc on
     close; the client still gets a 4xx JSON error and nothing is left."""

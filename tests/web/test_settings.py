@@ -14,7 +14,9 @@ def test_defaults() -> None:
     s = load_settings()
     assert (s.host, s.port) == ("127.0.0.1", 8080)
     assert s.store == "sqlite:///var/turnkeeper.db"
-    assert s.vad.onset_ms == 60 and s.vad.offset_ms == 500
+    assert s.vad.onset_ms == 60 and s.vad.offset_ms == 200
+    assert s.bargein.pause_after_ms == 60 and s.bargein.confirm_speech_ms == 160 and s.bargein.confirm_timeout_ms == 600
+    assert s.session.endpoint.silence_ms == 500 and s.session.backchannel.enabled
     assert s.llm.tokens_per_second == 20
 
 

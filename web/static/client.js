@@ -5,6 +5,11 @@
 // /v1/webrtc/offer -> answer. The agent's voice comes back on the same audio
 // transceiver; its events (turn states, transcript, reply tokens, barge-ins)
 // arrive as JSON on the data channel and are rendered below.
+//
+// Push-to-talk: holding the "Hold to talk" button (or Space, outside text
+// fields) sends {"type":"ptt.start"} on the data channel, releasing it sends
+// {"type":"ptt.end"}. At most one start is outstanding; key repeat sends
+// nothing more; losing the connection while held resets the button.
 "use strict";
 
 (() => {
@@ -22,11 +27,25 @@
     RECONCILE_REQUIRED: "reconcile_required",
   };
   const TERMINAL = new Set(["CANCELLED", "COMPLETED", "FAILED", "RECONCILE_REQUIRED"]);
+  // What the voice activity detector's events mean, for the panel.
+  const VAD_LABELS = {
+    speech_started: "speech?",        // maybe speech: the agent pauses
+    speech_confirmed: "speech",
+    speech_rejected: "noise (ignored)",
+    speech_stopped: "silence",
+    end_of_turn: "end of turn",
+  };
+  // Who started a barge-in.
+  const INITIATORS = { vad: "voice", ptt: "push-to-talk" };
+  // Refusals of push-to-talk messages (the server's error codes).
+  const PTT_ERRORS = new Set(["ptt_already_active", "ptt_not_active", "session_not_ready"]);
 
   const $ = (id) => document.getElementById(id);
   const ui = {
     connect: $("connect"),
     disconnect: $("disconnect"),
+    ptt: $("ptt"),
+    pttState: $("ptt-state"),
     status: $("status"),
     audio: $("remote-audio"),
     transcript: $("transcript"),
@@ -53,8 +72,9 @@
   let conn = null;
   // Which turn the panel shows: the newest by generation.
   let shown = { turnId: null, generation: -1 };
-  // Per-turn transcript entries, by turn id.
+  // Per-turn transcript entries, by turn id, and the first of each generation.
   const entries = new Map();
+  const byGeneration = new Map();
 
   // ---- status line -----------------------------------------------------------
 
@@ -66,13 +86,18 @@
   function setButtons(connected) {
     ui.connect.disabled = connected;
     ui.disconnect.disabled = !connected;
+    renderPtt();
   }
 
   // ---- connect / disconnect --------------------------------------------------
 
   async function connect() {
     if (conn) return;
-    const c = { pc: null, dc: null, stream: null, pinger: null, closedByUs: false, pings: new Map() };
+    const c = {
+      pc: null, dc: null, stream: null, pinger: null, closedByUs: false, pings: new Map(),
+      ready: false,  // the server's agent runs (session.ready): push-to-talk is accepted
+      ptt: null,     // push-to-talk held, and by what: "pointer" | "key" | null
+    };
     conn = c;
     setButtons(true);
     resetPanel();
@@ -145,12 +170,18 @@
   // the offer is in flight leaves the server's half-made session to its
   // connect watchdog.)
   function teardown(c) {
+    // Released with the connection: tell the server if it can still hear us
+    // (a Disconnect while held), and never leave the button pressed.
+    if (c.ptt && c.dc && c.dc.readyState === "open") sendPtt(c, "ptt.end");
+    c.ptt = null;
+    c.ready = false;
     if (c.pinger) clearInterval(c.pinger);
     c.pinger = null;
     if (c.dc) { try { c.dc.close(); } catch (_) { /* already closed */ } }
     if (c.pc) { try { c.pc.close(); } catch (_) { /* already closed */ } }
     if (c.stream) c.stream.getTracks().forEach((t) => t.stop());
     c.dc = c.pc = c.stream = null;
+    renderPtt();
     // A stale attempt (Disconnect, then Connect again while it was pending)
     // must not clear the page of the attempt that replaced it.
     if (conn !== c && conn !== null) return;
@@ -165,7 +196,7 @@
     if (conn !== c || !c.pc) return;
     const state = c.pc.connectionState;
     if (state === "connected") {
-      setStatus("Connected. Speak; talk over the agent to interrupt it.", "connected");
+      setStatus("Connected. Speak, or hold to talk; talk over the agent to interrupt it.", "connected");
     } else if (state === "failed") {
       fail(c, "Connection failed (no route to the server's media).");
     } else if (state === "disconnected") {
@@ -230,8 +261,11 @@
       };
       ping();
       c.pinger = setInterval(ping, PING_INTERVAL_MS);
+      renderPtt();
     };
     dc.onclose = () => {
+      if (c.ptt) c.ptt = null;
+      renderPtt();
       // The server ends a session by closing the peer connection; the event
       // channel closing is the first sign of it.
       if (conn === c && !c.closedByUs) fail(c, "The server ended the session.");
@@ -252,9 +286,12 @@
     switch (msg.type) {
       case "session.ready":
         ui.sessionId.textContent = msg.session_id || ui.sessionId.textContent;
+        c.ready = true;
+        renderPtt();
         break;
       case "vad":
-        ui.vad.textContent = msg.event === "speech_started" ? "speech" : "silence";
+        ui.vad.textContent = VAD_LABELS[msg.event] || String(msg.event || "-");
+        ui.vad.dataset.event = String(msg.event || "");
         break;
       case "turn":
         onTurn(msg);
@@ -263,17 +300,34 @@
         if (msg.role === "user") setUserText(entryFor(msg.turn_id, msg.generation), msg.text);
         break;
       case "agent.delta": {
+        if (msg.withheld) break; // never meant for us (the server fences these anyway)
         const e = entryFor(msg.turn_id, msg.generation);
         e.li.setAttribute("aria-busy", "true");
-        e.agentText.textContent += msg.text;
+        e.delivered += msg.text || "";
+        renderAgent(e);
         break;
       }
       case "agent.done": {
         const e = entryFor(msg.turn_id, msg.generation);
-        e.agentText.textContent = msg.text;
+        e.delivered = msg.text || "";
+        renderAgent(e);
         e.li.removeAttribute("aria-busy");
         break;
       }
+      case "agent.interrupted":
+        onInterrupted(msg);
+        break;
+      case "false_interruption":
+        addNote(msg, "false-interruption", `paused ${fmtMs(msg.paused_ms)} for a noise, resumed`);
+        break;
+      case "backchannel": {
+        const paused = msg.paused_ms > 0 ? ` (paused ${fmtMs(msg.paused_ms)})` : "";
+        addNote(msg, "backchannel", `backchannel “${msg.text || ""}”, kept talking${paused}`);
+        break;
+      }
+      case "stop_deferred":
+        onStopDeferred(msg);
+        break;
       case "agent.state":
         if (msg.generation >= shown.generation) ui.agentPhase.textContent = msg.phase;
         break;
@@ -282,6 +336,7 @@
         break;
       case "error":
         addError(msg);
+        if (PTT_ERRORS.has(msg.code)) onPttRefused(c, msg);
         break;
       case "pong": {
         const sent = c.pings.get(msg.id);
@@ -306,10 +361,12 @@
     e.badge.dataset.state = label;
     if (msg.transcript && !e.userText.textContent) setUserText(e, msg.transcript);
 
-    if (msg.status === "COMPLETED" && msg.reply && !e.agentText.textContent) {
-      e.agentText.textContent = msg.reply;
+    if (msg.reply) e.reply = msg.reply;
+    if (msg.status === "COMPLETED" && msg.reply && !e.delivered) {
+      e.delivered = msg.reply;
+      renderAgent(e);
     }
-    if (msg.status === "CANCELLED" || msg.status === "RECONCILE_REQUIRED") markInterrupted(e, msg.reply);
+    if (msg.status === "CANCELLED" || msg.status === "RECONCILE_REQUIRED") markInterrupted(e);
     if (msg.status === "FAILED" && !e.userText.textContent && msg.error === "no_speech_recognized") {
       setUserText(e, "");
     }
@@ -350,31 +407,94 @@
     prependCapped(ui.turnLog, li, 30);
   }
 
-  // An interrupted reply: tag it "(interrupted)", and strike through what the
-  // model had produced but never reached us (fenced by the barge-in).
-  function markInterrupted(e, reply) {
-    if (e.li.classList.contains("interrupted")) return;
+  // An interrupted reply: tag it "(interrupted)". What the user heard
+  // (agent.interrupted) stays plain; the rest of the reply, spoken too late or
+  // never delivered (fenced by the barge-in), is struck through and dimmed.
+  function markInterrupted(e) {
+    e.interrupted = true;
     e.li.classList.add("interrupted");
-    const full = (reply || "").trim();
-    const shownText = e.agentText.textContent.trim();
-    if (full.length > shownText.length && full.startsWith(shownText)) {
-      const tail = document.createElement("s");
-      tail.className = "fenced";
-      tail.title = "generated but never delivered (fenced by the barge-in)";
-      tail.textContent = full.slice(shownText.length);
-      e.agent.insertBefore(tail, e.tag);
-    }
     e.tag.hidden = false;
+    renderAgent(e);
+  }
+
+  // agent.interrupted: how much of the reply reached the user's ears.
+  function onInterrupted(msg) {
+    const e = entryFor(msg.turn_id, msg.generation);
+    e.heard = typeof msg.heard === "string" ? msg.heard : "";
+    if (typeof msg.played_ms === "number") e.playedMs = msg.played_ms;
+    e.li.dataset.heard = e.heard;
+    markInterrupted(e);
+  }
+
+  // The agent line of entry `e`: the text received, split into heard and
+  // unheard once the reply was interrupted.
+  function renderAgent(e) {
+    if (!e.interrupted) {
+      e.agentText.textContent = e.delivered;
+      return;
+    }
+    for (const old of e.agent.querySelectorAll(".unheard, .fenced")) old.remove();
+    const delivered = e.delivered.trim();
+    const reply = (e.reply || "").trim();
+    // The whole reply as far as we know it: the store's record may hold more
+    // than reached us (the barge-in fenced the rest).
+    const full = reply.length > delivered.length && reply.startsWith(delivered) ? reply : delivered;
+    const split = e.heard === null ? null : splitHeard(full, e.heard);
+    if (split) {
+      e.agentText.textContent = split[0];
+      if (split[1].trim()) {
+        e.agent.insertBefore(struck("unheard", "not heard (interrupted before it was played)", split[1]), e.tag);
+      }
+    } else if (e.heard !== null) {
+      // Heard text that is not a prefix of what we have: show what was heard.
+      e.agentText.textContent = e.heard;
+    } else {
+      e.agentText.textContent = e.delivered;
+      if (full.length > delivered.length) {
+        e.agent.insertBefore(struck("fenced", "generated but never delivered (fenced by the barge-in)",
+          full.slice(delivered.length)), e.tag);
+      }
+    }
     updateTag(e);
   }
 
+  // <s class=cls> with `text`, announced as "not heard" to screen readers.
+  function struck(cls, title, text) {
+    const s = document.createElement("s");
+    s.className = cls;
+    s.title = title;
+    const sr = document.createElement("span");
+    sr.className = "visually-hidden";
+    sr.textContent = " (not heard:) ";
+    s.append(sr, text);
+    return s;
+  }
+
+  // ["heard part of full", "rest"] if `heard` is `full`'s beginning (ignoring
+  // differences in white space); null if it is not.
+  function splitHeard(full, heard) {
+    let i = 0;
+    let j = 0;
+    const ws = /\s/;
+    while (j < heard.length) {
+      if (ws.test(heard[j])) { j++; continue; }
+      while (i < full.length && ws.test(full[i])) i++;
+      if (i >= full.length || full[i] !== heard[j]) return null;
+      i++;
+      j++;
+    }
+    return [full.slice(0, i), full.slice(i)];
+  }
+
   // The text streams faster than it is spoken, so the reply may be complete
-  // on screen though most of it was never heard: the barge-in says how much
-  // queued speech was dropped.
+  // on screen though most of it was never heard: say how much was played,
+  // how much queued speech the barge-in dropped, and who interrupted.
   function updateTag(e) {
-    e.tag.textContent = e.clearedMs > 0
-      ? `(interrupted; ${(e.clearedMs / 1000).toFixed(1)} s of speech not played)`
-      : "(interrupted)";
+    const parts = [];
+    if (e.heard !== null) parts.push(e.heard ? `heard ${fmtS(e.playedMs)}` : "none of it heard");
+    if (e.clearedMs > 0) parts.push(`${fmtS(e.clearedMs)} of speech not played`);
+    if (e.initiator) parts.push(`by ${INITIATORS[e.initiator] || e.initiator}`);
+    e.tag.textContent = parts.length ? `(interrupted; ${parts.join(", ")})` : "(interrupted)";
   }
 
   // The transcript entry of a turn, created on its first event.
@@ -417,8 +537,19 @@
     li.append(head, user, agent);
     ui.transcript.append(li);
     li.scrollIntoView({ block: "nearest" });
-    e = { li, badge, user, userText, agent, agentText, tag, clearedMs: 0 };
+    e = {
+      li, badge, user, userText, agent, agentText, tag,
+      delivered: "",      // the reply text received (deltas, agent.done)
+      reply: null,        // the reply as recorded (turn events)
+      interrupted: false,
+      heard: null,        // what of it the user heard (agent.interrupted)
+      playedMs: 0,
+      clearedMs: 0,
+      initiator: null,    // who barged in on it
+    };
     entries.set(turnId, e);
+    const newest = byGeneration.get(generation);
+    if (!newest) byGeneration.set(generation, e);
     return e;
   }
 
@@ -439,19 +570,51 @@
   function addBargeIn(msg) {
     const li = document.createElement("li");
     li.dataset.oldTurnId = msg.old_turn_id;
+    const by = msg.initiator ? ` by ${INITIATORS[msg.initiator] || msg.initiator}` : "";
+    if (msg.initiator) li.dataset.initiator = msg.initiator;
+    const paused = msg.paused_ms > 0 ? `, paused ${fmtMs(msg.paused_ms)} before` : "";
     li.textContent =
-      `gen ${msg.old_generation} → ${msg.generation}: fenced ${fmtMs(msg.onset_to_fence_ms)} after onset,` +
+      `gen ${msg.old_generation} → ${msg.generation}${by}: fenced ${fmtMs(msg.onset_to_fence_ms)} after onset${paused},` +
       ` ${fmtMs(msg.cleared_ms)} of audio cleared (turn ${shortId(msg.old_turn_id)})`;
     prependCapped(ui.bargeIns, li, 20);
     const old = entries.get(msg.old_turn_id);
-    if (old && typeof msg.cleared_ms === "number") {
-      old.clearedMs = msg.cleared_ms;
+    if (old) {
+      if (typeof msg.cleared_ms === "number") old.clearedMs = msg.cleared_ms;
+      if (msg.initiator) old.initiator = msg.initiator;
       updateTag(old);
     }
   }
 
+  // A barge-in while a must-complete step commits: silent now, stopped later.
+  function onStopDeferred(msg) {
+    const text = msg.why === "must_complete"
+      ? "stop deferred: a must-complete action is committing; the audio is silenced and the turn stops when it ends"
+      : `stop deferred (${msg.why || "?"})`;
+    addNote(msg, "stop-deferred", text);
+    const li = document.createElement("li");
+    li.dataset.oldTurnId = msg.turn_id || "";
+    li.className = "deferred";
+    li.textContent = `turn ${shortId(msg.turn_id)}: ${text}`;
+    prependCapped(ui.bargeIns, li, 20);
+  }
+
+  // A small note in the transcript (false interruption, backchannel, ...):
+  // inside the entry of the turn it concerns (by id, else by generation, the
+  // turn the agent was speaking for), or on its own line.
+  function addNote(msg, kind, text) {
+    const e = (msg.turn_id && entries.get(msg.turn_id)) || byGeneration.get(msg.generation);
+    const note = document.createElement(e ? "p" : "li");
+    note.className = "note";
+    note.dataset.kind = kind;
+    note.textContent = text;
+    if (e) e.li.append(note);
+    else ui.transcript.append(note);
+    note.scrollIntoView({ block: "nearest" });
+  }
+
   function addError(msg) {
     const li = document.createElement("li");
+    if (msg.code) li.dataset.code = msg.code;
     const where = msg.turn_id ? ` (turn ${shortId(msg.turn_id)})` : "";
     li.textContent = `${msg.code ? msg.code + ": " : ""}${msg.message || "error"}${where}`;
     prependCapped(ui.errors, li, 20);
@@ -461,6 +624,7 @@
 
   function resetPanel() {
     shown = { turnId: null, generation: -1 };
+    byGeneration.clear(); // generations count from 1 again in a new session
     ui.turnId.textContent = "";
     ui.turnGeneration.textContent = "";
     ui.turnState.textContent = "";
@@ -484,6 +648,115 @@
 
   const shortId = (id) => (id ? String(id).slice(0, 8) : "?");
   const fmtMs = (ms) => (typeof ms === "number" ? `${ms.toFixed(ms < 10 ? 1 : 0)} ms` : "?");
+  const fmtS = (ms) => `${((ms || 0) / 1000).toFixed(1)} s`;
+
+  // ---- push-to-talk ----------------------------------------------------------
+
+  // Push-to-talk can be used: connected, the events channel open, the agent running.
+  function pttUsable(c) {
+    return !!(c && conn === c && c.ready && c.dc && c.dc.readyState === "open");
+  }
+
+  function sendPtt(c, type) {
+    try {
+      c.dc.send(JSON.stringify({ type }));
+      return true;
+    } catch (err) {
+      addError({ code: "send_failed", message: `could not send ${type}: ${err.message || err}` });
+      return false;
+    }
+  }
+
+  // Pressed (by "pointer" or "key"): one ptt.start, never two in a row.
+  function pttPress(source) {
+    const c = conn;
+    if (!pttUsable(c) || c.ptt) return;
+    if (!sendPtt(c, "ptt.start")) return;
+    c.ptt = source;
+    ui.pttState.dataset.state = "";
+    renderPtt();
+  }
+
+  // Released by `source` (null: whatever holds it): ptt.end, if a start was sent.
+  function pttRelease(source) {
+    const c = conn;
+    if (!c || !c.ptt || (source && c.ptt !== source)) return;
+    c.ptt = null;
+    if (c.dc && c.dc.readyState === "open") sendPtt(c, "ptt.end");
+    renderPtt();
+  }
+
+  // The server refused a push-to-talk message.
+  function onPttRefused(c, msg) {
+    if (msg.code === "session_not_ready" && c.ptt) {
+      c.ptt = null; // it never started: the release must not send ptt.end
+      c.ready = false;
+    }
+    renderPtt();
+    ui.pttState.textContent = `push-to-talk refused: ${msg.message || msg.code}`;
+    ui.pttState.dataset.state = "error";
+  }
+
+  // The button and its state line follow the current connection.
+  function renderPtt() {
+    const c = conn;
+    const held = !!(c && c.ptt);
+    ui.ptt.disabled = !pttUsable(c) && !held;
+    ui.ptt.setAttribute("aria-pressed", held ? "true" : "false");
+    ui.ptt.dataset.state = held ? "held" : "";
+    document.body.classList.toggle("ptt-held", held);
+    if (held) {
+      ui.pttState.textContent = "talking (push-to-talk)";
+      ui.pttState.dataset.state = "talking";
+    } else if (ui.pttState.dataset.state !== "error" || !c) {
+      ui.pttState.textContent = "";
+      ui.pttState.dataset.state = "";
+    }
+  }
+
+  const isSpace = (ev) => ev.code === "Space" || ev.key === " ";
+
+  // Space is push-to-talk except where it types (text fields).
+  function typesText(el) {
+    if (!el || !(el instanceof Element)) return false;
+    if (el.isContentEditable) return true;
+    if (el.tagName === "TEXTAREA" || el.tagName === "SELECT") return true;
+    if (el.tagName !== "INPUT") return false;
+    const NOT_TEXT = ["button", "checkbox", "radio", "range", "color", "file", "image", "reset", "submit"];
+    return !NOT_TEXT.includes((el.type || "text").toLowerCase());
+  }
+
+  ui.ptt.addEventListener("pointerdown", (ev) => {
+    if (ev.button !== 0) return; // primary button, touch or pen contact only
+    ev.preventDefault();          // no focus change, no text selection
+    pttPress("pointer");
+  });
+  for (const type of ["pointerup", "pointerleave", "pointercancel"]) {
+    ui.ptt.addEventListener(type, () => pttRelease("pointer"));
+  }
+  ui.ptt.addEventListener("contextmenu", (ev) => ev.preventDefault()); // long press on touch screens
+
+  document.addEventListener("keydown", (ev) => {
+    if (!isSpace(ev) || ev.ctrlKey || ev.metaKey || ev.altKey || typesText(ev.target)) return;
+    const c = conn;
+    if (!pttUsable(c) && !(c && c.ptt)) return; // Space keeps its usual meaning (e.g. presses Connect)
+    ev.preventDefault(); // no scrolling, no click of a focused button
+    if (ev.repeat || c.ptt) return; // key repeat: still the same press
+    pttPress("key");
+  });
+  document.addEventListener("keyup", (ev) => {
+    if (!isSpace(ev)) return;
+    const c = conn;
+    if (c && c.ptt === "key") {
+      ev.preventDefault();
+      pttRelease("key");
+    } else if (pttUsable(c) && !typesText(ev.target)) {
+      ev.preventDefault();
+    }
+  });
+  // A release we cannot see (focus left the window) ends the press.
+  window.addEventListener("blur", () => pttRelease(null));
+  document.addEventListener("visibilitychange", () => { if (document.hidden) pttRelease(null); });
 
   ui.connect.addEventListener("click", () => { connect(); });
   ui.disconnect.addEventListener("click", disconnect);

