@@ -25,7 +25,7 @@ Figures (min, p50, p95, max where they apply):
 - commit time: server side, from the first gated frame of the speech to the
   committed barge-in (generation advanced, buffers cleared, work cancelled);
 - false cancels: barge-ins committed for a backchannel, a noise or echo;
-- missed: speech that committed no barge-in;
+- missed: speech over the audible agent that committed no barge-in;
 - false interruptions: pauses that resumed (not errors: the audio was held
   while the detector made sure).
 
@@ -201,12 +201,15 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "commit_ms": stats([v for v in commit if v is not None]),
         "false_cancels": sum(m.barged_in for m in others) + echo_false,
         "false_cancels_echo": echo_false,
-        "missed": sum(not m.barged_in for m in speech),
+        # speech while the agent was already silent opens a turn, no barge-in
+        "missed": sum(not m.barged_in for m in speech if m.speaking_at_onset),
         "false_interruptions": sum(m.resumed == "false_interruption" for m in others) + echo_pauses,
         "backchannels_resumed": sum(m.resumed == "backchannel" for m in others),
         "echo_calls": len(echo_calls),
         "by_kind": by_kind,
-        "failures": [m.as_dict() for m in measures if m.barged_in != (m.kind == "speech")],
+        "failures": [
+            m.as_dict() for m in measures if m.barged_in != (m.kind == "speech") and (m.kind != "speech" or m.speaking_at_onset)
+        ],
     }
 
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from aiortc.jitterbuffer import JitterBuffer
+from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 from aiortc.mediastreams import MediaStreamError
 
 from media.bargein import BargeInConfig, BargeInDetector, DetectorEvent, EchoReference
@@ -115,15 +115,56 @@ class InboundAudio:
                 )
 
 
+class AudioJitterBuffer(JitterBuffer):
+    """aiortc's jitter buffer with no prefetch, for audio.
+
+    aiortc's buffer knows a frame is complete only when a packet of the next
+    frame arrives (it is written for video, where a frame spans packets), so
+    even with prefetch 0 or 1 every audio frame waits 20 ms for the next
+    packet. An Opus or G.711 packet is a whole frame (RFC 7587 section 4.2,
+    RFC 3551): this buffer releases each packet the moment it is the next in
+    sequence. A packet still missing when ``skip_after`` later ones have
+    arrived is taken as lost; the buffer then jumps to the newest packet
+    (the ones in between are dropped, a few ms of audio) so a loss never
+    leaves latency behind.
+    """
+
+    def __init__(self, capacity: int, skip_after: int = 2) -> None:
+        super().__init__(capacity=capacity, prefetch=0, is_video=False)
+        self.skip_after = skip_after
+        #: packets given up as lost or dropped to catch up
+        self.skipped = 0
+
+    def _remove_frame(self, sequence_number: int) -> JitterFrame | None:
+        assert self._origin is not None
+        pos = self._origin % self._capacity
+        packet = self._packets[pos]
+        if packet is None:
+            waiting = [p for p in self._packets if p is not None]
+            if len(waiting) < self.skip_after:
+                return None
+            # the origin packet is lost: go on from the newest one
+            while self._origin != sequence_number:
+                self.skipped += 1
+                self.remove(1)
+            packet = self._packets[self._origin % self._capacity]
+            if packet is None:
+                return None
+        self.remove(1)
+        return JitterFrame(data=packet._data, timestamp=packet.timestamp)  # type: ignore[attr-defined]
+
+
 def set_jitter_prefetch(receiver: Any, packets: int) -> None:
     """Set how many 20 ms packets aiortc's inbound jitter buffer holds back
     before releasing audio (aiortc's default is 4, i.e. 80 ms of latency).
 
     Trade-off: each packet of prefetch adds 20 ms between the user's speech and
     our VAD (so to the barge-in), but rides out that much network jitter
-    without gaps. On a LAN or loopback 1 is enough; on lossy, jittery links
-    (mobile, long-haul) use 3 to 5. The buffer always needs the next packet to
-    know a frame is complete, so 0 behaves like 1.
+    without gaps. 0 (an :class:`AudioJitterBuffer`: each packet is released
+    on arrival) is right on a LAN or loopback; on lossy, jittery links
+    (mobile, long-haul) use 2 to 5. aiortc's own buffer always waits for the
+    next packet to know a frame is complete, so with it 1 means 20 ms more
+    than 0, and 2 means 40 ms.
 
     aiortc (1.x) offers no public setting for this; the receiver's buffer is
     replaced before any packet arrives, so call this right after
@@ -140,7 +181,10 @@ def set_jitter_prefetch(receiver: Any, packets: int) -> None:
     current = getattr(receiver, attr, None)
     if not isinstance(current, JitterBuffer):
         raise RuntimeError("aiortc's RTCRtpReceiver no longer has the expected jitter buffer")
-    setattr(receiver, attr, JitterBuffer(capacity=current.capacity, prefetch=packets))
+    if packets == 0:
+        setattr(receiver, attr, AudioJitterBuffer(capacity=current.capacity))
+    else:
+        setattr(receiver, attr, JitterBuffer(capacity=current.capacity, prefetch=packets))
 
 
 def jitter_prefetch(receiver: Any) -> int:

@@ -35,7 +35,7 @@ class VadConfig(BaseModel):
         preroll_ms: audio kept from before speech_started for STT (ms).
     """
 
-    aggressiveness: int = Field(3, ge=0, le=3)
+    aggressiveness: int = Field(2, ge=0, le=3)
     onset_ms: int = Field(60, ge=FRAME_MS, le=2000)
     offset_ms: int = Field(200, ge=FRAME_MS, le=5000)
     preroll_ms: int = Field(300, ge=0, le=2000)

@@ -92,7 +92,7 @@ class Settings(BaseSettings):
     max_pending_per_client: int = Field(3, ge=1, le=10_000)
     connect_timeout_s: float = Field(15.0, gt=0, le=600)
     media_timeout_s: float = Field(5.0, ge=0, le=3600)
-    jitter_prefetch_packets: int = Field(1, ge=0, le=8)
+    jitter_prefetch_packets: int = Field(0, ge=0, le=8)
     log_level: str = "INFO"
     redis_prefix: str = Field("tk", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     lease_ttl_s: float = Field(10.0, ge=1, le=3600)

@@ -138,8 +138,8 @@ def test_non_speech_is_never_confirmed(clip: C.Clip) -> None:
     starts = run.kinds().count(K.SPEECH_STARTED)
     assert run.kinds().count(K.SPEECH_REJECTED) == starts
     assert starts <= 2
-    for e in run.events:
-        assert e.probability < BargeInConfig().silero_threshold
+    for e in run.events:  # a chunk may look speech-like; never enough of them
+        assert e.speech_ms < BargeInConfig().confirm_speech_ms
 
 
 @pytest.mark.parametrize("clip", _clips(C.echo_clips))

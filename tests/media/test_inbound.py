@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from aiortc import RTCPeerConnection
 from aiortc.mediastreams import MediaStreamError
+from aiortc.rtp import RtpPacket
 from av.audio.frame import AudioFrame
 
 from media.frames import PLAYOUT_RATE, load_pcm
-from media.inbound import InboundAudio, jitter_prefetch, set_jitter_prefetch
+from media.inbound import AudioJitterBuffer, InboundAudio, jitter_prefetch, set_jitter_prefetch
 from media.bargein import DetectorEventKind
 from turn.clock import VirtualClock
 
@@ -75,3 +76,40 @@ async def test_each_packet_completes_its_own_vad_frame(clock: VirtualClock) -> N
     assert len(out) == 6
     loud = [int((np.abs(np.frombuffer(f.pcm, dtype="<i2")) > 5000).sum()) for f in out]
     assert loud[2] > 300 and loud[3] < 20
+
+
+def _rtp(seq: int) -> RtpPacket:
+    packet = RtpPacket(payload_type=111, sequence_number=seq % 65536, timestamp=seq * 960, payload=bytes([seq % 256]))
+    packet._data = packet.payload  # type: ignore[attr-defined]  # the receiver's depayloaded data
+    return packet
+
+
+def test_audio_jitter_buffer_releases_each_packet_on_arrival() -> None:
+    buf = AudioJitterBuffer(capacity=16)
+    for seq in (65534, 65535, 0, 1):  # across the sequence-number wrap
+        _, frame = buf.add(_rtp(seq))
+        assert frame is not None and frame.timestamp == seq * 960  # no wait for the next packet
+
+
+def test_audio_jitter_buffer_gives_a_lost_packet_up_and_leaves_no_latency() -> None:
+    buf = AudioJitterBuffer(capacity=16)
+    assert buf.add(_rtp(10))[1] is not None
+    # 11 is lost; 12 waits for it, 13 arrives: 11 is given up, playout goes on from 13
+    assert buf.add(_rtp(12))[1] is None
+    _, frame = buf.add(_rtp(13))
+    assert frame is not None and frame.timestamp == 13 * 960 and buf.skipped == 2
+    # the next packet comes out at once: nothing is left queued behind
+    assert buf.add(_rtp(14))[1].timestamp == 14 * 960  # type: ignore[union-attr]
+    # a packet that arrives after its time is dropped, not played out of order
+    assert buf.add(_rtp(11))[1] is None
+    assert buf.add(_rtp(15))[1].timestamp == 15 * 960  # type: ignore[union-attr]
+
+
+async def test_prefetch_zero_installs_the_audio_buffer() -> None:
+    pc = RTCPeerConnection()
+    try:
+        t = pc.addTransceiver("audio")
+        set_jitter_prefetch(t.receiver, 0)
+        assert isinstance(getattr(t.receiver, "_RTCRtpReceiver__jitter_buffer"), AudioJitterBuffer)
+    finally:
+        await pc.close()
