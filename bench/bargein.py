@@ -144,7 +144,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             "TURNKEEPER_STT__GRAMMAR": str(d / "bench.gram"),
             "TURNKEEPER_LOG_LEVEL": "WARNING",
         }
-        proc = subprocess.Popen([sys.executable, "-m", "web.cli", "serve", "--port", str(port)], env=env, cwd=d)
+        proc = subprocess.Popen(  # its stdout would spoil --json's one object
+            [sys.executable, "-m", "web.cli", "serve", "--port", str(port)], env=env, cwd=d, stdout=subprocess.DEVNULL
+        )
         measures: list[BargeInMeasure] = []
         echo_calls: list[CallResult] = []
         try:

@@ -82,11 +82,19 @@ class BackchannelConfig(BaseModel):
     Attributes:
         enabled: on by default; off, confirmed speech commits at once.
         max_ms: longest backchannel, ms from speech onset to its end.
+        unrecognised_max_ms: an utterance in which the recogniser heard no
+            word at all is a backchannel only up to this long (ms): longer,
+            it is speech the recogniser failed on, and it barges in.
+        rejoin_ms: speech confirmed this soon (ms) after a backchannel was
+            let go is the user going on after a pause inside one utterance:
+            it commits at once (the short part is not added to the turn).
         words: the word list.
     """
 
     enabled: bool = True
-    max_ms: int = Field(800, ge=100, le=3000)
+    max_ms: int = Field(700, ge=100, le=3000)
+    unrecognised_max_ms: int = Field(550, ge=0, le=3000)
+    rejoin_ms: int = Field(600, ge=0, le=10_000)
     words: list[str] = Field(default_factory=lambda: list(DEFAULT_BACKCHANNELS))
 
     def matches(self, text: str) -> bool:
@@ -311,6 +319,8 @@ class AgentSession:
         self._runs: list[TurnRun] = []
         self._listening: TurnRun | None = None
         self._candidate: Candidate | None = None
+        #: clock seconds when the last backchannel was let go
+        self._backchannel: float | None = None
         #: endpointing of the utterance being listened to (clock seconds)
         self._endpoint_at: float | None = None
         self._speech_end_at: float | None = None
@@ -404,7 +414,14 @@ class AgentSession:
             if cand is None:
                 return
             cand.confirmed_at = ev.at
-            if not (self.config.backchannel.enabled and self._agent_speaking()):
+            rejoin = self._backchannel
+            if rejoin is not None and ev.onset_at - rejoin <= self.config.backchannel.rejoin_ms / 1000:
+                # Speech right after a "backchannel": the user was pausing
+                # inside an utterance ("front ... right"), not acknowledging.
+                # It commits at once; the short part stays out of the turn.
+                self._backchannel = None
+                self._commit(cand, ev.at)
+            elif not (self.config.backchannel.enabled and self._agent_speaking()):
                 self._commit(cand, ev.at)
         elif kind is DetectorEventKind.SPEECH_REJECTED:
             if self._listening is not None:
@@ -498,8 +515,11 @@ class AgentSession:
             await stream.aclose()
         if self._candidate is not cand:
             return  # decided meanwhile (the user went on)
-        if text is not None and self.config.backchannel.matches(text):
+        bc = self.config.backchannel
+        duration_ms = ((cand.ended_at or cand.onset_at) - cand.onset_at) * 1000
+        if text is not None and bc.matches(text) and (text.strip() or duration_ms <= bc.unrecognised_max_ms):
             self._candidate = None
+            self._backchannel = self.clock.monotonic()
             self._resume(cand, self.clock.monotonic(), "backchannel", text=text)
         else:
             self._commit(cand, self.clock.monotonic())

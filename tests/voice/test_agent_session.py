@@ -454,6 +454,10 @@ async def test_barge_in_during_a_tool_call_follows_the_ledger_rules(
         assert all(e["reversed"] for e in service.applied(old.id).values())  # nothing of it stands
         assert new.status is TurnStatus.COMPLETED and new.transcript == "hello there"
         assert any(e["type"] == "tool.compensated" for e in h.events)
+        # nothing of the old reply was played, so the history holds none of it
+        assert [(m.role, m.content) for m in h.session.history][:2] == [
+            ("user", "please order a coffee"), ("user", "hello there")
+        ]
     finally:
         await h.stop()
         service.close()
