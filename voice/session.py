@@ -451,9 +451,15 @@ class AgentSession:
             if (at - cand.onset_at) * 1000 > self.config.backchannel.max_ms:
                 self._commit(cand, at)  # still speaking: too long for a backchannel
         run = self._listening
-        if run is None or run.ptt:
+        if run is None:
             return
         ep = self.config.endpoint
+        if run.ptt:
+            if at - self._utterance_at > ep.max_utterance_ms / 1000:
+                # push-to-talk held too long: the utterance ends, the hold is let go
+                self._send("error", code="ptt_too_long", message=f"push-to-talk held over {ep.max_utterance_ms} ms")
+                self.ptt_end()
+            return
         if (
             (self._endpoint_at is not None and at >= self._endpoint_at)
             or at - self._last_speech_at > (ep.max_delay_ms + ep.silence_ms) / 1000
@@ -979,13 +985,15 @@ class AgentSession:
         """Session end: every turn this session began gets a terminal state,
         including one whose record was never written (the user spoke, so it
         is recorded, then cancelled before start)."""
-        closing = StopReason(kind=self.close_reason, initiator="server", at=self.clock.now())
+        closed_at = self.clock.now()
         for run in list(self._runs):
             if run.work is not None and not run.work.done():
                 run.work.cancel()
             # A stop decided earlier (a barge-in whose record failed) keeps its
-            # own reason and time; only turns nobody stopped get the close reason.
-            reason = run.stop_reason or closing
+            # own reason and time; only turns nobody stopped get the close
+            # reason, each with a request id of its own (a stop request id is
+            # an idempotency key: one id for two turns is a conflict).
+            reason = run.stop_reason or StopReason(kind=self.close_reason, initiator="server", at=closed_at)
             try:
                 try:
                     turn = await self.manager.get(run.turn_id)

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -202,11 +202,16 @@ def check_environment(environ: Mapping[str, str]) -> None:
         ValueError: naming the unknown variables and the known ones.
     """
     known = {"TURNKEEPER_CONFIG"}
-    for name, field in Settings.model_fields.items():
-        known.add(f"TURNKEEPER_{name.upper()}")
-        sub_fields = getattr(field.annotation, "model_fields", None)
-        if sub_fields:
-            known.update(f"TURNKEEPER_{name.upper()}__{sub.upper()}" for sub in sub_fields)
+
+    def add(prefix: str, model: Any) -> None:
+        # every level of nested settings (session.endpoint.silence_ms, ...)
+        for name, field in model.model_fields.items():
+            env = f"{prefix}{name.upper()}"
+            known.add(env)
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                add(f"{env}__", field.annotation)
+
+    add("TURNKEEPER_", Settings)
     unknown = sorted(k for k in environ if k.upper().startswith("TURNKEEPER_") and k.upper() not in known)
     if unknown:
         hints = []

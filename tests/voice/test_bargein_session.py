@@ -252,7 +252,7 @@ async def test_push_to_talk_barges_in_at_once_and_ends_the_turn_on_release(
 async def test_push_to_talk_ignores_the_detector_while_held(
     h: Harness, say: Callable[..., Path], store: SqliteStore
 ) -> None:
-    assert h.session.ptt_start() is None  # nothing playing: opens a turn
+    await h.wait_for(lambda: h.session.ptt_start() != "session_not_ready")  # nothing playing: opens a turn
     h.mic.say(pcm48(say("hello there")) + bytes(1920 * 50) + pcm48(say("tell me a story")))
     await h.wait_for(h.mic.idle.is_set, timeout=15)
     # a 1 s pause did not end it: only the release does
@@ -352,5 +352,54 @@ async def test_the_agent_does_not_interrupt_itself_on_a_speakerphone(
         # the user speaking over it (double talk) still barges in
         h.mic.say(pcm48(say("what is the weather like today")))
         await h.wait_for(lambda: "barge_in" in types(h), timeout=10)
+    finally:
+        await h.stop()
+
+
+async def test_a_disconnect_during_a_deferred_stop_leaves_no_turn_open(
+    store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+) -> None:
+    """The reviewer's case: push-to-talk during a payment's commit, then the
+    client goes away. Every turn ends, each with its own stop request."""
+    h = Harness(store, grammar_file)
+    service = DemoService(h.clock, latency_s=0.02)
+    service.slow_s = 2.0
+    service.inject("payment", "slow")
+    tools = demo_tools(h.clock, service, store)
+    h.manager.ledger.handlers = tools.get
+    h.session.providers.tools = tools
+    await h.start()
+    try:
+        h.mic.say(pcm48(say("charge my card")))
+        await h.wait_for(lambda: any(r.scope is not None and r.scope.committing for r in h.session._runs), timeout=30)
+        assert h.session.ptt_start() is None
+        await h.wait_for(lambda: "stop_deferred" in types(h), timeout=5)
+    finally:
+        await h.stop()  # the client hangs up while the stop waits for the commit
+    try:
+        turns = await store.list_session("sess-1")
+        assert len(turns) == 2 and all(t.is_terminal for t in turns), [(t.status, t.stop_reason) for t in turns]
+        paying, held = turns
+        assert held.stop_reason is not None and held.stop_reason.kind is StopReasonKind.TRANSPORT_DISCONNECTED
+        [row] = await store.ledger_list(paying.id)
+        assert service.times_applied(row.key) == 1
+    finally:
+        service.close()
+
+
+async def test_push_to_talk_held_too_long_ends_the_utterance(
+    store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+) -> None:
+    h = Harness(store, grammar_file)
+    h.session.config = h.session.config.model_copy(update={"endpoint": EndpointConfig(max_utterance_ms=1000)})
+    await h.start()
+    try:
+        await h.wait_for(lambda: h.session.ptt_start() != "session_not_ready")
+        h.mic.say(pcm48(say("hello there")))
+        await h.wait_for(lambda: not h.session.ptt_active, timeout=5)
+        [err] = [e for e in h.events if e["type"] == "error"]
+        assert err["code"] == "ptt_too_long"
+        assert h.session.ptt_end() == "ptt_not_active"  # the late release is told, nothing breaks
+        await h.wait_for(lambda: any(e.get("event") == "end_of_turn" for e in h.events), timeout=5)
     finally:
         await h.stop()

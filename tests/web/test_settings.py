@@ -82,3 +82,24 @@ def test_llm_provider_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TURNKEEPER_LLM__PROVIDER", "gpt-from-the-moon")
     with pytest.raises(ValidationError):
         load_settings()
+
+
+def test_nested_barge_in_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three levels deep, as the README names them: accepted and validated."""
+    monkeypatch.setenv("TURNKEEPER_SESSION__ENDPOINT__SILENCE_MS", "700")
+    monkeypatch.setenv("TURNKEEPER_SESSION__BACKCHANNEL__WORDS", '["uh huh", "sure thing"]')
+    monkeypatch.setenv("TURNKEEPER_BARGEIN__CONFIRM_TIMEOUT_MS", "800")
+    s = load_settings()
+    assert s.session.endpoint.silence_ms == 700 and s.bargein.confirm_timeout_ms == 800
+    assert s.session.backchannel.matches("Sure thing!")
+    monkeypatch.setenv("TURNKEEPER_SESSION__ENDPOINT__MIN_DELAY_MS", "5000")
+    with pytest.raises(ValueError, match="min_delay_ms"):
+        load_settings()
+    monkeypatch.delenv("TURNKEEPER_SESSION__ENDPOINT__MIN_DELAY_MS")
+    monkeypatch.setenv("TURNKEEPER_SESSION__ENDPOINT__SILENCE", "700")  # a typo
+    with pytest.raises(ValueError, match="TURNKEEPER_SESSION__ENDPOINT__SILENCE_MS"):
+        load_settings()
+    monkeypatch.delenv("TURNKEEPER_SESSION__ENDPOINT__SILENCE")
+    monkeypatch.setenv("TURNKEEPER_BARGEIN__SILERO_THRESHOLD", "2")
+    with pytest.raises(ValueError):
+        load_settings()
