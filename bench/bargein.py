@@ -183,6 +183,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    unsent = [m for m in measures if m.sent_from is None]  # a call that ended early (timeout)
+    measures = [m for m in measures if m.sent_from is not None]
     speech = [m for m in measures if m.kind == "speech"]
     others = [m for m in measures if m.kind != "speech"]
     audible = [m.stop_ms for m in speech if m.barged_in and m.speaking_at_onset and m.stop_ms is not None]
@@ -197,6 +199,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         k["resumed"] += m.resumed is not None
     return {
         "clips": len(measures),
+        "unsent": len(unsent),
         "speech": len(speech),
         "agent_silent_at_onset": sum(1 for m in speech if not m.speaking_at_onset),
         "audible_stop_ms": stats([v for v in audible if v is not None]),

@@ -252,6 +252,8 @@ class Candidate:
     paused_at: float
     confirmed_at: float | None = None
     ended_at: float | None = None
+    #: where it had ended before the user went on after a pause
+    resumed_from: float | None = None
     classifying: asyncio.Task[None] | None = None
 
 
@@ -398,10 +400,13 @@ class AgentSession:
                 self._endpoint_at = None  # the user goes on: hold the endpoint
                 return
             if cand is not None and cand.ended_at is not None:
-                # More speech after a short one that may have been a
-                # backchannel: it was not; this is the user taking the turn.
-                self._commit(cand, ev.at)
-                self._endpoint_at = None
+                # More speech right after a short one ("uh ... huh", "front
+                # ... right"): one utterance with a pause; it is judged whole
+                # when it ends (or commits once longer than a backchannel).
+                if cand.classifying is not None:
+                    cand.classifying.cancel()
+                    cand.classifying = None
+                cand.resumed_from, cand.ended_at = cand.ended_at, None
                 return
             paused = self.playout.pause()
             self._candidate = Candidate(ev.onset_at, [*self._preroll], paused, ev.at)
@@ -432,6 +437,10 @@ class AgentSession:
             if cand is not None and cand.confirmed_at is None:
                 self._candidate = None
                 self._resume(cand, ev.at, "false_interruption")
+            elif cand is not None and cand.ended_at is None and cand.classifying is None:
+                # what followed a short utterance was no speech: judge that one
+                cand.ended_at = cand.resumed_from if cand.resumed_from is not None else ev.at
+                self._classify(cand)
         elif kind is DetectorEventKind.SPEECH_STOPPED:
             speech_end = ev.at - self.vad.offset_ms / 1000
             if self._listening is not None:

@@ -287,7 +287,7 @@ class CallClient:
 
         channel.on("close", disconnected.set)
 
-        measures = [BargeInMeasure(label=u.label, at_s=u.at_s or 0.0) for u in barge_ins]
+        measures = [BargeInMeasure(label=u.label, at_s=u.at_s or 0.0, kind=u.kind) for u in barge_ins]
         timed_out = server_hung_up = False
         try:
             await pc.setLocalDescription(await pc.createOffer())
