@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, Field, model_validator
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from media.frames import PLAYOUT_RATE, Reframer, rms_dbfs, samples_per_frame
+from media.frames import FRAME_MS, PLAYOUT_RATE, Reframer, rms_dbfs, samples_per_frame
 from media.bargein import DetectorEvent, DetectorEventKind
 from media.inbound import InboundFrame
 from media.playout import PlayoutBuffer, PlayoutFrame
@@ -254,6 +254,12 @@ class Candidate:
     ended_at: float | None = None
     #: where it had ended before the user went on after a pause
     resumed_from: float | None = None
+    #: ms of it before speech_started (the gate's run), frames received since
+    #: then, and its speech's length once it ended (ms). Counted in frames,
+    #: not clock time: on a loaded machine frames arrive in bursts.
+    lead_ms: int = 0
+    frames: int = 0
+    speech_ms: int = 0
     classifying: asyncio.Task[None] | None = None
 
 
@@ -387,6 +393,7 @@ class AgentSession:
             self._listening.stt.feed(frame.pcm)
         elif self._candidate is not None:
             self._candidate.pcm.append(frame.pcm)
+            self._candidate.frames += 1
         else:
             self._preroll.append(frame.pcm)
         self._tick(frame.at, frame.gated)
@@ -409,7 +416,8 @@ class AgentSession:
                 cand.resumed_from, cand.ended_at = cand.ended_at, None
                 return
             paused = self.playout.pause()
-            self._candidate = Candidate(ev.onset_at, [*self._preroll], paused, ev.at)
+            lead_ms = round((ev.at - ev.onset_at) * 1000) + FRAME_MS  # the gate's frames before this one
+            self._candidate = Candidate(ev.onset_at, [*self._preroll], paused, ev.at, lead_ms=lead_ms)
             self._preroll.clear()
         elif kind is DetectorEventKind.SPEECH_CONFIRMED:
             self._last_speech_at = ev.at
@@ -449,6 +457,7 @@ class AgentSession:
                 return
             if cand is not None and cand.confirmed_at is not None and cand.classifying is None:
                 cand.ended_at = speech_end
+                cand.speech_ms = cand.lead_ms + (cand.frames + 1) * FRAME_MS - self.vad.offset_ms
                 self._classify(cand)
 
     def _tick(self, at: float, gated: bool) -> None:
@@ -457,7 +466,7 @@ class AgentSession:
         utterance that never ends."""
         cand = self._candidate
         if cand is not None and cand.confirmed_at is not None and cand.ended_at is None and gated:
-            if (at - cand.onset_at) * 1000 > self.config.backchannel.max_ms:
+            if cand.lead_ms + (cand.frames + 1) * FRAME_MS > self.config.backchannel.max_ms:
                 self._commit(cand, at)  # still speaking: too long for a backchannel
         run = self._listening
         if run is None:
@@ -531,7 +540,7 @@ class AgentSession:
         if self._candidate is not cand:
             return  # decided meanwhile (the user went on)
         bc = self.config.backchannel
-        duration_ms = ((cand.ended_at or cand.onset_at) - cand.onset_at) * 1000
+        duration_ms = cand.speech_ms
         if text is not None and bc.matches(text) and (text.strip() or duration_ms <= bc.unrecognised_max_ms):
             self._candidate = None
             self._backchannel = self.clock.monotonic()
