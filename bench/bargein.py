@@ -160,7 +160,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 for u in script:
                     u.at_s = round(rng.uniform(args.min_at, args.max_at), 2)
                 result = await CallClient(url).run(
-                    Utterance(up(story), label="story"), script, timeout_s=40 + 12 * len(script), settle_s=0.3
+                    Utterance(up(story), label="story"), script, timeout_s=60 + 15 * len(script), settle_s=0.3,
+                    revive=Utterance(up(story), label="story again"),  # the recogniser misheard: ask again
                 )
                 measures.extend(result.barge_ins)
                 if not args.json:

@@ -52,6 +52,7 @@ SILENT_RUN_MS = 500  # agent counts as stopped once silent this long
 LEAD_SILENCE_MS = 300  # microphone silence before the first utterance
 NO_SPEECH_S = 5.0  # an opening utterance that starts no turn within this is not speech
 VERDICT_WAIT_S = 1.5  # events this long after an utterance ends still count as about it
+REVIVE_AFTER_S = 5.0  # agent silent this long before a scripted barge-in: say the revive utterance
 
 
 class CallError(RuntimeError):
@@ -232,6 +233,7 @@ class CallClient:
             self._echo = deque(np.zeros(960, dtype=np.int32) for _ in range(max(0, echo_delay_ms // 20)))
         self._rtp_arrival: dict[int, float] = {}
         self._channel: Any = None
+        self._revive: Utterance | None = None
         self._event_times: list[tuple[float, dict[str, Any]]] = []
         self.session_id = ""
         self._turns: dict[str, TurnView] = {}
@@ -253,8 +255,14 @@ class CallClient:
         out_wav: Path | None = None,
         timeout_s: float = 60.0,
         settle_s: float = 0.5,
+        revive: Utterance | None = None,
     ) -> CallResult:
         """Make the call and return what happened.
+
+        ``revive``: said (and not measured) when the agent stays silent for
+        ``REVIVE_AFTER_S`` while the script waits for it to talk before the
+        next barge-in, e.g. when the recogniser misheard the last one and the
+        agent answered briefly.
 
         Raises:
             CallError: the server cannot be reached, rejected the offer, did
@@ -302,6 +310,7 @@ class CallClient:
                 await asyncio.wait_for(connected.wait(), 15)
             except TimeoutError as exc:
                 raise CallError(f"not connected after 15 s (state {pc.connectionState})") from exc
+            self._revive = revive
             script = asyncio.ensure_future(self._script(mic_buffer, opening, barge_ins, measures))
             hangup = asyncio.ensure_future(disconnected.wait())
             try:
@@ -412,7 +421,16 @@ class CallClient:
         for k, (utt, m) in enumerate(zip(barge_ins, measures), start=2):
             m.kind = utt.kind
             sent_at = self.clock.monotonic()
-            m.agent_started_at = await self._wait_sound_after(sent_at)
+            while True:
+                try:
+                    async with asyncio.timeout(REVIVE_AFTER_S if self._revive is not None else None):
+                        m.agent_started_at = await self._wait_sound_after(sent_at)
+                    break
+                except TimeoutError:
+                    assert self._revive is not None
+                    self._queue(mic, -2, self._revive.pcm)  # not measured
+                    await mic.wait_empty()
+                    sent_at = self.clock.monotonic()
             await asyncio.sleep(max(0.0, m.agent_started_at + (utt.at_s or 0.0) - self.clock.monotonic()))
             if utt.ptt:
                 self._send({"type": "ptt.start"})
