@@ -204,6 +204,12 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "speech": len(speech),
         "agent_silent_at_onset": sum(1 for m in speech if not m.speaking_at_onset),
         "audible_stop_ms": stats([v for v in audible if v is not None]),
+        # the same, leaving out speech first taken for a backchannel or noise
+        # (the agent resumed before the barge-in committed)
+        "audible_stop_first_pause_ms": stats(
+            [m.stop_ms for m in speech if m.barged_in and m.speaking_at_onset and m.stop_ms is not None and m.resumed is None]
+        ),
+        "speech_resumed_before_commit": sum(m.barged_in and m.resumed is not None for m in speech),
         "commit_ms": stats([v for v in commit if v is not None]),
         "false_cancels": sum(m.barged_in for m in others) + echo_false,
         "false_cancels_echo": echo_false,
@@ -235,7 +241,11 @@ def main() -> int:
         return 0
     print(f"clips: {out['clips']}  speech: {out['speech']} (agent already silent at onset: {out['agent_silent_at_onset']})")
     print(f"{'figure':<34}{'n':>4}{'min':>9}{'p50':>9}{'p95':>9}{'max':>9}")
-    for name, key in (("audible stop at client (ms)", "audible_stop_ms"), ("commit time on server (ms)", "commit_ms")):
+    for name, key in (
+        ("audible stop at client (ms)", "audible_stop_ms"),
+        ("  stopped at the first pause (ms)", "audible_stop_first_pause_ms"),
+        ("commit time on server (ms)", "commit_ms"),
+    ):
         s = out[key]
         assert isinstance(s, dict)
         cells = "".join(f"{'-' if s[c] is None else s[c]:>9}" for c in ("min", "p50", "p95", "max"))
