@@ -81,7 +81,6 @@ class PacedAudioTrack(MediaStreamTrack):
         self.clock = clock
         self.on_sent = on_sent
         self.audit = DeliveryAudit()
-        self.paused = False
         self._samples = samples_per_frame(PLAYOUT_RATE)
         self._silence = bytes(self._samples * 2)
         self._start: float | None = None
@@ -132,9 +131,7 @@ class PacedAudioTrack(MediaStreamTrack):
     def _next_deliverable(self) -> PlayoutFrame | None:
         """The delivery gate: the next frame of the active generation, dropping
         (and counting) any of another generation on the way."""
-        if self.paused:
-            return None
-        while (frame := self.buffer.pop()) is not None:
+        while (frame := self.buffer.pop()) is not None:  # None while the buffer is paused
             if self.gate.passes(frame.generation):
                 self.buffer.note_played(frame)
                 return frame

@@ -115,10 +115,6 @@ class PlayoutBuffer:
             self._empty.clear()
             await self._empty.wait()
 
-    def pending_audible_generations(self) -> set[int]:
-        """Generations with sound still queued."""
-        return {f.generation for f in self._frames if f.audible}
-
     def audible_pending(self, generation: int) -> bool:
         """True if a frame of ``generation`` with sound is still queued (so a
         reply has not yet been heard in full)."""

@@ -123,10 +123,10 @@ async def test_clear_is_silent_on_next_tick(clock: VirtualClock) -> None:
 async def test_pause_holds_frames(clock: VirtualClock) -> None:
     track, buf, _ = make_track(clock)
     buf.push(PlayoutFrame(tone(), 1))
-    track.paused = True
+    assert buf.pause() and not buf.pause()  # a second pause reports it was paused already
     assert not np.any((await recv_at(track, clock)).to_ndarray())
     assert len(buf) == 1
-    track.paused = False
+    assert buf.resume() and not buf.resume()
     assert np.any((await recv_at(track, clock)).to_ndarray())
 
 

@@ -52,6 +52,19 @@ async def story_playing(h: Harness, say: Callable[..., Path], frames: int = 25) 
     await h.wait_for(lambda: 1 in h.track.audit.per_generation and h.track.audit.per_generation[1].frames > frames)
 
 
+def paying_harness(store: SqliteStore, grammar_file: Path, slow_s: float) -> tuple[Harness, DemoService]:
+    """A harness whose agent has the demo tools, with payments that take
+    ``slow_s`` seconds to commit."""
+    h = Harness(store, grammar_file)
+    service = DemoService(h.clock, latency_s=0.02)
+    service.slow_s = slow_s
+    service.inject("payment", "slow")
+    tools = demo_tools(h.clock, service, store)
+    h.manager.ledger.handlers = tools.get
+    h.session.providers.tools = tools
+    return h, service
+
+
 @pytest.fixture
 async def h(store: SqliteStore, grammar_file: Path):  # type: ignore[no-untyped-def]
     harness = Harness(store, grammar_file)
@@ -268,13 +281,7 @@ async def test_push_to_talk_ignores_the_detector_while_held(
 async def test_a_barge_in_during_a_payment_silences_at_once_and_stops_after_the_commit(
     store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
 ) -> None:
-    h = Harness(store, grammar_file)
-    service = DemoService(h.clock, latency_s=0.02)
-    service.slow_s = 2.5
-    service.inject("payment", "slow")
-    tools = demo_tools(h.clock, service, store)
-    h.manager.ledger.handlers = tools.get
-    h.session.providers.tools = tools
+    h, service = paying_harness(store, grammar_file, slow_s=2.5)
     await h.start()
     try:
         h.mic.say(pcm48(say("charge my card")))
@@ -361,13 +368,7 @@ async def test_a_disconnect_during_a_deferred_stop_leaves_no_turn_open(
 ) -> None:
     """The reviewer's case: push-to-talk during a payment's commit, then the
     client goes away. Every turn ends, each with its own stop request."""
-    h = Harness(store, grammar_file)
-    service = DemoService(h.clock, latency_s=0.02)
-    service.slow_s = 2.0
-    service.inject("payment", "slow")
-    tools = demo_tools(h.clock, service, store)
-    h.manager.ledger.handlers = tools.get
-    h.session.providers.tools = tools
+    h, service = paying_harness(store, grammar_file, slow_s=2.0)
     await h.start()
     try:
         h.mic.say(pcm48(say("charge my card")))
