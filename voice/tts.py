@@ -117,9 +117,38 @@ class EspeakTTS:
         finally:
             if proc.returncode is None:
                 proc.kill()
-                # Reap it even if we are being cancelled, so no zombie is left.
-                await asyncio.shield(proc.wait())
-            self.running.discard(proc)
+            try:
+                await _reap(proc)
+            finally:
+                self.running.discard(proc)
+
+
+async def _reap(proc: asyncio.subprocess.Process) -> None:
+    """Wait for a finished or killed ``proc``, discarding its unread output,
+    even while the caller is being cancelled (more than once, too); a
+    cancellation received meanwhile is re-raised once the process is reaped,
+    so no zombie and no unowned task is left behind.
+
+    The pipes are drained rather than the process merely waited for: a
+    reader paused on a full stdout buffer never reads its EOF, and asyncio's
+    ``wait()`` returns only once every pipe is closed (CPython 3.11), so a
+    bare ``wait()`` after a cancel could hang forever. The output left is
+    bounded by the pipe and stream buffers, since the process has ended.
+
+    Raises:
+        asyncio.CancelledError: the caller was cancelled while reaping.
+    """
+    reaping = asyncio.ensure_future(proc.communicate())
+    cancelled: asyncio.CancelledError | None = None
+    while not reaping.done():
+        try:
+            await asyncio.shield(reaping)
+        except asyncio.CancelledError as exc:
+            if reaping.cancelled():
+                raise
+            cancelled = exc  # cleanup first, then re-raise
+    if cancelled is not None:
+        raise cancelled
 
 
 async def _read_wav_header(stream: asyncio.StreamReader) -> int:

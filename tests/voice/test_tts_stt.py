@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import stat
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,6 +54,72 @@ async def test_tts_cancel_kills_the_subprocess() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert procs and all(p.returncode is not None for p in procs)
+    assert not tts.running
+
+
+async def test_tts_cancel_with_a_full_stdout_buffer_does_not_hang(tmp_path: Path) -> None:
+    """Cancelled while its stdout reader is paused on a full buffer, the
+    synthesis still reaps the process and ends. A bare ``wait()`` hung here:
+    asyncio wakes it only once every pipe is closed, and a paused pipe never
+    reads its EOF."""
+    fake = tmp_path / "flood-espeak"
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import fcntl, struct, sys\n"
+        "out = sys.stdout.buffer\n"
+        "fcntl.fcntl(out.fileno(), 1031, 1 << 20)  # F_SETPIPE_SZ: one read can overfill the reader\n"
+        "fmt = struct.pack('<HHIIHH', 1, 1, 22050, 44100, 2, 16)\n"
+        "out.write(b'RIFF' + struct.pack('<I', 0xFFFFFFFF) + b'WAVE' + b'fmt ' + struct.pack('<I', 16) + fmt\n"
+        "          + b'data' + struct.pack('<I', 0xFFFFFFFF))\n"
+        "block = bytes(range(256)) * 256\n"
+        "while True:\n"
+        "    out.write(block)\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    tts = EspeakTTS(EspeakConfig(executable=str(fake)))
+    procs: list[asyncio.subprocess.Process] = []
+    cancelled = asyncio.Event()
+
+    def sink(pcm: bytes) -> None:
+        if not procs:
+            procs.extend(tts.running)
+            time.sleep(0.3)  # a stalled loop: the flood fills the pipe meanwhile
+            # Cancelled before the next read: the pipe's next (256 KiB) read
+            # lands in a reader nobody reads any more, which pauses it.
+            asyncio.get_running_loop().call_soon(task.cancel)
+            asyncio.get_running_loop().call_soon(cancelled.set)
+
+    task = asyncio.create_task(tts.synthesize("hello", sink))
+    await asyncio.wait_for(cancelled.wait(), 10)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)
+    assert procs and all(p.returncode is not None for p in procs)
+    assert not tts.running
+
+
+@requires_espeak
+async def test_tts_cancelled_twice_still_reaps_before_it_ends() -> None:
+    """A second cancel (a scope's grace running out) while the killed
+    process is being reaped does not leave it behind: the task ends only
+    once the process is reaped, and still ends cancelled."""
+    tts = EspeakTTS(EspeakConfig(words_per_minute=80))
+    first = asyncio.Event()
+    procs: list[asyncio.subprocess.Process] = []
+
+    def sink(pcm: bytes) -> None:
+        if not first.is_set():
+            procs.extend(tts.running)
+            first.set()
+
+    task = asyncio.create_task(tts.synthesize("word " * 400, sink))
+    await asyncio.wait_for(first.wait(), 10)
+    task.cancel()
+    for _ in range(3):
+        await asyncio.sleep(0)
+        task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)
     assert procs and all(p.returncode is not None for p in procs)
     assert not tts.running
 
