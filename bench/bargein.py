@@ -219,6 +219,13 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "backchannels_resumed": sum(m.resumed == "backchannel" for m in others),
         "echo_calls": len(echo_calls),
         "by_kind": by_kind,
+        # each speech clip: how soon it silenced the agent, and whether the
+        # agent resumed first (taken for a backchannel or a noise)
+        "speech_detail": [
+            {"label": m.label, "stop_ms": None if m.stop_ms is None else round(m.stop_ms, 1),
+             "resumed": m.resumed, "commit_ms": m.server_onset_to_fence_ms}
+            for m in speech
+        ],
         "failures": [
             m.as_dict() for m in measures if m.barged_in != (m.kind == "speech") and (m.kind != "speech" or m.speaking_at_onset)
         ],
@@ -256,6 +263,9 @@ def main() -> int:
     print("by kind: " + ", ".join(f"{k} {v['barged_in']}/{v['n']} barged in" for k, v in sorted(out["by_kind"].items())))  # type: ignore[union-attr]
     for f in out["failures"]:  # type: ignore[union-attr]
         print(f"  wrong: {f}")
+    for d in out["speech_detail"]:  # type: ignore[union-attr]
+        if d["resumed"] is not None:
+            print(f"  speech first taken for {d['resumed']}: {d['label']} (audible stop {d['stop_ms']} ms)")
     return 0
 
 

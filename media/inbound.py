@@ -11,6 +11,7 @@ clock.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -19,7 +20,7 @@ from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 from aiortc.mediastreams import MediaStreamError
 
 from media.bargein import BargeInConfig, BargeInDetector, DetectorEvent, EchoReference
-from media.frames import VAD_RATE, PcmResampler, Reframer
+from media.frames import FRAME_MS, VAD_RATE, PcmResampler, Reframer, frame_bytes
 from media.vad import VadConfig
 from turn.clock import Clock
 
@@ -43,6 +44,8 @@ class InboundFrame:
             not the agent's own echo).
         echo: the echo guard found it explained by the agent's own audio.
         events: the detector's decisions made on this frame, in order.
+        filled: silence put in for a stretch in which the track gave no
+            audio (see ``InboundAudio``'s ``stall_ms``), not received audio.
     """
 
     pcm: bytes
@@ -51,6 +54,7 @@ class InboundFrame:
     gated: bool = False
     echo: bool = False
     events: tuple[DetectorEvent, ...] = ()
+    filled: bool = False
 
 
 class InboundAudio:
@@ -63,6 +67,12 @@ class InboundAudio:
         bargein: the detector's two-stage settings.
         echo: what the server is playing to this client (the echo guard's
             reference); None: no echo guard.
+        stall_ms: when the track gives no frame for this long (ms), that
+            stretch is filled with silent frames (``InboundFrame.filled``),
+            as a receiver conceals lost packets, so the detector's and the
+            session's timers run on: a client that goes quiet (muted, its
+            packets lost) while a reply is paused for a noise sees it
+            resume. 0: wait for the track however long it takes.
     """
 
     def __init__(
@@ -72,15 +82,20 @@ class InboundAudio:
         vad: VadConfig | None = None,
         bargein: BargeInConfig | None = None,
         echo: EchoReference | None = None,
+        stall_ms: int = 240,
     ) -> None:
         self.track = track
         self.clock = clock
+        self.stall_ms = stall_ms
         self.detector = BargeInDetector(vad, bargein, echo)
         self._resampler = PcmResampler(VAD_RATE)
         self._reframer = Reframer(VAD_RATE)
         self._aligned = False
-        #: clock seconds when the last frame came off the track (None: none yet)
+        #: clock seconds when the last frame came off the track (None: none
+        #: yet); filled silence does not count
         self.last_frame_at: float | None = None
+        #: silent frames put in for stalls so far
+        self.filled_frames = 0
 
     def _align(self, frame: Any, first_output: bytes) -> None:
         """Pad the reframer by the resampler's filter delay, once.
@@ -98,21 +113,52 @@ class InboundAudio:
             self._reframer.push(bytes(shortfall * 2))
 
     async def frames(self) -> AsyncIterator[InboundFrame]:
-        """Yield frames until the track ends (``MediaStreamError``)."""
-        while True:
-            try:
-                frame = await self.track.recv()
-            except MediaStreamError:
-                return
-            at = self.last_frame_at = self.clock.monotonic()
-            pcm16 = self._resampler.frame(frame)
-            if not self._aligned:
-                self._align(frame, pcm16)
-            for pcm in self._reframer.push(pcm16):
-                verdict, events = self.detector.feed(pcm, at)
-                yield InboundFrame(
-                    pcm=pcm, at=at, voiced=verdict.voiced, gated=verdict.gated, echo=verdict.echo, events=tuple(events)
-                )
+        """Yield frames until the track ends (``MediaStreamError``); a stall
+        of ``stall_ms`` without a frame yields that much silence (the track's
+        pending ``recv`` is kept, so no frame is lost to it)."""
+        pending: asyncio.Future[Any] | None = None
+        silence = bytes(frame_bytes(VAD_RATE))
+        try:
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(self.track.recv())
+                if self.stall_ms > 0 and not pending.done():
+                    sleeper = asyncio.ensure_future(self.clock.sleep(self.stall_ms / 1000))
+                    try:
+                        await asyncio.wait((pending, sleeper), return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        sleeper.cancel()
+                    if not pending.done():
+                        now = self.clock.monotonic()
+                        n = max(1, self.stall_ms // FRAME_MS)
+                        self.filled_frames += n
+                        for i in range(n):
+                            yield self._analyse(silence, now - (n - 1 - i) * FRAME_MS / 1000, filled=True)
+                        continue
+                done, pending = pending, None
+                try:
+                    frame = await done
+                except MediaStreamError:
+                    return
+                at = self.last_frame_at = self.clock.monotonic()
+                pcm16 = self._resampler.frame(frame)
+                if not self._aligned:
+                    self._align(frame, pcm16)
+                for pcm in self._reframer.push(pcm16):
+                    yield self._analyse(pcm, at)
+        finally:
+            if pending is not None:
+                if pending.done() and not pending.cancelled():
+                    pending.exception()  # retrieved: the stream is over anyway
+                else:
+                    pending.cancel()  # the track's recv; it holds nothing of ours
+
+    def _analyse(self, pcm: bytes, at: float, filled: bool = False) -> InboundFrame:
+        verdict, events = self.detector.feed(pcm, at)
+        return InboundFrame(
+            pcm=pcm, at=at, voiced=verdict.voiced, gated=verdict.gated, echo=verdict.echo, events=tuple(events),
+            filled=filled,
+        )
 
 
 class AudioJitterBuffer(JitterBuffer):

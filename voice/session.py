@@ -34,6 +34,7 @@ from media.frames import FRAME_MS, PLAYOUT_RATE, Reframer, rms_dbfs, samples_per
 from media.bargein import DetectorEvent, DetectorEventKind
 from media.inbound import InboundFrame
 from media.playout import PlayoutBuffer, PlayoutFrame
+from media.syllables import count_syllable_nuclei
 from media.vad import VadConfig
 from turn.clock import Clock
 from turn.generation import GenerationFence
@@ -75,7 +76,8 @@ class BackchannelConfig(BaseModel):
 
     An utterance made while the agent speaks is a backchannel when it ends
     (speech_stopped) no more than ``max_ms`` after its onset and every word
-    the recogniser heard in it is in ``words`` (or it heard none). The agent's
+    the recogniser heard in it is in ``words`` (or it heard none), and it has
+    no more than ``max_syllables`` syllable nuclei. The agent's
     paused audio then resumes; the utterance is not added to the next user
     turn. Longer speech commits the barge-in the moment it passes ``max_ms``.
 
@@ -88,13 +90,25 @@ class BackchannelConfig(BaseModel):
         rejoin_ms: speech confirmed this soon (ms) after a backchannel was
             let go is the user going on after a pause inside one utterance:
             it commits at once (the short part is not added to the turn).
+        resume_after_ms: a backchannel lets the paused reply go on no
+            sooner than this long (ms) after its speech ended (and not while
+            the gate is open): a pause between words ("front ... left", about
+            300 ms) then never plays the reply between them; the second word
+            joins the first, and the whole is judged as one utterance.
+        max_syllables: an utterance with more syllable nuclei than this
+            (counted from the audio, :mod:`media.syllables`) is speech,
+            whatever the recogniser made of it: a fast "can you tell me a
+            story" fits in ``max_ms``, and a recogniser can hear nothing or
+            "yeah" in it. Backchannels have one to three ("mm-hmm": 3).
         words: the word list.
     """
 
     enabled: bool = True
     max_ms: int = Field(700, ge=100, le=3000)
     unrecognised_max_ms: int = Field(550, ge=0, le=3000)
+    max_syllables: int = Field(3, ge=1, le=20)
     rejoin_ms: int = Field(600, ge=0, le=10_000)
+    resume_after_ms: int = Field(450, ge=0, le=5000)
     words: list[str] = Field(default_factory=lambda: list(DEFAULT_BACKCHANNELS))
 
     def matches(self, text: str) -> bool:
@@ -261,6 +275,10 @@ class Candidate:
     frames: int = 0
     speech_ms: int = 0
     classifying: asyncio.Task[None] | None = None
+    #: judged a backchannel: the paused reply goes on at this clock time
+    #: (see ``BackchannelConfig.resume_after_ms``), with this event payload
+    release_at: float | None = None
+    verdict: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -413,7 +431,7 @@ class AgentSession:
                 if cand.classifying is not None:
                     cand.classifying.cancel()
                     cand.classifying = None
-                cand.resumed_from, cand.ended_at = cand.ended_at, None
+                cand.resumed_from, cand.ended_at, cand.release_at = cand.ended_at, None, None
                 return
             paused = self.playout.pause()
             lead_ms = round((ev.at - ev.onset_at) * 1000) + FRAME_MS  # the gate's frames before this one
@@ -468,6 +486,8 @@ class AgentSession:
         if cand is not None and cand.confirmed_at is not None and cand.ended_at is None and gated:
             if cand.lead_ms + (cand.frames + 1) * FRAME_MS > self.config.backchannel.max_ms:
                 self._commit(cand, at)  # still speaking: too long for a backchannel
+        elif cand is not None and cand.release_at is not None and at >= cand.release_at and not gated:
+            self._let_go(cand, at)
         run = self._listening
         if run is None:
             return
@@ -518,6 +538,12 @@ class AgentSession:
         if held or why != "false_interruption":
             self._send(why, paused_ms=round((at - cand.paused_at) * 1000, 1) if cand.paused else 0, **payload)
 
+    def _let_go(self, cand: Candidate, at: float) -> None:
+        """A backchannel: the paused reply goes on, the words are dropped."""
+        self._candidate = None
+        self._backchannel = at
+        self._resume(cand, at, "backchannel", **cand.verdict)
+
     def _classify(self, cand: Candidate) -> None:
         """A short confirmed utterance while the agent speaks has ended: ask
         the recogniser whether it was only a backchannel."""
@@ -541,10 +567,21 @@ class AgentSession:
             return  # decided meanwhile (the user went on)
         bc = self.config.backchannel
         duration_ms = cand.speech_ms
-        if text is not None and bc.matches(text) and (text.strip() or duration_ms <= bc.unrecognised_max_ms):
-            self._candidate = None
-            self._backchannel = self.clock.monotonic()
-            self._resume(cand, self.clock.monotonic(), "backchannel", text=text)
+        # the user's speech only: the gate's run and what followed it, not
+        # the older pre-roll (which can hold the agent's echo)
+        spoken = cand.pcm[-(cand.lead_ms // FRAME_MS + cand.frames) :]
+        syllables = count_syllable_nuclei(spoken)
+        if (
+            text is not None
+            and bc.matches(text)
+            and (text.strip() or duration_ms <= bc.unrecognised_max_ms)
+            and syllables <= bc.max_syllables
+        ):
+            cand.verdict = {"text": text, "syllables": syllables}
+            assert cand.ended_at is not None
+            cand.release_at = cand.ended_at + bc.resume_after_ms / 1000
+            if self.clock.monotonic() >= cand.release_at:
+                self._let_go(cand, self.clock.monotonic())
         else:
             self._commit(cand, self.clock.monotonic())
 

@@ -271,7 +271,10 @@ class PeerSession:
             return
         if self.pc.connectionState != "connected":
             return
-        self.inbound = InboundAudio(self._track, self.clock, self.settings.vad, self.settings.bargein, self.echo)
+        self.inbound = InboundAudio(
+            self._track, self.clock, self.settings.vad, self.settings.bargein, self.echo,
+            stall_ms=self.settings.inbound_stall_ms,
+        )
         self.agent.reset_detector = self.inbound.detector.reset
         self._task = asyncio.get_running_loop().create_task(self._run(self.inbound), name=f"session-{self.id}")
 

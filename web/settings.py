@@ -57,6 +57,9 @@ class Settings(BaseSettings):
             DTX, sending nothing in silence, need 0 or a long timeout).
         jitter_prefetch_packets: inbound jitter buffer prefetch, 20 ms packets
             (see ``media.inbound.set_jitter_prefetch`` for the trade-off).
+        inbound_stall_ms: a stretch this long (ms) with no inbound audio is
+            filled with silence, so barge-in and endpointing timers run on
+            (0: wait for audio; see ``media.inbound.InboundAudio``).
         log_level: Python logging level name.
         redis_prefix: key prefix in Redis (several deployments can share a server).
         lease_ttl_s: a running turn whose worker has not heartbeated for this
@@ -93,6 +96,7 @@ class Settings(BaseSettings):
     connect_timeout_s: float = Field(15.0, gt=0, le=600)
     media_timeout_s: float = Field(5.0, ge=0, le=3600)
     jitter_prefetch_packets: int = Field(0, ge=0, le=8)
+    inbound_stall_ms: int = Field(240, ge=0, le=10_000, multiple_of=20)
     log_level: str = "INFO"
     redis_prefix: str = Field("tk", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     lease_ttl_s: float = Field(10.0, ge=1, le=3600)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from av.audio.frame import AudioFrame
 from media.frames import PLAYOUT_RATE, load_pcm
 from media.inbound import AudioJitterBuffer, InboundAudio, jitter_prefetch, set_jitter_prefetch
 from media.bargein import DetectorEventKind
-from turn.clock import VirtualClock
+from turn.clock import SystemClock, VirtualClock
 
 
 class FakeOpusTrack:
@@ -113,3 +114,70 @@ async def test_prefetch_zero_installs_the_audio_buffer() -> None:
         assert isinstance(getattr(t.receiver, "_RTCRtpReceiver__jitter_buffer"), AudioJitterBuffer)
     finally:
         await pc.close()
+
+
+class StallingTrack(FakeOpusTrack):
+    """Gives its frames, except that frame ``stall_at`` comes only after
+    ``stall_s``; then stays silent (no frame at all) until closed."""
+
+    def __init__(self, mono48k: bytes, stall_at: int, stall_s: float) -> None:
+        super().__init__(mono48k)
+        self.stall_at, self.stall_s, self.given = stall_at, stall_s, 0
+        self.closed = asyncio.Event()
+
+    async def recv(self) -> AudioFrame:
+        if self.given == self.stall_at:
+            await asyncio.sleep(self.stall_s)
+        if not self._chunks:
+            await self.closed.wait()
+            raise MediaStreamError
+        self.given += 1
+        return await super().recv()
+
+
+async def test_a_stall_is_filled_with_silence_and_loses_no_frame(say: Callable[..., Path]) -> None:
+    """A track that gives nothing for a while: silence is put in every
+    ``stall_ms`` so the detector runs on (the speech it was hearing stops),
+    the frames that come late all come, and filled frames are marked and do
+    not count as received audio."""
+    speech = load_pcm(say("hello there"), PLAYOUT_RATE)
+    x = np.abs(np.frombuffer(speech, dtype="<i2"))
+    last_loud = int(np.nonzero(x > 3000)[0][-1])  # the track stops right as the speech does
+    pcm = bytes(1920 * 10) + speech[: (last_loud // 960 + 1) * 1920]
+    real = len(pcm) // 1920
+    track = StallingTrack(pcm, stall_at=5, stall_s=0.35)
+    inbound = InboundAudio(track, SystemClock(), stall_ms=100)
+    out = []
+    async with asyncio.timeout(10):
+        async for f in inbound.frames():
+            out.append(f)
+            if sum(f.filled for f in out[-30:]) == 30:  # 0.6 s after the last frame
+                track.closed.set()
+    received = [f for f in out if not f.filled]
+    filled = [f for f in out if f.filled]
+    assert abs(len(received) - real) <= 1  # every frame, the late ones too
+    assert all(f.pcm == bytes(640) for f in filled)
+    assert not any(f.gated for f in filled)  # (webrtcvad may still say "voiced": its own hangover)
+    assert inbound.filled_frames == len(filled) >= 30 + 5  # the mid-stream stall (0.35 s) and the end
+    first_stall = next(i for i, f in enumerate(out) if f.filled)
+    run = next(i for i in range(first_stall, len(out)) if not out[i].filled) - first_stall
+    assert first_stall == 5 and run in (5, 10, 15)  # 100 ms at a time until the late frame (0.35 s)
+    kinds = [e.kind for f in out for e in f.events]
+    assert kinds[-1] is DetectorEventKind.SPEECH_STOPPED  # heard only thanks to the filled silence
+    assert not any(e.kind is DetectorEventKind.SPEECH_STOPPED for f in received for e in f.events)
+    assert inbound.last_frame_at == received[-1].at
+    assert [f.at for f in out] == sorted(f.at for f in out)
+
+
+async def test_no_fill_when_turned_off(clock: VirtualClock) -> None:
+    track = StallingTrack(bytes(1920 * 5), stall_at=99, stall_s=0)
+    inbound = InboundAudio(track, clock, stall_ms=0)
+    gen = inbound.frames()
+    got = [await anext(gen) for _ in range(5)]
+    nxt = asyncio.ensure_future(anext(gen))
+    await clock.advance(5.0)
+    assert not nxt.done() and inbound.filled_frames == 0
+    track.closed.set()
+    with pytest.raises(StopAsyncIteration):
+        await nxt
+    assert len(got) == 5

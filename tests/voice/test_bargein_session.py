@@ -101,6 +101,44 @@ async def test_a_noise_while_the_agent_speaks_cancels_nothing(
     assert not h.playout.paused
 
 
+class QuietMic(Mic):
+    """A microphone that can go quiet: once ``quiet`` is set and what was
+    said is sent, no frame at all comes (a muted client, a dead uplink)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quiet = False
+
+    async def recv(self) -> AudioFrame:
+        while self.quiet and not self._queue and not self._closed:
+            await asyncio.sleep(0.02)
+        return await super().recv()
+
+
+async def test_a_client_that_goes_quiet_during_a_pause_gets_the_reply_back(
+    store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+) -> None:
+    """A tone pauses the reply (stage 1); the client's audio then stops
+    altogether before the detector could reject it. The stretch without
+    audio is filled with silence, so the rejection comes on time and the
+    reply resumes; the turn goes on."""
+    h = Harness(store, grammar_file)
+    h.mic = QuietMic()
+    await h.start()
+    try:
+        await story_playing(h, say)
+        h.mic.say(up(C.tone((1000.0,), 0.4, -12.0)))
+        h.mic.quiet = True
+        await h.wait_for(lambda: "false_interruption" in types(h), timeout=10)
+        assert not h.playout.paused and "barge_in" not in types(h)
+        assert h.inbound.filled_frames > 0 and h.playout.cleared_frames == 0
+        [turn] = await store.list_session("sess-1")
+        assert turn.status is TurnStatus.RUNNING
+    finally:
+        h.mic.quiet = False
+        await h.stop()
+
+
 # -- backchannels ------------------------------------------------------------------
 
 
@@ -122,6 +160,49 @@ async def test_a_backchannel_cancels_nothing_and_is_not_the_next_turn(
     assert story.stop_reason is not None and story.stop_reason.kind is StopReasonKind.BARGE_IN
     assert weather.transcript == "what is the weather like today"  # the "uh-huh" is not in it
     assert [m.content for m in h.session.history if m.role == "user"] == ["tell me a story", weather.transcript]
+
+
+@pytest.mark.parametrize(("voice", "wpm"), [("en+m3", 270), ("en-gb", 300), ("en-us+f3", 300)])
+async def test_fast_speech_the_recogniser_misses_is_no_backchannel(
+    h: Harness, say: Callable[..., Path], voice: str, wpm: int
+) -> None:
+    """A fast "tell me a story" (about half a second) fits in a backchannel's
+    length, and the grammar-bound recogniser hears no word or "uh" in it;
+    its syllables make it speech all the same: it barges in, the agent does
+    not resume. (Without the syllable count, these three resumed.)"""
+    await story_playing(h, say)
+    h.mic.say(pcm48(say("tell me a story", voice=voice, wpm=wpm)))
+    await h.wait_for(lambda: "barge_in" in types(h), timeout=10)
+    assert "backchannel" not in types(h)
+    [barge] = [e for e in h.events if e["type"] == "barge_in"]
+    assert barge["initiator"] == "vad"
+
+
+@pytest.mark.parametrize("name", ["Front_Left", "Rear_Left", "Front_Center"])
+async def test_the_reply_does_not_play_between_two_words(
+    h: Harness, say: Callable[..., Path], alsa_wav: Callable[[str], Path], name: str
+) -> None:
+    """A human "Front ... Left" (a 300-360 ms pause between the words) over
+    the talking agent: the first word alone could pass for a backchannel,
+    but the reply is not let go inside the pause; the second word joins the
+    first, and the whole barges in. The agent stays silent from the first
+    pause on: the playout buffer is never resumed."""
+    await story_playing(h, say)
+    resumes = 0
+    resume = h.playout.resume
+
+    def counting_resume() -> None:
+        nonlocal resumes
+        resumes += h.playout.paused
+        resume()
+
+    h.playout.resume = counting_resume  # type: ignore[method-assign]
+    h.mic.say(pcm48(alsa_wav(f"{name}.wav")))
+    await h.wait_for(lambda: "barge_in" in types(h), timeout=10)
+    assert "backchannel" not in types(h)
+    barge_at = next(i for i, e in enumerate(h.events) if e["type"] == "barge_in")
+    assert resumes <= 1  # only the commit's own resume, after the clear
+    assert "false_interruption" not in types(h)[:barge_at]
 
 
 async def test_with_backchannels_off_confirmed_speech_commits_at_once(

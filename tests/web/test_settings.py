@@ -103,3 +103,19 @@ def test_nested_barge_in_settings_from_the_environment(monkeypatch: pytest.Monke
     monkeypatch.setenv("TURNKEEPER_BARGEIN__SILERO_THRESHOLD", "2")
     with pytest.raises(ValueError):
         load_settings()
+
+
+def test_new_barge_in_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TURNKEEPER_INBOUND_STALL_MS", "400")
+    monkeypatch.setenv("TURNKEEPER_SESSION__BACKCHANNEL__RESUME_AFTER_MS", "300")
+    monkeypatch.setenv("TURNKEEPER_SESSION__BACKCHANNEL__MAX_SYLLABLES", "4")
+    s = load_settings()
+    assert s.inbound_stall_ms == 400
+    assert s.session.backchannel.resume_after_ms == 300 and s.session.backchannel.max_syllables == 4
+    for name, bad in (("TURNKEEPER_INBOUND_STALL_MS", "30"), ("TURNKEEPER_INBOUND_STALL_MS", "-20"),
+                      ("TURNKEEPER_SESSION__BACKCHANNEL__MAX_SYLLABLES", "0"),
+                      ("TURNKEEPER_SESSION__BACKCHANNEL__RESUME_AFTER_MS", "soon")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError):
+            load_settings()
+        monkeypatch.delenv(name)
