@@ -41,6 +41,16 @@ resampling where a waveform correlation does not (Opus does not preserve
 phase). Double talk is kept out in two ways: user speech on top of the echo
 decorrelates the envelope, and the newest 20 ms must not carry energy the
 best-matching echo cannot account for (``ECHO_EXCESS_DB`` in enough bands).
+
+The window's envelope cannot tell a user's onset from the agent's: speech
+rising from silence matches some rise in the agent's speech at some delay.
+So the detector also learns the echo return loss (ERL), a lower bound of how
+far below the played signal the echo comes back
+(:meth:`EchoReference.return_loss_bound_db`): while the microphone stays
+quiet under a loud agent, the bound is large, and a frame louder than any
+echo could be (``ECHO_LOUDER_DB`` over the loudest recent playout less the
+loss) opens the gate even if its envelope matches. It earns stage 2 no
+credit, though: only frames unlike the echo confirm a barge-in.
 """
 
 from __future__ import annotations
@@ -99,6 +109,23 @@ ECHO_SOUNDING_DB = 30.0
 ECHO_MIN_SOUNDING_HOPS = 4
 #: Extra delay slack (ms) searched on both sides of 0..max_delay (clock jitter).
 ECHO_SLACK_MS = 20
+# Echo return loss (ERL): how far below the played signal the echo reaches
+# the microphone. A headset, or a client whose own echo canceller works,
+# returns nothing; a speakerphone returns the agent 6-20 dB down.
+#: inbound audio (ms) whose energy bounds the loss
+ERL_WINDOW_MS = 300
+#: the largest loss assumed (dB): quieter inbound audio is always checked
+ERL_MAX_DB = 40.0
+#: how fast (dB per 20 ms) the estimate fades while the agent's speech
+#: pauses (no evidence either way)
+ERL_DECAY_DB = 0.2
+#: a frame this much (dB) louder than the loudest echo the loss allows opens
+#: the gate even when its envelope matches the reference (stage 2 still
+#: gives such a frame no credit)
+ECHO_LOUDER_DB = 6.0
+#: ...unless it matches this many frames in a row: the path changed, and the
+#: loss is learnt anew
+ERL_RECHECK_FRAMES = 6
 
 
 class BargeInConfig(BaseModel):
@@ -321,6 +348,11 @@ class EchoReference:
         self._last_audible: float | None = None
         self._zeros48 = np.zeros(PLAYOUT_RATE * FRAME_MS // 1000)
         self._steady = SteadyClock()
+        #: mean square (full scale 1) of each played 20 ms frame, newest last,
+        #: over every delay plus the ERL window
+        self._energy: deque[float] = deque(
+            [0.0] * ((max_delay_ms + ERL_WINDOW_MS) // FRAME_MS + 1), maxlen=(max_delay_ms + ERL_WINDOW_MS) // FRAME_MS + 1
+        )
 
     def played(self, pcm48: bytes | None, at: float) -> None:
         """Record one 20 ms outbound tick.
@@ -336,11 +368,13 @@ class EchoReference:
         at = self._steady.tick(at)
         if pcm48 is None:
             x = self._zeros48
+            self._energy.append(0.0)
         else:
             if len(pcm48) != frame_bytes(PLAYOUT_RATE):
                 raise ValueError(f"reference frame must be {frame_bytes(PLAYOUT_RATE)} bytes (20 ms at 48 kHz)")
             x = np.frombuffer(pcm48, dtype="<i2").astype(np.float64) / 32768.0
             ms = float(np.mean(x * x))
+            self._energy.append(ms)
             if ms > 0 and 10 * math.log10(ms) > ECHO_AUDIBLE_DBFS:
                 self._last_audible = at
         buf = np.concatenate([self._tail, x])
@@ -390,6 +424,38 @@ class EchoReference:
         e_all = 10 ** inb[-2:]
         e = e_all[:, enough]
         return float(np.sum(e * (excess > ECHO_EXCESS_DB / 10)) / (np.sum(e_all) + 1e-30))
+
+    def loudest_dbfs(self) -> float:
+        """The loudest 20 ms played within the echo horizon (every delay and
+        the ERL window), dBFS: no echo arriving now can be louder than it
+        less the path's loss."""
+        loudest = max(self._energy)
+        return 10 * math.log10(loudest) if loudest > 0 else SILENCE_DBFS
+
+    def return_loss_bound_db(self, inbound_ms: float) -> float | None:
+        """A lower bound of the echo return loss, from inbound energy.
+
+        Whatever the delay d (0..max_delay_ms), the echo in the last
+        ``ERL_WINDOW_MS`` of inbound audio is the path's gain times the
+        reference's energy over the same span d earlier; anything else in
+        the microphone (the user, noise) only adds. So the quietest such
+        reference span over the inbound energy bounds the loss from below.
+
+        Args:
+            inbound_ms: mean square (full scale 1) of the last
+                ``ERL_WINDOW_MS`` of inbound audio.
+
+        Returns:
+            The bound in dB, or None when some delay's reference span was
+            not audible (no evidence: the echo could be silent then too).
+        """
+        w = ERL_WINDOW_MS // FRAME_MS
+        e = np.fromiter(self._energy, dtype=np.float64, count=len(self._energy))
+        spans = np.convolve(e, np.full(w, 1.0 / w), mode="valid")
+        quietest = float(spans.min())
+        if quietest <= 10 ** (ECHO_AUDIBLE_DBFS / 10):
+            return None
+        return 10 * math.log10(quietest) - 10 * math.log10(max(inbound_ms, 1e-12))
 
     def active(self, at: float) -> bool:
         """Whether something audible was played within ``max_delay_ms`` (plus
@@ -491,6 +557,8 @@ class BargeInDetector:
         in_speech: True between SPEECH_CONFIRMED and SPEECH_STOPPED.
         pending: True between SPEECH_STARTED and SPEECH_CONFIRMED/REJECTED.
         noise_floor_dbfs: the adaptive noise floor.
+        echo_return_loss_db: the echo path's loss as far as the evidence
+            goes (dB, 0..``ERL_MAX_DB``; 0 while nothing audible is played).
         silero_calls: Silero chunks evaluated so far (cost accounting).
     """
 
@@ -500,6 +568,11 @@ class BargeInDetector:
         self.echo = echo if self.config.echo_guard else None
         self._steady = SteadyClock()
         self._echo_until = -math.inf
+        #: the echo path's loss as far as the evidence goes (dB; 0: assume
+        #: the echo comes back at full level until shown otherwise)
+        self.echo_return_loss_db = 0.0
+        self._inbound_energy: deque[float] = deque(maxlen=ERL_WINDOW_MS // FRAME_MS)
+        self._louder_echo_run = 0
         self._vad = VoiceActivityDetector(self.vad_config)
         self._frame_bytes = frame_bytes(VAD_RATE)
         c = self.config
@@ -534,6 +607,30 @@ class BargeInDetector:
         self._closed_run = 0
         self._reset_run()
 
+    def _louder_than_echo(self, level: float) -> bool:
+        """The frame (``level`` dBFS) is louder than any echo of what was
+        played can be, given the loss seen so far: the user, not the agent.
+
+        An envelope that rises from silence matches some rising stretch of
+        the agent's speech, whoever speaks; without this, a user talking
+        into a quiet headset was taken for echo for the first 150-250 ms."""
+        assert self.echo is not None
+        return level > self.echo.loudest_dbfs() - self.echo_return_loss_db + ECHO_LOUDER_DB
+
+    def _learn_return_loss(self) -> None:
+        """While the agent is audible: fade by ``ERL_DECAY_DB``, then rise to
+        what the last ``ERL_WINDOW_MS`` of inbound audio proves
+        (:meth:`EchoReference.return_loss_bound_db`, at most ``ERL_MAX_DB``).
+        Only a rise is taken from the bound: the user's own speech in the
+        window lowers it, and would undo the estimate right at their onset."""
+        assert self.echo is not None
+        erl = max(0.0, self.echo_return_loss_db - ERL_DECAY_DB)
+        if len(self._inbound_energy) == self._inbound_energy.maxlen:
+            bound = self.echo.return_loss_bound_db(sum(self._inbound_energy) / len(self._inbound_energy))
+            if bound is not None:
+                erl = max(erl, min(bound, ERL_MAX_DB))
+        self.echo_return_loss_db = erl
+
     def feed(self, pcm: bytes, at: float) -> tuple[FrameVerdict, list[DetectorEvent]]:
         """Analyse one 20 ms frame received at clock ``at`` (seconds).
 
@@ -558,14 +655,39 @@ class BargeInDetector:
         media_at = self._steady.tick(at)
         voiced = self._vad.is_voiced(pcm)
         echo = False
-        if voiced and self.echo is not None and self.echo.active(at):
+        playing = self.echo is not None and self.echo.active(at)
+        echo_like = False
+        if voiced and playing:
             # Hysteresis: right after echo, a lower bar keeps the agent's
             # own syllable onsets (similarity dipping to 0.6-0.8) echo; the
             # user's voice on top drives similarity to 0 (the excess rule).
             bar = c.echo_threshold - ECHO_HYSTERESIS if media_at <= self._echo_until else c.echo_threshold
-            echo = self.echo.similarity(b"".join(self._recent), media_at) >= bar
-            if echo:
+            echo = echo_like = self.echo.similarity(b"".join(self._recent), media_at) >= bar  # type: ignore[union-attr]
+            if echo_like and self._louder_than_echo(level):
+                # Louder than the path lets the agent come back: the user,
+                # though the envelope matches (speech rising from silence
+                # matches some rise in the agent's speech). It opens the gate
+                # (stage 1, a pause), but earns stage 2 no credit. Matching
+                # frame after frame, it is the path that changed (a
+                # loudspeaker turned on): the loss is learnt anew.
+                self._louder_echo_run += 1
+                if self._louder_echo_run < ERL_RECHECK_FRAMES:
+                    echo = False
+                else:
+                    self.echo_return_loss_db = 0.0
+                    self._louder_echo_run = 0
+            else:
+                self._louder_echo_run = 0
+            if echo_like:
                 self._echo_until = media_at + ECHO_HOLD_MS / 1000
+        self._inbound_energy.append(ms / 32768.0**2)
+        if playing:
+            self._learn_return_loss()
+        else:
+            # Nothing audible played within the horizon: each reply starts
+            # from "the echo may come back at full level" (a loudspeaker
+            # turned on between turns is checked from its first word).
+            self.echo_return_loss_db = 0.0
         floor = self.noise_floor_dbfs
         gated = voiced and not echo and level >= floor + c.gate_margin_db
         events: list[DetectorEvent] = []
@@ -574,13 +696,13 @@ class BargeInDetector:
         if self.in_speech:
             self._speech_frame(gated, at, events)
         elif self.pending:
-            self._pending_frame(pcm, gated, echo, at, events)
+            self._pending_frame(pcm, gated, echo_like, at, events)
         elif self._blocked:
             self._closed_run = 0 if gated else self._closed_run + 1
             if self._closed_run >= c.rearm_frames:
                 self._blocked = False
         else:
-            self._idle_frame(pcm, gated, echo, at, events)
+            self._idle_frame(pcm, gated, echo, echo_like, at, events)
 
         if not in_run and not self._candidate and not self.pending and not self.in_speech and not echo:
             self._update_floor(level)
@@ -588,7 +710,7 @@ class BargeInDetector:
 
     # -- states
 
-    def _idle_frame(self, pcm: bytes, gated: bool, echo: bool, at: float, events: list[DetectorEvent]) -> None:
+    def _idle_frame(self, pcm: bytes, gated: bool, echo: bool, echo_like: bool, at: float, events: list[DetectorEvent]) -> None:
         c = self.config
         if not self._candidate:
             if not gated:
@@ -606,7 +728,7 @@ class BargeInDetector:
             if echo or self._dropouts > c.gate_dropout_frames:
                 self._reset_run()
                 return
-        self._silero_feed(pcm, countable=not echo)
+        self._silero_feed(pcm, countable=not echo_like)
         if self._gated >= c.pause_frames:
             self._candidate = False
             self.pending = True
@@ -614,8 +736,8 @@ class BargeInDetector:
             events.append(self._event(DetectorEventKind.SPEECH_STARTED, at))
             self._maybe_confirm(at, events)
 
-    def _pending_frame(self, pcm: bytes, gated: bool, echo: bool, at: float, events: list[DetectorEvent]) -> None:
-        self._silero_feed(pcm, countable=not echo)
+    def _pending_frame(self, pcm: bytes, gated: bool, echo_like: bool, at: float, events: list[DetectorEvent]) -> None:
+        self._silero_feed(pcm, countable=not echo_like)
         self._closed_run = 0 if gated else self._closed_run + 1
         if self._maybe_confirm(at, events):
             return

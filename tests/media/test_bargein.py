@@ -24,6 +24,7 @@ from media.bargein import (
 from media.bargein import (
     DetectorEventKind as K,
 )
+from media.frames import PLAYOUT_RATE, VAD_RATE
 from media.vad import VadConfig
 
 #: Most a confirmation may lag behind the labelled speech onset (s).
@@ -157,6 +158,69 @@ def test_echo_without_guard_would_barge_in(clip: C.Clip) -> None:
     """Control: the same clip with no reference starts (and mostly confirms)."""
     run = run_clip(clip, echo=False)
     assert K.SPEECH_STARTED in run.kinds()
+
+
+def _over_the_agent(user16: bytes, echo_from_s: float | None = None, lead_s: float = 1.2) -> C.Clip:
+    """The agent talks (``ref48``, both agent phrases back to back); the
+    microphone has no echo of it (a headset, or a client whose echo
+    canceller works) until ``echo_from_s``, when a loudspeaker brings it
+    back 6 dB down after 120 ms; the user's speech starts at ``lead_s``."""
+    ref48 = C.espeak(C.AGENT_PHRASES[0] + " " + C.AGENT_PHRASES[1], "en-us", 175, PLAYOUT_RATE)
+    ref48 = ref48[: len(ref48) // 1920 * 1920]
+    n16 = len(ref48) // 6
+    mic = np.zeros(n16 // 2)
+    if echo_from_s is not None:
+        echo = C.to_array(C.echo_path(ref48, 120, 6.0))[: len(mic)]
+        k = int(echo_from_s * VAD_RATE)
+        mic[k : k + len(echo) - k] = echo[k:]
+    if user16:
+        u = C.to_array(user16)
+        k = int(lead_s * VAD_RATE)
+        mic[k : k + len(u)] += u[: len(mic) - k]
+    return C.Clip("over-agent", "speech", C.to_pcm(mic), (lead_s, lead_s + len(user16) / 2 / VAD_RATE), ref48)
+
+
+@pytest.mark.skipif(not C.have_espeak(), reason="espeak-ng is not installed")
+@pytest.mark.parametrize("voice", C.VOICES)
+def test_a_user_over_the_agent_into_a_quiet_microphone_is_not_echo(voice: str) -> None:
+    """Speech rising from silence matches some rise in the agent's speech
+    (envelope similarity 0.9 and more for its first frames); before the echo
+    return loss was learnt, that kept a headset user's first 150-250 ms out
+    of the gate. The microphone stayed silent while the agent was loud, so
+    the user is louder than any echo could be: gated from the first frame,
+    as fast as with no echo guard at all."""
+    user = C.resample(C.opus_round_trip(C.espeak("tell me a story", voice, 175, PLAYOUT_RATE)), PLAYOUT_RATE, VAD_RATE)
+    clip = _over_the_agent(user)
+    guarded, bare = run_clip(clip), run_clip(clip, echo=False)
+    for run in (guarded, bare):
+        assert run.kinds()[:2] == [K.SPEECH_STARTED, K.SPEECH_CONFIRMED], run.kinds()
+    started, bare_started = guarded.first(K.SPEECH_STARTED), bare.first(K.SPEECH_STARTED)
+    assert started is not None and bare_started is not None
+    assert started.at == bare_started.at  # stage 1: no later than without the guard
+    assert started.at - 1.2 <= 0.1
+    assert guarded.detector.echo_return_loss_db >= 20  # learnt from the silent microphone
+
+
+@pytest.mark.skipif(not C.have_espeak(), reason="espeak-ng is not installed")
+def test_a_loudspeaker_turned_on_mid_reply_is_still_echo() -> None:
+    """The loss learnt over a silent microphone does not let the agent
+    interrupt itself when its echo then shows up (a loudspeaker turned on
+    mid-reply): matching for a few frames in a row, the echo makes the
+    detector learn the loss anew; it never confirms."""
+    clip = _over_the_agent(b"", echo_from_s=2.0)
+    run = run_clip(clip)
+    assert K.SPEECH_CONFIRMED not in run.kinds(), run.kinds()
+    assert run.detector.echo_return_loss_db < 20  # the echo is back in the estimate
+    assert sum(run.echo[int(2.5 / 0.02) :]) > 20
+
+
+@pytest.mark.skipif(not C.have_espeak(), reason="espeak-ng is not installed")
+def test_the_return_loss_is_never_overestimated() -> None:
+    """The estimate is a lower bound: with echo 6-20 dB down it stays below
+    the true loss (plus a little for the codec), so echo is always checked."""
+    for clip in C.echo_clips():
+        run = run_clip(clip)
+        assert run.detector.echo_return_loss_db <= clip.atten_db + 3, (clip.name, run.detector.echo_return_loss_db)
 
 
 @pytest.mark.parametrize("clip", _clips(C.double_talk_clips))
