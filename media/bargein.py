@@ -289,25 +289,53 @@ class _Features:
 
 class SteadyClock:
     """Media time of a 20 ms frame stream: the first frame's clock time plus
-    20 ms per frame, re-based when it drifts more than ``MAX_DRIFT_S`` from
-    the clock (a gap in the stream, or a long stall).
+    20 ms per frame, re-based when it drifts from the clock.
 
     The two sides of the echo guard are compared on this timeline, not on
     arrival times: after an event-loop stall the inbound side delivers
     several frames at once, and the outbound track skips ticks; stamping
     those with the clock would warp the delay between them.
+
+    Two kinds of drift are told apart by what follows them:
+
+    - a burst (frames held up, then delivered at once) catches up by itself:
+      the lag shrinks by 20 ms a frame, and media time is left alone;
+    - a hole (frames lost, or ticks skipped) leaves a lag that stays put as
+      frames come at their normal pace again: after ``SETTLE_FRAMES`` frames
+      whose lag stays within ``SETTLE_SPREAD_S`` of each other and above
+      ``MIN_HOLE_S``, media time jumps over the hole.
+
+    Any drift over ``MAX_DRIFT_S`` re-bases at once.
     """
 
     MAX_DRIFT_S = 0.2
+    MIN_HOLE_S = 0.04
+    SETTLE_FRAMES = 4
+    SETTLE_SPREAD_S = 0.015
 
     def __init__(self) -> None:
         self._t: float | None = None
+        self._lags: deque[float] = deque(maxlen=self.SETTLE_FRAMES)
 
     def tick(self, at: float) -> float:
-        """The media time of the frame that came at clock seconds ``at``."""
+        """The media time of the frame that came at clock seconds ``at``.
+
+        Raises:
+            ValueError: ``at`` is not a finite number.
+        """
+        if not math.isfinite(at):
+            raise ValueError(f"clock time must be finite, got {at!r}")
         t = at if self._t is None else self._t + FRAME_MS / 1000
-        if abs(at - t) > self.MAX_DRIFT_S:
+        lag = at - t
+        self._lags.append(lag)
+        if abs(lag) > self.MAX_DRIFT_S:
             t = at
+            self._lags.clear()
+        elif len(self._lags) == self.SETTLE_FRAMES:
+            lo, hi = min(self._lags), max(self._lags)
+            if hi - lo <= self.SETTLE_SPREAD_S and (lo > self.MIN_HOLE_S or hi < -self.MIN_HOLE_S):
+                t += lo if lo > 0 else hi  # the steady part of the lag: the hole
+                self._lags.clear()
         self._t = t
         return t
 
@@ -350,6 +378,8 @@ class EchoReference:
         self._steady = SteadyClock()
         #: mean square (full scale 1) of each played 20 ms frame, newest last,
         #: over every delay plus the ERL window
+        self._energy_at = 0.0
+        self._fed_at: float | None = None  # clock seconds of the last played() call
         self._energy: deque[float] = deque(
             [0.0] * ((max_delay_ms + ERL_WINDOW_MS) // FRAME_MS + 1), maxlen=(max_delay_ms + ERL_WINDOW_MS) // FRAME_MS + 1
         )
@@ -363,15 +393,23 @@ class EchoReference:
             at: clock seconds of the send.
 
         Raises:
-            ValueError: ``pcm48`` is not 1920 bytes.
+            ValueError: ``pcm48`` is not 1920 bytes, or ``at`` is not finite
+                (nothing is recorded then).
         """
+        if pcm48 is not None and len(pcm48) != frame_bytes(PLAYOUT_RATE):
+            raise ValueError(f"reference frame must be {frame_bytes(PLAYOUT_RATE)} bytes (20 ms at 48 kHz)")
+        clock_at = at
         at = self._steady.tick(at)
+        self._fed_at = clock_at
+        if self._end_key is not None:
+            # ticks the track skipped (a stall) sent nothing: silence
+            skipped = round(at * 1000 / FRAME_MS) - round(self._energy_at * 1000 / FRAME_MS) - 1
+            self._energy.extend([0.0] * min(max(0, skipped), self._energy.maxlen or 0))
+        self._energy_at = at
         if pcm48 is None:
             x = self._zeros48
             self._energy.append(0.0)
         else:
-            if len(pcm48) != frame_bytes(PLAYOUT_RATE):
-                raise ValueError(f"reference frame must be {frame_bytes(PLAYOUT_RATE)} bytes (20 ms at 48 kHz)")
             x = np.frombuffer(pcm48, dtype="<i2").astype(np.float64) / 32768.0
             ms = float(np.mean(x * x))
             self._energy.append(ms)
@@ -432,7 +470,7 @@ class EchoReference:
         loudest = max(self._energy)
         return 10 * math.log10(loudest) if loudest > 0 else SILENCE_DBFS
 
-    def return_loss_bound_db(self, inbound_ms: float) -> float | None:
+    def return_loss_bound_db(self, inbound_ms: float, at: float) -> float | None:
         """A lower bound of the echo return loss, from inbound energy.
 
         Whatever the delay d (0..max_delay_ms), the echo in the last
@@ -444,11 +482,16 @@ class EchoReference:
         Args:
             inbound_ms: mean square (full scale 1) of the last
                 ``ERL_WINDOW_MS`` of inbound audio.
+            at: clock seconds of the newest inbound frame.
 
         Returns:
             The bound in dB, or None when some delay's reference span was
-            not audible (no evidence: the echo could be silent then too).
+            not audible (no evidence: the echo could be silent then too),
+            or the reference is behind (the outbound track is stalled: it
+            sends nothing, so what it last recorded is not what was played).
         """
+        if self._fed_at is None or at - self._fed_at > 2 * FRAME_MS / 1000:
+            return None
         w = ERL_WINDOW_MS // FRAME_MS
         e = np.fromiter(self._energy, dtype=np.float64, count=len(self._energy))
         spans = np.convolve(e, np.full(w, 1.0 / w), mode="valid")
@@ -617,7 +660,7 @@ class BargeInDetector:
         assert self.echo is not None
         return level > self.echo.loudest_dbfs() - self.echo_return_loss_db + ECHO_LOUDER_DB
 
-    def _learn_return_loss(self) -> None:
+    def _learn_return_loss(self, at: float) -> None:
         """While the agent is audible: fade by ``ERL_DECAY_DB``, then rise to
         what the last ``ERL_WINDOW_MS`` of inbound audio proves
         (:meth:`EchoReference.return_loss_bound_db`, at most ``ERL_MAX_DB``).
@@ -626,17 +669,20 @@ class BargeInDetector:
         assert self.echo is not None
         erl = max(0.0, self.echo_return_loss_db - ERL_DECAY_DB)
         if len(self._inbound_energy) == self._inbound_energy.maxlen:
-            bound = self.echo.return_loss_bound_db(sum(self._inbound_energy) / len(self._inbound_energy))
+            bound = self.echo.return_loss_bound_db(sum(self._inbound_energy) / len(self._inbound_energy), at)
             if bound is not None:
                 erl = max(erl, min(bound, ERL_MAX_DB))
         self.echo_return_loss_db = erl
 
-    def feed(self, pcm: bytes, at: float) -> tuple[FrameVerdict, list[DetectorEvent]]:
+    def feed(self, pcm: bytes, at: float, received: bool = True) -> tuple[FrameVerdict, list[DetectorEvent]]:
         """Analyse one 20 ms frame received at clock ``at`` (seconds).
 
         Args:
             pcm: 640 bytes, 16 kHz mono s16.
             at: clock seconds of the frame.
+            received: False for silence put in for a stretch without audio
+                (``media.inbound``): it runs the timers but is no evidence
+                about the echo path.
 
         Returns:
             (verdict, events): the frame's verdict and the decisions taken on
@@ -680,9 +726,10 @@ class BargeInDetector:
                 self._louder_echo_run = 0
             if echo_like:
                 self._echo_until = media_at + ECHO_HOLD_MS / 1000
-        self._inbound_energy.append(ms / 32768.0**2)
-        if playing:
-            self._learn_return_loss()
+        if received:
+            self._inbound_energy.append(ms / 32768.0**2)
+        if playing and received:
+            self._learn_return_loss(at)
         else:
             # Nothing audible played within the horizon: each reply starts
             # from "the echo may come back at full level" (a loudspeaker

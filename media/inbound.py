@@ -25,6 +25,10 @@ from media.vad import VadConfig
 from turn.clock import Clock
 
 
+#: shortest stall (ms) filled with silence: well above the jitter of 20 ms packets
+MIN_STALL_MS = 100
+
+
 class AudioSource(Protocol):
     """What :class:`InboundAudio` reads: an aiortc ``MediaStreamTrack`` of
     kind audio, or anything with the same ``recv``."""
@@ -72,7 +76,13 @@ class InboundAudio:
             as a receiver conceals lost packets, so the detector's and the
             session's timers run on: a client that goes quiet (muted, its
             packets lost) while a reply is paused for a noise sees it
-            resume. 0: wait for the track however long it takes.
+            resume. 0: wait for the track however long it takes; otherwise
+            at least ``MIN_STALL_MS`` and a multiple of 20 ms (ordinary
+            jitter must not be taken for a stall).
+
+    Raises:
+        ValueError: a ``stall_ms`` other than 0 below ``MIN_STALL_MS``, or not
+            a multiple of 20 ms.
     """
 
     def __init__(
@@ -84,6 +94,8 @@ class InboundAudio:
         echo: EchoReference | None = None,
         stall_ms: int = 240,
     ) -> None:
+        if stall_ms != 0 and (stall_ms < MIN_STALL_MS or stall_ms % FRAME_MS):
+            raise ValueError(f"stall_ms must be 0 or a multiple of {FRAME_MS} of at least {MIN_STALL_MS}, got {stall_ms}")
         self.track = track
         self.clock = clock
         self.stall_ms = stall_ms
@@ -130,7 +142,7 @@ class InboundAudio:
                         sleeper.cancel()
                     if not pending.done():
                         now = self.clock.monotonic()
-                        n = max(1, self.stall_ms // FRAME_MS)
+                        n = self.stall_ms // FRAME_MS
                         self.filled_frames += n
                         for i in range(n):
                             yield self._analyse(silence, now - (n - 1 - i) * FRAME_MS / 1000, filled=True)
@@ -148,17 +160,22 @@ class InboundAudio:
                     yield self._analyse(pcm, at)
         finally:
             if pending is not None:
-                if pending.done() and not pending.cancelled():
-                    pending.exception()  # retrieved: the stream is over anyway
-                else:
-                    pending.cancel()  # the track's recv; it holds nothing of ours
+                # the track's recv holds nothing of ours; whatever it ends
+                # with (a frame, an error raised while cancelled) is dropped
+                pending.add_done_callback(_drop_outcome)
+                pending.cancel()
 
     def _analyse(self, pcm: bytes, at: float, filled: bool = False) -> InboundFrame:
-        verdict, events = self.detector.feed(pcm, at)
+        verdict, events = self.detector.feed(pcm, at, received=not filled)
         return InboundFrame(
             pcm=pcm, at=at, voiced=verdict.voiced, gated=verdict.gated, echo=verdict.echo, events=tuple(events),
             filled=filled,
         )
+
+
+def _drop_outcome(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 class AudioJitterBuffer(JitterBuffer):

@@ -37,7 +37,7 @@ DIP_DB = 3.0
 MIN_GAP_MS = 100
 
 
-def count_syllable_nuclei(pcm: bytes | Iterable[bytes], rate: int = VAD_RATE) -> int:
+def count_syllable_nuclei(pcm: bytes | bytearray | memoryview | Iterable[bytes], rate: int = VAD_RATE) -> int:
     """Number of syllable nuclei in ``pcm``.
 
     Args:
@@ -49,8 +49,13 @@ def count_syllable_nuclei(pcm: bytes | Iterable[bytes], rate: int = VAD_RATE) ->
         The count; 0 for audio shorter than one 25 ms window or for digital
         silence. An estimate: glides can merge two syllables into one and a
         strong consonant burst can add one (about one in either direction).
+
+    Raises:
+        ValueError: ``rate`` is not a whole number of Hz from 8000 up.
     """
-    data = pcm if isinstance(pcm, (bytes, bytearray)) else b"".join(pcm)
+    if isinstance(rate, bool) or not isinstance(rate, int) or rate < 8000:
+        raise ValueError(f"rate must be a whole number of Hz, at least 8000, got {rate!r}")
+    data = bytes(pcm) if isinstance(pcm, (bytes, bytearray, memoryview)) else b"".join(pcm)
     x = np.frombuffer(data[: len(data) - len(data) % 2], dtype=np.int16).astype(np.float32) / 32768.0
     win = rate * WINDOW_MS // 1000
     hop = rate * HOP_MS // 1000

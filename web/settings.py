@@ -26,6 +26,7 @@ from pydantic_settings import (
 )
 
 from media.bargein import BargeInConfig
+from media.inbound import MIN_STALL_MS
 from media.vad import VadConfig
 from turn.models import Plan
 from voice.llm import LlmConfig
@@ -59,7 +60,8 @@ class Settings(BaseSettings):
             (see ``media.inbound.set_jitter_prefetch`` for the trade-off).
         inbound_stall_ms: a stretch this long (ms) with no inbound audio is
             filled with silence, so barge-in and endpointing timers run on
-            (0: wait for audio; see ``media.inbound.InboundAudio``).
+            (0: wait for audio; otherwise at least 100 ms; see
+            ``media.inbound.InboundAudio``).
         log_level: Python logging level name.
         redis_prefix: key prefix in Redis (several deployments can share a server).
         lease_ttl_s: a running turn whose worker has not heartbeated for this
@@ -97,6 +99,13 @@ class Settings(BaseSettings):
     media_timeout_s: float = Field(5.0, ge=0, le=3600)
     jitter_prefetch_packets: int = Field(0, ge=0, le=8)
     inbound_stall_ms: int = Field(240, ge=0, le=10_000, multiple_of=20)
+
+    @field_validator("inbound_stall_ms")
+    @classmethod
+    def _stall_off_or_long(cls, v: int) -> int:
+        if 0 < v < MIN_STALL_MS:
+            raise ValueError(f"must be 0 (off) or at least {MIN_STALL_MS} ms: ordinary packet jitter is not a stall")
+        return v
     log_level: str = "INFO"
     redis_prefix: str = Field("tk", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     lease_ttl_s: float = Field(10.0, ge=1, le=3600)

@@ -16,6 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from media.bargein import (
+    SteadyClock,
     BargeInConfig,
     BargeInDetector,
     DetectorEvent,
@@ -355,6 +356,108 @@ def test_reset_forgets_the_run() -> None:
     assert det.pending
     det.reset()
     assert not det.pending and not det.in_speech
+
+
+def test_steady_clock_jumps_holes_and_rides_out_bursts() -> None:
+    c = SteadyClock()
+    assert c.tick(10.0) == 10.0
+    # a burst: five frames held up 100 ms, then delivered at once
+    times = [c.tick(t) for t in (10.02, 10.04, 10.14, 10.14, 10.14, 10.14, 10.14, 10.16, 10.18)]
+    assert times == pytest.approx([10.02 + 0.02 * i for i in range(9)])
+    # a hole: 160 ms of frames lost, then frames at their pace: media time
+    # jumps over it within SteadyClock.SETTLE_FRAMES frames
+    c = SteadyClock()
+    c.tick(0.0)
+    out = [c.tick(0.16 + 0.02 * k + 0.003 * (-1) ** k) for k in range(1, 9)]
+    assert out[-1] == pytest.approx(0.16 + 0.02 * 8, abs=0.01)
+    with pytest.raises(ValueError):
+        c.tick(float("nan"))
+
+
+def _echo_with_a_hole(hole_ms: int, fill: bool) -> Run:
+    """A speakerphone's echo of the agent (-10 dB, 100 ms), its inbound
+    packets lost for ``hole_ms`` at 2 s; with ``fill``, the first 240 ms of
+    the hole come as filled silence, as ``InboundAudio`` gives them."""
+    clip = C.echo_clip(100, 10.0, phrase=1)
+    cfg = BargeInConfig()
+    ref = EchoReference(cfg.echo_max_delay_ms)
+    det = BargeInDetector(None, cfg, ref)
+    refs = C.frames48(clip.ref48)
+    frames = C.frames16(clip.pcm)
+    lost = range(100, 100 + hole_ms // 20)
+    events, echoes = [], []
+    for i, frame in enumerate(frames):
+        at = i * 0.02
+        ref.played(refs[i] if i < len(refs) else None, at)
+        if i in lost:
+            if fill and i - lost.start < 12:
+                det.feed(bytes(640), at, received=False)
+            continue
+        verdict, evs = det.feed(frame, at)
+        events += evs
+        echoes.append(verdict.echo)
+    return Run(events, [], echoes, 0.0, det.silero_calls, det)
+
+
+@pytest.mark.skipif(not C.have_espeak(), reason="espeak-ng is not installed")
+@pytest.mark.parametrize("hole_ms", [160, 180, 400, 420])
+@pytest.mark.parametrize("fill", [False, True], ids=["no-fill", "filled"])
+def test_a_hole_in_inbound_audio_does_not_let_the_echo_in(hole_ms: int, fill: bool) -> None:
+    """After lost packets the inbound frames ran behind the clock for good
+    (a lag under the 200 ms re-base), the echo's delay looked negative, and
+    the agent's own voice confirmed as a barge-in."""
+    run = _echo_with_a_hole(hole_ms, fill)
+    assert K.SPEECH_CONFIRMED not in run.kinds(), run.kinds()
+
+
+@pytest.mark.skipif(not C.have_espeak(), reason="espeak-ng is not installed")
+def test_skipped_outbound_ticks_are_silence_to_the_echo_guard() -> None:
+    """An outbound stall skips ticks: nothing was played then, so that time
+    is silence in the reference and proves no echo loss; the loss learnt
+    stays at or below the true 10 dB and the echo never even pauses."""
+    clip = C.echo_clip(100, 10.0, phrase=1)
+    refs = C.frames48(clip.ref48)
+    skipped = set(range(120, 140))  # 400 ms: the track sent nothing
+    sent = b"".join(bytes(1920) if i in skipped else f for i, f in enumerate(refs))
+    echo = C.echo_path(sent, 100, 10.0)
+    cfg = BargeInConfig()
+    ref = EchoReference(cfg.echo_max_delay_ms)
+    det = BargeInDetector(None, cfg, ref)
+    erl, events = [], []
+    for i, frame in enumerate(C.frames16(echo)):
+        if i not in skipped:
+            ref.played(refs[i] if i < len(refs) else None, i * 0.02)
+        events += det.feed(frame, i * 0.02)[1]
+        erl.append(det.echo_return_loss_db)
+    assert max(erl) <= 10.0 + 3
+    assert events == [], [e.kind for e in events]
+
+
+def test_filled_silence_is_no_evidence_of_a_quiet_path() -> None:
+    ref = EchoReference(500)
+    det = BargeInDetector(None, BargeInConfig(), ref)
+    loud = (np.sin(np.arange(960) / 48000 * 2 * np.pi * 440) * 8000).astype("<i2").tobytes()
+    for i in range(100):
+        ref.played(loud, i * 0.02)
+        det.feed(bytes(640), i * 0.02, received=False)
+    assert det.echo_return_loss_db == 0.0
+    for i in range(100, 200):
+        ref.played(loud, i * 0.02)
+        det.feed(bytes(640), i * 0.02)
+    assert det.echo_return_loss_db == 40.0  # a received silent microphone is evidence
+
+
+def test_a_rejected_reference_frame_changes_nothing() -> None:
+    ref = EchoReference(200)
+    loud = (np.sin(np.arange(960) / 48000 * 2 * np.pi * 440) * 8000).astype("<i2").tobytes()
+    ref.played(loud, 1.0)
+    for bad in (b"\x00" * 5, b""):
+        with pytest.raises(ValueError):
+            ref.played(bad, 1.02)
+    with pytest.raises(ValueError):
+        ref.played(loud, float("nan"))
+    ref.played(loud, 1.02)  # the timeline is where it was: 20 ms on
+    assert ref._steady.tick(1.04) == pytest.approx(1.04)
 
 
 def test_echo_reference_active_window() -> None:

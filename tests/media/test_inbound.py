@@ -181,3 +181,44 @@ async def test_no_fill_when_turned_off(clock: VirtualClock) -> None:
     with pytest.raises(StopAsyncIteration):
         await nxt
     assert len(got) == 5
+
+
+@pytest.mark.parametrize("stall_ms", [-20, 20, 50, 90, 110])
+def test_a_stall_shorter_than_jitter_allows_is_refused(stall_ms: int, clock: VirtualClock) -> None:
+    """Ordinary jitter of 20 ms packets would be taken for stalls, and
+    silence put between healthy frames."""
+    with pytest.raises(ValueError, match="stall_ms"):
+        InboundAudio(FakeOpusTrack(b""), clock, stall_ms=stall_ms)
+
+
+class SulkingTrack:
+    """A track whose recv, cancelled, raises something else instead."""
+
+    async def recv(self) -> AudioFrame:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise MediaStreamError("closed while waiting") from None
+        raise AssertionError
+
+
+async def test_closing_mid_stall_leaves_no_unretrieved_error() -> None:
+    loop = asyncio.get_running_loop()
+    seen: list[dict] = []
+    old = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: seen.append(ctx))
+    try:
+        inbound = InboundAudio(SulkingTrack(), SystemClock(), stall_ms=100)
+        gen = inbound.frames()
+        first = await anext(gen)  # a filled frame: the track gave nothing
+        assert first.filled
+        await gen.aclose()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        import gc
+
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(old)
+    assert not seen, seen

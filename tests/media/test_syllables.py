@@ -58,3 +58,12 @@ def test_a_steady_tone_is_at_most_one() -> None:
     t = np.arange(VAD_RATE) / VAD_RATE
     tone = C.to_pcm(0.3 * np.sin(2 * np.pi * 440 * t))
     assert count_syllable_nuclei(tone) <= 1
+
+
+def test_any_bytes_like_input_and_a_checked_rate() -> None:
+    raw = C.espeak("what is the weather like today", "en-us", 175)
+    n = count_syllable_nuclei(raw)
+    assert count_syllable_nuclei(memoryview(raw)) == count_syllable_nuclei(bytearray(raw)) == n
+    for rate in (0, -16000, 16000.0, True, 4000):
+        with pytest.raises(ValueError, match="rate"):
+            count_syllable_nuclei(raw, rate)  # type: ignore[arg-type]

@@ -292,6 +292,7 @@ async def test_provider_failure_fails_the_turn_with_its_reason(
         [turn] = await store.list_session("sess-1")
         assert turn.status is TurnStatus.FAILED
         assert turn.error is not None and turn.error.startswith("TtsError:") and "not found" in turn.error
+        await h.wait_for(lambda: any(e["type"] == "error" for e in h.events), timeout=5)  # a poll of the log later
         [err] = [e for e in h.events if e["type"] == "error"]
         assert err["code"] == "turn_failed" and err["turn_id"] == turn.id
         # the session goes on: the next utterance is heard and answered (and fails the same way)

@@ -95,6 +95,7 @@ async def test_a_noise_while_the_agent_speaks_cancels_nothing(
     assert h.playout.cleared_frames == 0 and h.track.audit.fenced_frames == 0
     assert h.track.audit.per_generation[1].frames > before + 25
     if "speech_started" in [e.get("event") for e in h.events if e["type"] == "vad"]:
+        await h.wait_for(lambda: "false_interruption" in types(h), timeout=5)  # a poll of the log later
         [fi] = [e for e in h.events if e["type"] == "false_interruption"]
         assert 0 < fi["paused_ms"] <= 800
         assert h.session.false_interruptions == 1
@@ -479,6 +480,8 @@ async def test_push_to_talk_held_too_long_ends_the_utterance(
         await h.wait_for(lambda: h.session.ptt_start() != "session_not_ready")
         h.mic.say(pcm48(say("hello there")))
         await h.wait_for(lambda: not h.session.ptt_active, timeout=5)
+        # the event reaches the test through the store's event log, a poll later
+        await h.wait_for(lambda: any(e["type"] == "error" for e in h.events), timeout=5)
         [err] = [e for e in h.events if e["type"] == "error"]
         assert err["code"] == "ptt_too_long"
         assert h.session.ptt_end() == "ptt_not_active"  # the late release is told, nothing breaks

@@ -112,7 +112,7 @@ def test_new_barge_in_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> N
     s = load_settings()
     assert s.inbound_stall_ms == 400
     assert s.session.backchannel.resume_after_ms == 300 and s.session.backchannel.max_syllables == 4
-    for name, bad in (("TURNKEEPER_INBOUND_STALL_MS", "30"), ("TURNKEEPER_INBOUND_STALL_MS", "-20"),
+    for name, bad in (("TURNKEEPER_INBOUND_STALL_MS", "30"), ("TURNKEEPER_INBOUND_STALL_MS", "-20"), ("TURNKEEPER_INBOUND_STALL_MS", "20"),
                       ("TURNKEEPER_SESSION__BACKCHANNEL__MAX_SYLLABLES", "0"),
                       ("TURNKEEPER_SESSION__BACKCHANNEL__RESUME_AFTER_MS", "soon")):
         monkeypatch.setenv(name, bad)
