@@ -578,8 +578,8 @@ class AgentSession:
             and syllables <= bc.max_syllables
         ):
             cand.verdict = {"text": text, "syllables": syllables}
-            assert cand.ended_at is not None
-            cand.release_at = cand.ended_at + bc.resume_after_ms / 1000
+            ended = cand.ended_at if cand.ended_at is not None else self.clock.monotonic()
+            cand.release_at = ended + bc.resume_after_ms / 1000
             if self.clock.monotonic() >= cand.release_at:
                 self._let_go(cand, self.clock.monotonic())
         else:
