@@ -38,11 +38,11 @@ async def test_tts_empty_text_is_silent() -> None:
     assert chunks == []
 
 
-@requires_espeak
-async def test_tts_cancel_kills_the_subprocess() -> None:
-    tts = EspeakTTS(EspeakConfig(words_per_minute=80))
+async def speaking(tts: EspeakTTS) -> tuple[asyncio.Task[None], list[asyncio.subprocess.Process]]:
+    """A long synthesis, running: its task, and espeak-ng's process once the
+    first audio came out."""
     first = asyncio.Event()
-    procs = []
+    procs: list[asyncio.subprocess.Process] = []
 
     def sink(pcm: bytes) -> None:
         if not first.is_set():
@@ -51,6 +51,13 @@ async def test_tts_cancel_kills_the_subprocess() -> None:
 
     task = asyncio.create_task(tts.synthesize("word " * 400, sink))
     await asyncio.wait_for(first.wait(), 10)
+    return task, procs
+
+
+@requires_espeak
+async def test_tts_cancel_kills_the_subprocess() -> None:
+    tts = EspeakTTS(EspeakConfig(words_per_minute=80))
+    task, procs = await speaking(tts)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -104,16 +111,7 @@ async def test_tts_cancelled_twice_still_reaps_before_it_ends() -> None:
     process is being reaped does not leave it behind: the task ends only
     once the process is reaped, and still ends cancelled."""
     tts = EspeakTTS(EspeakConfig(words_per_minute=80))
-    first = asyncio.Event()
-    procs: list[asyncio.subprocess.Process] = []
-
-    def sink(pcm: bytes) -> None:
-        if not first.is_set():
-            procs.extend(tts.running)
-            first.set()
-
-    task = asyncio.create_task(tts.synthesize("word " * 400, sink))
-    await asyncio.wait_for(first.wait(), 10)
+    task, procs = await speaking(tts)
     task.cancel()
     for _ in range(3):
         await asyncio.sleep(0)
