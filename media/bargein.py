@@ -378,7 +378,6 @@ class EchoReference:
         self._steady = SteadyClock()
         #: mean square (full scale 1) of each played 20 ms frame, newest last,
         #: over every delay plus the ERL window
-        self._energy_at = 0.0
         self._fed_at: float | None = None  # clock seconds of the last played() call
         self._energy: deque[float] = deque(
             [0.0] * ((max_delay_ms + ERL_WINDOW_MS) // FRAME_MS + 1), maxlen=(max_delay_ms + ERL_WINDOW_MS) // FRAME_MS + 1
@@ -401,18 +400,12 @@ class EchoReference:
         clock_at = at
         at = self._steady.tick(at)
         self._fed_at = clock_at
-        if self._end_key is not None:
-            # ticks the track skipped (a stall) sent nothing: silence
-            skipped = round(at * 1000 / FRAME_MS) - round(self._energy_at * 1000 / FRAME_MS) - 1
-            self._energy.extend([0.0] * min(max(0, skipped), self._energy.maxlen or 0))
-        self._energy_at = at
+        ms = 0.0
         if pcm48 is None:
             x = self._zeros48
-            self._energy.append(0.0)
         else:
             x = np.frombuffer(pcm48, dtype="<i2").astype(np.float64) / 32768.0
             ms = float(np.mean(x * x))
-            self._energy.append(ms)
             if ms > 0 and 10 * math.log10(ms) > ECHO_AUDIBLE_DBFS:
                 self._last_audible = at
         buf = np.concatenate([self._tail, x])
@@ -423,12 +416,15 @@ class EchoReference:
         self._tail = buf[-(_FEAT48.win - hop) :]
         key = round(at * 1000 / ECHO_HOP_MS) + n
         if self._end_key is not None:
-            gap = key - n - self._end_key
+            gap = key - n - self._end_key  # hops of ticks the track skipped (a stall): nothing was played
+            if gap > 0:
+                self._energy.extend([0.0] * min(gap * ECHO_HOP_MS // FRAME_MS, self._energy.maxlen or 0))
             if 0 < gap < self._cap:
                 self._push(np.tile(self._silent, (gap, 1)))
             elif gap >= self._cap:
                 self._feats[:] = self._silent
         self._push(feats)
+        self._energy.append(ms)
         self._end_key = key
 
     def _push(self, feats: np.ndarray) -> None:
