@@ -33,6 +33,10 @@ TEST_PHRASES = [
     "hello there",
     "please order a coffee",
     "charge my card",
+    # a sentence split by a pause (the continuation tests)
+    "what is the weather",
+    "like in paris today",
+    "make it a large one",
     # backchannels (words of pocketsphinx's dictionary)
     "uh huh",
     "mhm",

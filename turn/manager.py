@@ -658,9 +658,25 @@ class TurnManager:
             log.warning("recovered turn %s left %s by %s", turn.id, turn.status, turn.lease_owner or "nobody")
         return stopped
 
-    async def record(self, turn_id: str, *, transcript: str | None = None, reply: str | None = None) -> Turn:
-        """Store the transcript and/or reply text of a turn."""
-        fields = {k: v for k, v in (("transcript", transcript), ("reply", reply)) if v is not None}
+    async def record(
+        self,
+        turn_id: str,
+        *,
+        transcript: str | None = None,
+        reply: str | None = None,
+        reply_unheard: str | None = None,
+        merged_into: str | None = None,
+    ) -> Turn:
+        """Store the transcript, the reply as far as it was heard, the part
+        generated but not heard (audit only) and/or the later turn this one
+        was merged into (see :class:`turn.models.Turn`); None leaves a field
+        as it is.
+
+        Raises:
+            turn.store.UnknownTurn: no such turn.
+        """
+        given = (("transcript", transcript), ("reply", reply), ("reply_unheard", reply_unheard), ("merged_into", merged_into))
+        fields = {k: v for k, v in given if v is not None}
         return await self.store_call(lambda: self.store.update(turn_id, at=self.clock.now(), **fields))
 
     async def get(self, turn_id: str) -> Turn:

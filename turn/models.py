@@ -267,7 +267,17 @@ class Turn(BaseModel):
         stop_reason: set by the first stop request (later ones never replace it).
         error: why a FAILED turn failed, if not a stop reason.
         transcript: the user's words (STT final, or the typed text).
-        reply: the agent's reply text.
+        reply: the agent's reply as far as the user received it: for a
+            voice turn, the words whose audio left the playout buffer; for a
+            text turn, the tokens delivered to the client. Every history a
+            model is given is built from this.
+        reply_unheard: the rest of what the model generated but nobody
+            heard (cut off by a stop, or fenced), kept for audit only and
+            never shown to a model; None if everything was heard.
+        merged_into: the id of a later turn of the session that answered
+            this turn's words together with its own (the user paused, then
+            went on before any of this turn's reply was heard); such a turn
+            is left out of every history: the later one carries its words.
         deadline_at: absolute deadline (UTC), None if none.
         budget / spent: limits and use (cents, tokens).
         step_count: steps started (model and tool calls).
@@ -290,6 +300,8 @@ class Turn(BaseModel):
     error: str | None = None
     transcript: str | None = None
     reply: str | None = None
+    reply_unheard: str | None = None
+    merged_into: str | None = None
     deadline_at: datetime | None = None
     budget: Budget = Budget()
     spent: Spent = Spent()

@@ -55,7 +55,7 @@ from turn.store import (
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS turns (
@@ -131,7 +131,7 @@ CREATE TABLE IF NOT EXISTS secrets (
 );
 """
 
-# Columns added after the first release (schema 1), in schemas 2 and 3:
+# Columns added after the first release (schema 1), in schemas 2, 3 and 5:
 # name -> SQL type/default.
 _TURN_COLUMNS_V2 = {
     "deadline_at": "TEXT",
@@ -144,6 +144,9 @@ _TURN_COLUMNS_V2 = {
     # schema 3
     "max_steps": "INTEGER NOT NULL DEFAULT 16",
     "stop_report": "TEXT",
+    # schema 5: what was generated but not heard, and continuation merges
+    "reply_unheard": "TEXT",
+    "merged_into": "TEXT",
 }
 
 _COLUMNS = [

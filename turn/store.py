@@ -79,7 +79,7 @@ class IdempotencyConflict(StoreError):
 #: Fields a caller may set outside a state transition.
 MUTABLE_FIELDS = frozenset(
     {
-        "transcript", "reply", "spent", "usage", "step_count", "max_steps", "lease_owner", "heartbeat_at",
+        "transcript", "reply", "reply_unheard", "merged_into", "spent", "usage", "step_count", "max_steps", "lease_owner", "heartbeat_at",
         "deadline_at", "budget", "stop_report",
     }
 )

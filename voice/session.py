@@ -43,6 +43,7 @@ from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
 from turn.scope import TurnScope, TurnStopped
 from turn.store import StoreUnavailable, UnknownTurn
 from voice.providers import LanguageModel, Message, SpeechToText, SttStream, TextToSpeech
+from voice.history import earlier_messages, session_history
 from voice.respond import run_agent, sink_to
 from voice.text import SentenceSplitter
 from voice.tools import Toolbox
@@ -169,7 +170,9 @@ class SessionConfig(BaseModel):
     Attributes:
         stop_grace_ms: how long a stopped turn's work may take to wind down
             before its terminal state is written anyway (ms).
-        history_messages: how many past messages the model sees at most.
+        history_messages: how many past messages the model sees at most
+            (whole earlier turns are dropped, oldest first; see
+            :mod:`voice.history`).
         backchannel: see :class:`BackchannelConfig`.
         endpoint: see :class:`EndpointConfig`.
     """
@@ -232,7 +235,9 @@ class TurnRun:
     continues: "TurnRun | None" = None
     #: its words went into a later turn (see ``continues``)
     merged: bool = False
-    #: it called a tool: it acted on the words, so they are not merged away
+    #: it started a tool with an external effect ("complete" or
+    #: "compensate"): it acted on the words, so they are not merged away (a
+    #: read is abandoned on the merge, as if it had never run)
     acted: bool = False
     #: opened by push-to-talk: only ptt.end ends its utterance
     ptt: bool = False
@@ -240,7 +245,8 @@ class TurnRun:
     speech_end_at: float | None = None
     phase: str = "listening"
     finished: bool = False
-    remembered: bool = False
+    #: the client was told how much of its interrupted reply was heard
+    told_interrupted: bool = False
     #: its terminal state is in the store (or it was never written)
     settled: bool = False
 
@@ -339,7 +345,6 @@ class AgentSession:
         self.config = config or SessionConfig()
         #: what the user would stop a turn for if the session ended now
         self.close_reason = StopReasonKind.TRANSPORT_DISCONNECTED
-        self.history: list[Message] = []
         self.barge_ins: list[BargeInRecord] = []
         self._preroll: deque[bytes] = deque(maxlen=max(1, self.vad.preroll_frames))
         self._runs: list[TurnRun] = []
@@ -788,34 +793,36 @@ class AgentSession:
                 transcript = await scope.run("stt", self._stt_final(run))
                 earlier = await self._earlier_words(run)
                 run.transcript = transcript = " ".join(t for t in (earlier, transcript) if t)
-                await self.manager.record(turn.id, transcript=transcript)
+                turn = await self.manager.record(turn.id, transcript=transcript)
+                if run.continues is not None and earlier:
+                    # its words are this turn's now: no history shows it again
+                    await self.manager.record(run.continues.turn_id, merged_into=turn.id)
                 self._output(run, "transcript", role="user", text=transcript)
                 if not transcript:
                     await self.manager.fail(turn.id, "no_speech_recognized")
                     run.settled = True
                     return
-                messages = [*self.history, Message(role="user", content=transcript)]
+                messages = await self.model_history(run, turn)
                 await self._reply(run, scope, messages)
                 await scope.run("playout", self.playout.wait_empty())
                 reply = "".join(run.reply).strip()
 
                 async def finish() -> None:
-                    await self.manager.record(turn.id, reply=reply)
+                    await self.manager.record(turn.id, reply=reply)  # every frame of it was played
                     completed = (await self.manager.complete(turn.id)).applied
                     run.settled = True  # completed now, or already terminal
                     if completed:
                         self._output(run, "agent.done", text=reply)
 
-                self._remember(run, interrupted=False)
                 await scope.commit(finish(), effect=False)  # the final step commits whole, or not at all
         except asyncio.CancelledError:
-            self._remember(run, interrupted=True)
+            self._tell_interrupted(run)
             raise
         except Exception as exc:
             if stopped_by(exc):
                 # A checkpoint found the stop in the store (its signal was
                 # missed): stop here as a signal would have.
-                self._remember(run, interrupted=True)
+                self._tell_interrupted(run)
                 if run.stop_task is None and self._tg is not None:
                     if self._active_run() is run:
                         self.playout.clear()
@@ -879,8 +886,8 @@ class AgentSession:
             self._output(run, "agent.delta", text=token, withheld=True)
 
         def on_event(type: str, **payload: Any) -> None:
-            if type.startswith("tool."):
-                run.acted = True
+            if type == "tool.started" and payload.get("effect", "none") != "none":
+                run.acted = True  # a read whose result nobody heard does not count
             self._send(type, turn_id=run.turn_id, generation=run.generation, **payload)
 
         try:
@@ -1022,9 +1029,9 @@ class AgentSession:
         final = run.stt_final
         if transcript is None and final is not None and final.done() and not final.cancelled() and not final.exception():
             transcript = final.result()  # heard, though the turn was stopped before using it
-        reply = "".join(run.reply).strip() or None
-        if transcript is not None or reply is not None:
-            await self.manager.record(turn_id, transcript=transcript, reply=reply)
+        heard, unheard = self._heard_split(run)
+        if transcript is not None or heard or unheard:
+            await self.manager.record(turn_id, transcript=transcript, reply=heard or None, reply_unheard=unheard or None)
         if scope is not None:
             await self.manager.settle_stop(turn_id, scope)
         else:
@@ -1069,30 +1076,58 @@ class AgentSession:
         buffer (see :func:`heard_text`)."""
         return heard_text(run.spoken, self.playout.played_samples(run.generation))
 
-    def _remember(self, run: TurnRun, *, interrupted: bool) -> None:
-        """Add the turn to the history the model sees next, once.
+    def _heard_split(self, run: TurnRun) -> tuple[str, str]:
+        """``run``'s generated reply split into what was heard (its audio
+        left the playout buffer, :meth:`heard`) and the rest, which nobody
+        heard: (heard, unheard), each "" if empty. The heard part is a
+        whole-word prefix of the reply."""
+        words = "".join(run.reply).split()
+        heard = self.heard(run)
+        n = len(heard.split())
+        return heard, " ".join(words[n:])
 
-        An interrupted reply is kept only as far as it was heard, marked
-        interrupted; nothing of it if nothing was played. A turn merged into
-        a later one (its reply never heard) leaves nothing: the later turn
-        carries its words.
-        """
-        if not run.transcript or run.remembered or run.merged:
+    def _tell_interrupted(self, run: TurnRun) -> None:
+        """Tell the client, once, how much of an interrupted reply was heard
+        (event ``agent.interrupted``); that part, and only that, is what the
+        store keeps as the reply and every later history shows."""
+        if not run.transcript or run.told_interrupted or run.merged:
             return
-        run.remembered = True
-        self.history.append(Message(role="user", content=run.transcript))
-        if interrupted:
-            reply = self.heard(run)
-            played = self.playout.played_samples(run.generation)
-            self._send(
-                "agent.interrupted", turn_id=run.turn_id, generation=run.generation, heard=reply,
-                played_ms=round(played * 1000 / self.playout.rate), reply_chars=len("".join(run.reply).strip()),
-            )
-        else:
-            reply = "".join(run.reply).strip()
-        if reply:
-            self.history.append(Message(role="assistant", content=reply, interrupted=interrupted))
-        del self.history[: -self.config.history_messages]
+        run.told_interrupted = True
+        played = self.playout.played_samples(run.generation)
+        self._send(
+            "agent.interrupted", turn_id=run.turn_id, generation=run.generation, heard=self.heard(run),
+            played_ms=round(played * 1000 / self.playout.rate), reply_chars=len("".join(run.reply).strip()),
+        )
+
+    async def history(self) -> list[Message]:
+        """The session's history as the next turn's model would be given it
+        (:func:`voice.history.earlier_messages`), from the store.
+
+        Raises:
+            turn.store.StoreUnavailable: the store could not be read.
+        """
+        return await earlier_messages(self.manager, self.session_id, max_messages=self.config.history_messages)
+
+    async def model_history(self, run: TurnRun, turn: Turn) -> list[Message]:
+        """What ``turn``'s model calls are given: the session's history as
+        the store holds it (:func:`voice.history.session_history`: heard
+        replies only, tool calls with their ledger outcomes), once every
+        earlier turn of this session has recorded how it ended.
+
+        Args:
+            run: the turn's handle.
+            turn: the turn as recorded, with its transcript.
+        """
+        pending = {
+            task
+            for r in self._runs
+            if r.generation < run.generation
+            for task in (r.work, r.stop_task)
+            if task is not None and not task.done()
+        }
+        if pending:  # bounded: a stuck earlier turn costs this one a second at most
+            await asyncio.wait(pending, timeout=max(1.0, 4 * self.config.stop_grace_ms / 1000))
+        return await session_history(self.manager, turn, max_messages=self.config.history_messages)
 
     def _phase(self, run: TurnRun, phase: str) -> None:
         if run.phase == phase:

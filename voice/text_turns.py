@@ -23,16 +23,13 @@ from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import Budget, Plan, StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
 from turn.scope import Child, TurnScope, TurnStopped
-from turn.ledger import Intent, IntentKind, IntentStatus
-from voice.providers import LanguageModel, Message, ToolCall
+from voice.history import session_history, tool_outcome_text
+from voice.providers import LanguageModel
 from voice.respond import run_agent, sink_to
 from voice.session import describe_error
 from voice.tools import Toolbox
 
 log = logging.getLogger(__name__)
-
-#: past turns of a session the model sees at most
-HISTORY_TURNS = 20
 
 
 @dataclass
@@ -221,12 +218,14 @@ class TextTurns:
         """The work: history, the agent loop, reply recorded, COMPLETED."""
         events = self.manager.events.log(turn.session_id)
         parts: list[str] = []
+        unheard: list[str] = []
 
         def delivered(token: str) -> None:
             parts.append(token)
             events.emit("agent.delta", generation=turn.generation, turn_id=turn.id, text=token)
 
         def withheld(token: str) -> None:
+            unheard.append(token)
             events.emit("agent.delta", generation=turn.generation, turn_id=turn.id, withheld=True, text=token)
 
         def on_event(type: str, **payload: Any) -> None:
@@ -235,7 +234,7 @@ class TextTurns:
         events.emit("transcript", generation=turn.generation, turn_id=turn.id, role="user", text=turn.transcript or "")
         final = False
         try:
-            messages = await self._history(turn)
+            messages = await session_history(self.manager, turn)
             result = await run_agent(
                 scope=scope,
                 manager=self.manager,
@@ -256,46 +255,18 @@ class TextTurns:
             final = True
             await scope.commit(finish(), effect=False)  # the final step commits whole, or not at all
         except BaseException:
-            if parts and not final:  # what was said before the stop (waited for, then the stop goes on)
+            if (parts or unheard) and not final:  # what was delivered before the stop (waited for, then the stop goes on)
                 with contextlib.suppress(TurnStopped):  # the stop already under way is re-raised below
-                    await scope.commit(self._record_partial(turn.id, "".join(parts)), effect=False)
+                    await scope.commit(self._record_partial(turn.id, "".join(parts), "".join(unheard)), effect=False)
             raise
 
-    async def _record_partial(self, turn_id: str, text: str) -> None:
+    async def _record_partial(self, turn_id: str, delivered: str, withheld: str) -> None:
+        """A stopped turn's reply: what reached the client, and apart (for
+        audit, never for a model) what was generated after the stop."""
         try:
-            await self.manager.record(turn_id, reply=text.strip())
+            await self.manager.record(turn_id, reply=delivered.strip() or None, reply_unheard=withheld.strip() or None)
         except Exception:
             log.exception("turn %s: could not record its partial reply", turn_id)
-
-    async def _history(self, turn: Turn) -> list[Message]:
-        """The conversation so far, from the store (any instance may have run
-        the earlier turns): each earlier turn's request and what was
-        answered, an interrupted answer marked so."""
-        earlier = [t for t in await self.manager.store_call(lambda: self.manager.store.list_session(turn.session_id)) if t.id != turn.id]
-        messages: list[Message] = []
-        for t in earlier[-HISTORY_TURNS:]:
-            if t.transcript:
-                messages.append(Message(role="user", content=t.transcript))
-            messages += await self._tool_history(t.id)
-            if t.reply:
-                messages.append(
-                    Message(role="assistant", content=t.reply, interrupted=t.status is not TurnStatus.COMPLETED)
-                )
-        messages.append(Message(role="user", content=turn.transcript or ""))
-        return messages
-
-    async def _tool_history(self, turn_id: str) -> list[Message]:
-        """An earlier turn's tool calls as the ledger recorded them: a
-        finished call with its result (never run again), a cancelled one
-        marked cancelled, a reversed one marked reversed."""
-        out: list[Message] = []
-        for i in await self.manager.store_call(lambda: self.manager.store.ledger_list(turn_id)):
-            if i.kind is not IntentKind.EFFECT:
-                continue
-            call = ToolCall(id=i.key, name=i.tool, arguments=i.args)
-            out.append(Message(role="assistant", content="", tool_calls=[call]))
-            out.append(Message(role="tool", tool_call_id=i.key, status=i.status.value, content=tool_outcome_text(i)))
-        return out
 
     async def aclose(self) -> None:
         """Stop every running text turn with ``worker_shutdown`` and wait."""
@@ -308,20 +279,6 @@ class TextTurns:
         for session_id in list(self._sessions):
             await self.manager.events.close(session_id)
         self._sessions.clear()
-
-
-def tool_outcome_text(intent: Intent) -> str:
-    """What the model is told of an earlier tool call, from its ledger row."""
-    status = intent.status
-    if status is IntentStatus.DONE:
-        return intent.result or "done"
-    if status is IntentStatus.COMPENSATED:
-        return "cancelled: it was done, then reversed"
-    if status is IntentStatus.ABANDONED:
-        return "cancelled: it was not done"
-    if status is IntentStatus.HUMAN_REQUIRED:
-        return "outcome unknown: a person is checking it"
-    return "outcome unknown: being checked with the external system"
 
 
 def _tighter(asked: Budget | None, plan: Budget) -> Budget:

@@ -178,7 +178,7 @@ async def test_one_turn_answers_and_completes(harness: Harness, say: Callable[..
     assert h.statuses(turn.id) == ["QUEUED", "RUNNING", "COMPLETED"]
     sent = h.track.audit.per_generation[1]
     assert sent.frames > 50  # several seconds of speech went out
-    assert [m.role for m in h.session.history] == ["user", "assistant"]
+    assert [m.role for m in (await h.session.history())] == ["user", "assistant"]
     await h.stop()
 
 
@@ -213,7 +213,7 @@ async def test_barge_in_stops_old_generation(harness: Harness, say: Callable[...
     # the old turn's TTS subprocess is gone
     assert all(p.returncode is not None for p in tts_running_before)
     # the old reply is in the history, marked interrupted, and is only a prefix
-    assistant = [m for m in h.session.history if m.role == "assistant"]
+    assistant = [m for m in (await h.session.history()) if m.role == "assistant"]
     assert assistant[0].interrupted and not assistant[1].interrupted
     assert len(old.reply or "") < 300
     # the client was told "stopping" before "cancelled", and that came before the new turn ran
@@ -351,7 +351,7 @@ async def test_barge_in_while_turn_write_is_slow(store: SqliteStore, grammar_fil
         # endpoint had fired, but one reply answers the whole utterance
         assert [t.transcript for t in turns] == ["tell me a story", "tell me a story what is the weather like today"]
         assert turns[0].status is TurnStatus.CANCELLED and turns[1].status is TurnStatus.COMPLETED
-        assert [m.content for m in h.session.history if m.role == "user"] == [turns[1].transcript]
+        assert [m.content for m in (await h.session.history()) if m.role == "user"] == [turns[1].transcript]
     finally:
         await h.stop()
 
@@ -456,9 +456,9 @@ async def test_barge_in_during_a_tool_call_follows_the_ledger_rules(
         assert new.status is TurnStatus.COMPLETED and new.transcript == "hello there"
         assert any(e["type"] == "tool.compensated" for e in h.events)
         # nothing of the old reply was played, so the history holds none of it
-        assert [(m.role, m.content) for m in h.session.history][:2] == [
-            ("user", "please order a coffee"), ("user", "hello there")
-        ]
+        history = [(m.role, m.content if not m.tool_calls else m.tool_calls[0].name) for m in await h.session.history()]
+        assert history[:2] == [("user", "please order a coffee"), ("assistant", "create_order")]
+        assert history[2][0] == "tool" and history[3] == ("user", "hello there")
     finally:
         await h.stop()
         service.close()
