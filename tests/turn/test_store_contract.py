@@ -81,6 +81,18 @@ async def test_update_fields(any_store) -> None:
         await any_store.update(t.id, at=NOW, status="COMPLETED")
 
 
+async def test_heard_and_unheard_reply_and_merge_are_kept_apart(any_store) -> None:
+    """What was heard, what was generated but not heard (audit) and the
+    turn a continuation merged it into: each its own field, as stored."""
+    t = await any_store.create(new_turn())
+    later = NOW + timedelta(seconds=1)
+    await any_store.update(t.id, at=later, reply="One, two,", reply_unheard="three, four.", merged_into="later-turn")
+    got = await any_store.get(t.id)
+    assert (got.reply, got.reply_unheard, got.merged_into) == ("One, two,", "three, four.", "later-turn")
+    [listed] = await any_store.list_session(t.session_id)
+    assert (listed.reply_unheard, listed.merged_into) == ("three, four.", "later-turn")
+
+
 async def test_illegal_transition_is_a_conflict(any_store) -> None:
     t = await any_store.create(new_turn())
     res = await any_store.transition(t.id, TurnStatus.CANCEL_REQUESTED, at=NOW, stop_reason=reason())
