@@ -12,12 +12,20 @@ longer active is logged marked ``fenced`` (audit evidence) and never
 delivered. The gate is checked when the event is made, again once it is
 persisted, and by a follower that holds the session's fence, however late
 the event arrives.
+
+A stopped turn's gate closes in the same step that records its stop
+(:class:`StoppedTurns`): once a "turn" event saying CANCEL_REQUESTED (or a
+later stop state) passes through a writer or a follower, no output of that
+turn is delivered after it; the writer also closes it on a stop signal from
+another instance (:meth:`SessionEventLog.close_turn`). Such output is logged
+fenced, as evidence of waste, never delivered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -33,6 +41,48 @@ T = TypeVar("T")
 
 #: event types that are a turn's output (gated by generation)
 OUTPUT_TYPES = frozenset({"transcript", "agent.delta", "agent.done", "audio.start", "audio.end", "tool.output"})
+
+
+#: "turn" event statuses after which a turn delivers no more output
+STOPPED_STATUSES = frozenset({"CANCEL_REQUESTED", "CANCELLED", "RECONCILE_REQUIRED", "FAILED"})
+
+
+class StoppedTurns:
+    """Which turns of a session have stopped, as seen in the order of its
+    log: a "turn" event with a stopped status (``STOPPED_STATUSES``) closes
+    the turn's output, COMPLETED reopens it (a stop that came after the final
+    step changed nothing, and the final answer follows its COMPLETED).
+
+    Args:
+        keep: how many stopped turns are remembered at most (oldest first
+            forgotten; a session's late output comes from its last few).
+    """
+
+    def __init__(self, keep: int = 256) -> None:
+        self.keep = keep
+        self._stopped: OrderedDict[str, None] = OrderedDict()
+
+    def close(self, turn_id: str) -> None:
+        """No output of ``turn_id`` is delivered from now on."""
+        self._stopped[turn_id] = None
+        self._stopped.move_to_end(turn_id)
+        while len(self._stopped) > self.keep:
+            self._stopped.popitem(last=False)
+
+    def see(self, type: str, turn_id: str | None, payload: dict[str, Any]) -> None:
+        """Note an event in log order (only "turn" events matter)."""
+        if type != "turn" or turn_id is None:
+            return
+        status = payload.get("status")
+        if status in STOPPED_STATUSES:
+            self.close(turn_id)
+        elif status == "COMPLETED":
+            self._stopped.pop(turn_id, None)
+
+    def withholds(self, type: str, turn_id: str | None) -> bool:
+        """True if an event of ``type`` of ``turn_id`` is output of a
+        stopped turn (never to be delivered)."""
+        return turn_id is not None and type in OUTPUT_TYPES and turn_id in self._stopped
 
 
 class Gate(Protocol):
@@ -105,6 +155,8 @@ class SessionEventLog:
         self._task: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        #: turns whose output is closed (their stop passed through here)
+        self.stopped = StoppedTurns()
         self.persisted = 0
         self.fenced = 0
         self.lost = 0
@@ -114,9 +166,12 @@ class SessionEventLog:
         self, type: str, *, generation: int, turn_id: str | None = None, withheld: bool = False, **payload: Any
     ) -> None:
         """Queue an event; never blocks. Output types are fenced at once if
-        their generation is already obsolete, and so is any event passed
-        ``withheld=True`` (output of a turn already stopped, e.g. from a
-        provider that ignored its cancellation)."""
+        their generation is already obsolete or their turn has stopped (its
+        stop passed through this log, or :meth:`close_turn`), and so is any
+        event passed ``withheld=True`` (output of a turn already stopped, e.g.
+        from a provider that ignored its cancellation)."""
+        self.stopped.see(type, turn_id, payload)
+        withheld = withheld or self.stopped.withholds(type, turn_id)
         event = EventRecord(
             session_id=self.session_id,
             turn_id=turn_id,
@@ -134,6 +189,11 @@ class SessionEventLog:
         self._queue.put_nowait(event)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._write(), name=f"events-{self.session_id}")
+
+    def close_turn(self, turn_id: str) -> None:
+        """Close ``turn_id``'s output at once (its stop was recorded, here or
+        on another instance): whatever it emits from now on is fenced."""
+        self.stopped.close(turn_id)
 
     async def _write(self) -> None:
         """Write until the queue is empty, then end (``emit`` starts a new
@@ -266,6 +326,8 @@ class EventFollower:
         self.gate = gate
         self.poll_s = poll_s
         self.batch = batch
+        #: turns whose stop this follower has read (their later output is withheld)
+        self.stopped = StoppedTurns()
 
     async def _patiently(self, fn: Callable[[], Awaitable[T]]) -> T:
         """A store read, retried with backoff (50 ms doubling, at most 2 s
@@ -309,7 +371,8 @@ class EventFollower:
         return out
 
     def _deliverable(self, ev: EventRecord) -> bool:
-        if ev.fenced:
+        self.stopped.see(ev.type, ev.turn_id, ev.payload)
+        if ev.fenced or self.stopped.withholds(ev.type, ev.turn_id):
             return False
         if self.gate is not None and ev.type in OUTPUT_TYPES and not self.gate.passes(ev.generation):
             return False

@@ -166,6 +166,9 @@ class TurnManager:
         self._owned: set[str] = set()
         self._flags: dict[str, _FlagCache] = {}
         self._runtime: dict[str, TurnRuntime] = {}
+        #: called synchronously when a turn run here is found stopping
+        self._stop_hooks: dict[str, list[Callable[[], None]]] = {}
+        self.signals.on_fire = self._mark_stopping
 
     async def store_call(self, fn: Callable[[], Awaitable[T]]) -> T:
         """Run a store call, retrying with exponential backoff (50 ms doubling,
@@ -430,18 +433,52 @@ class TurnManager:
         self._flags.pop(turn_id, None)
         self._runtime.pop(turn_id, None)
         self._where.pop(turn_id, None)
+        self._stop_hooks.pop(turn_id, None)
 
     def runtime(self, turn_id: str) -> TurnRuntime | None:
         """This process's runtime state of a turn it runs (None otherwise)."""
         return self._runtime.get(turn_id)
 
+    def on_stopping(self, turn_id: str, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` synchronously, once, in the step in which this
+        process learns that ``turn_id`` (a turn it runs) is stopping: the
+        stop's compare-and-set here, or its signal from another instance.
+        A voice session silences the turn's audio there. Hooks are dropped
+        when the turn is released; a failing hook is logged."""
+        self._stop_hooks.setdefault(turn_id, []).append(hook)
+
+    def stopping_now(self, turn_id: str) -> bool:
+        """Whether this process already knows that ``turn_id`` is stopping
+        (no I/O: the flag set in the step that recorded or heard the stop).
+        The delivery gate of its output is closed from that step on."""
+        rt = self._runtime.get(turn_id)
+        return rt is not None and rt.stopping
+
     def _mark_stopping(self, turn_id: str) -> None:
+        """This process learns that ``turn_id`` is stopping: in the same
+        step, its output gate closes (the session's event log fences its
+        output from now on), its meter counts waste, and its stop hooks run
+        (see :meth:`on_stopping`); waiters wake only after."""
         rt = self._runtime.get(turn_id)
         if rt is not None:
+            first = not rt.stopping
             rt.stopping = True
             rt.meter.mark_stopped()
         elif turn_id in self._owned:
+            first = not (turn_id in self._flags and self._flags[turn_id].stopping)
             self._flags[turn_id] = _FlagCache(True, self.clock.monotonic())
+        else:
+            return
+        where = self._where.get(turn_id)
+        if where is not None:
+            self.events.log(where[0]).close_turn(turn_id)
+        if not first:
+            return
+        for hook in self._stop_hooks.pop(turn_id, []):
+            try:
+                hook()
+            except Exception:
+                log.exception("stop hook of turn %s failed", turn_id)
 
     async def stop_requested(self, turn_id: str) -> bool:
         """Whether a stop was requested: at once if a signal arrived, else

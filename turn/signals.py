@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -23,6 +24,9 @@ class StopSignals:
 
     def __init__(self) -> None:
         self._events: dict[str, asyncio.Event] = {}
+        #: called with the turn id, synchronously, when a watched turn's
+        #: signal fires (the Turn Manager closes its gate there)
+        self.on_fire: Callable[[str], None] | None = None
 
     def watch(self, turn_id: str) -> asyncio.Event:
         """The event that is set when ``turn_id`` is asked to stop."""
@@ -34,10 +38,18 @@ class StopSignals:
 
     def fire(self, turn_id: str) -> None:
         """Set the local event of ``turn_id``, if watched here (a signal for a
-        turn nobody here runs is dropped)."""
+        turn nobody here runs is dropped), after calling :attr:`on_fire`
+        synchronously: the owner closes the turn's delivery gate in the same
+        step as it hears of the stop, before any waiter wakes."""
         ev = self._events.get(turn_id)
-        if ev is not None:
-            ev.set()
+        if ev is None:
+            return
+        if self.on_fire is not None:
+            try:
+                self.on_fire(turn_id)
+            except Exception:  # a broken hook must not lose the signal
+                log.exception("stop hook of %s failed", turn_id)
+        ev.set()
 
     async def publish(self, turn_id: str) -> None:
         """Tell every worker (here: this process) that ``turn_id`` must stop."""

@@ -10,9 +10,12 @@ than the manager's staleness bound. A stop, a passed deadline, a spent
 budget, too many steps or a tool loop raises
 :class:`turn.scope.TurnStopped`; nothing after it starts a model request.
 
-The delivery gate: a token that arrives after the turn was stopped (from a
-provider that ignores cancellation) is withheld (``on_token(...,
-withheld=True)``), never delivered; its cost is still metered.
+The delivery gate: a token that arrives once the stop is recorded (the
+manager's flag is set in the same step as the stop's compare-and-set, or as
+its signal from another instance arrives, before the worker wakes) or after
+the turn was stopped (from a provider that ignores cancellation) is
+withheld (``on_token(..., withheld=True)``), never delivered; its cost is
+still metered.
 """
 
 from __future__ import annotations
@@ -133,8 +136,11 @@ async def _model_call(
                 if isinstance(item, ToolCall):
                     calls.append(item)
                     continue
-                if scope.stopped.is_set():
-                    on_token(item, withheld=True)  # a provider that ignored its cancellation
+                if scope.stopped.is_set() or manager.stopping_now(turn_id):
+                    # the stop is recorded (its gate closed in that step), even
+                    # if the worker has not woken yet; or a provider ignored
+                    # its cancellation: evidence of waste, never delivered
+                    on_token(item, withheld=True)
                     raise scope.limit or TurnStopped(turn_id, "model_stream")
                 parts.append(item)
                 on_token(item)

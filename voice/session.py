@@ -779,6 +779,7 @@ class AgentSession:
                 return  # not recorded; the client was told
             assert self._tg is not None
             run.watch_task = self._tg.create_task(self._watch_stop(run, turn.id))
+            self.manager.on_stopping(turn.id, lambda: self._silence(run))
             await run.utterance_ended.wait()
             self._phase(run, "thinking")
             rt = self.manager.runtime(turn.id)
@@ -930,6 +931,14 @@ class AgentSession:
         if tail is not None:
             self.playout.push(PlayoutFrame(tail, run.generation, position, audible=rms_dbfs(tail) > SILENCE_DBFS))
         run.tts_done = True
+
+    def _silence(self, run: TurnRun) -> None:
+        """The step in which the stop of ``run``'s turn is recorded here, or
+        heard from another instance: its audio leaves no more, at once (the
+        watcher that cancels its work wakes a moment later). A barge-in has
+        already moved the fence on, so only a stop from outside acts here."""
+        if run.stop_task is None and not run.finished and self.fence.active == run.generation:
+            self.playout.clear()
 
     async def _watch_stop(self, run: TurnRun, turn_id: str) -> None:
         """A stop asked from outside this session (the REST API, another
