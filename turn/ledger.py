@@ -1,22 +1,25 @@
 """The side-effect ledger (DESIGN.md "side effect", "reconciliation").
 
-Every external write a tool makes is an :class:`Intent` written *before* the
-write, keyed by an idempotency key (the turn id plus the step index), that
-then becomes ``done``, ``compensated``, ``abandoned`` or ``effect_unknown``
-(and, for an unknown outcome nobody could settle, ``human_required``). A
-compensation is a durable :class:`Intent` of its own (kind
-``compensation``, its own idempotency key) that is retried with backoff
-until it succeeds or a human must look; every attempt leaves an
-:class:`AuditRow`.
+Every external write a tool makes is an :class:`Intent` (its rows live in
+:mod:`turn.intents`) written *before* the write, keyed by an idempotency
+key (the turn id plus the step index), that then becomes ``done``,
+``compensated``, ``abandoned`` or ``effect_unknown`` (and, for an unknown
+outcome nobody could settle, ``human_required``). A compensation is a
+durable :class:`Intent` of its own (kind ``compensation``, its own
+idempotency key) that is retried with backoff until it succeeds or a human
+must look; every attempt leaves an :class:`AuditRow`.
 
-What a stop does with each intent depends on the tool's declared effect and
-on the stop's reason (:func:`policy_for`):
+What a stop does with each intent depends on the stop's reason, the tool's
+declared effect and the effect's stage at the stop (:mod:`turn.stop_policy`):
 
-- ``none``: abandoned (safe to drop: reads, searches);
+- ``none``: abandoned when cut off (safe to drop: reads, searches);
 - ``complete``: finished, in a short shielded must-complete section;
-- ``compensate``: reversed by its compensation job (when the policy says
-  so), also when the call was cut off mid-flight: compensations are
-  idempotent by key and undo nothing that did not happen;
+- ``compensate``: reversed by its compensation job when the policy says so
+  for its stage. One that was in flight (never confirmed done) is looked up
+  by key first: absent, it is abandoned (nothing to reverse); present, it
+  is done, then reversed; unknown, the compensation runs anyway, and a
+  compensation that finds nothing to reverse leaves it abandoned. The
+  ledger records what the external system confirms;
 - a write that was sent but whose outcome is unknown: ``effect_unknown``,
   for the reconciliation worker, which asks the external system by key
   (``lookup``) and never retries blindly.
@@ -33,190 +36,29 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from turn.clock import timeout_after
+from turn.intents import (
+    OPEN,
+    RESOLVED,
+    AuditRow,
+    Intent,
+    IntentKind,
+    IntentStatus,
+    LookupAnswer,
+    compensation_key,
+    effect_key,
+)
 from turn.models import StopReasonKind
+from turn.stop_policy import EffectPolicy, effect_remains, policy_for
 
-
-class IntentStatus(StrEnum):
-    """Where an intent (or a compensation job) stands."""
-
-    #: written before the external call; the call may be running
-    PENDING = "pending"
-    #: the effect happened (confirmed by the call's answer or a lookup)
-    DONE = "done"
-    #: the effect was reversed by its compensation
-    COMPENSATED = "compensated"
-    #: never sent, or safe to drop (effect "none")
-    ABANDONED = "abandoned"
-    #: sent, outcome not known: reconciliation asks the external system
-    EFFECT_UNKNOWN = "effect_unknown"
-    #: a compensation job waiting for (another) attempt
-    RETRYING = "retrying"
-    #: reconciliation or compensation gave up: a person must decide
-    HUMAN_REQUIRED = "human_required"
-
-
-#: statuses that need no more work
-RESOLVED = frozenset({IntentStatus.DONE, IntentStatus.COMPENSATED, IntentStatus.ABANDONED})
-#: statuses a worker must still act on
-OPEN = frozenset({IntentStatus.PENDING, IntentStatus.EFFECT_UNKNOWN, IntentStatus.RETRYING})
-
-
-class IntentKind(StrEnum):
-    """A tool's effect, or a compensation of one."""
-
-    EFFECT = "effect"
-    COMPENSATION = "compensation"
-
-
-class Intent(BaseModel):
-    """One row of the ledger.
-
-    Attributes:
-        key: the idempotency key: ``"<turn_id>:<step>"`` for an effect,
-            ``"<effect key>:compensate"`` for its compensation. The external
-            system receives it and must apply each key at most once.
-        turn_id: the turn.
-        step: the step index within the turn (1, 2, ...).
-        tool: the tool's name.
-        args: the tool's arguments.
-        effect: the tool's declared effect ("none", "complete", "compensate").
-        kind: effect or compensation.
-        status: see :class:`IntentStatus`.
-        result: the call's answer (text), once done.
-        error: the last error, for humans.
-        attempts: calls or lookups made so far (compensation and
-            reconciliation count their attempts here).
-        next_attempt_at: when a worker should try again (UTC).
-        created_at / updated_at / done_at: UTC; ``done_at`` is when the
-            effect was confirmed.
-        version: bumped by every change (compare-and-set).
-    """
-
-    model_config = ConfigDict(frozen=True)
-
-    key: str
-    turn_id: str
-    step: int
-    tool: str
-    args: dict[str, Any] = Field(default_factory=dict)
-    effect: str = "none"
-    kind: IntentKind = IntentKind.EFFECT
-    status: IntentStatus = IntentStatus.PENDING
-    result: str | None = None
-    error: str | None = None
-    attempts: int = 0
-    next_attempt_at: datetime | None = None
-    created_at: datetime
-    updated_at: datetime
-    done_at: datetime | None = None
-    version: int = 1
-
-
-class AuditRow(BaseModel):
-    """One thing done to an intent (an attempt, an answer, a decision).
-
-    Attributes:
-        key: the intent's key.
-        at: when (UTC).
-        action: e.g. "intent", "done", "compensate", "lookup", "retry".
-        detail: what happened, for humans.
-    """
-
-    model_config = ConfigDict(frozen=True)
-
-    key: str
-    at: datetime
-    action: str
-    detail: str = ""
-
-
-class LookupAnswer(StrEnum):
-    """What the external system says about an idempotency key."""
-
-    PRESENT = "present"
-    ABSENT = "absent"
-    UNKNOWN = "unknown"
-
-
-class EffectPolicy(BaseModel):
-    """What a stop of a given reason does with a turn's effects.
-
-    Attributes:
-        compensate: reverse the turn's compensable effects.
-        retry_absent: an effect_unknown found absent may be retried (with
-            the same key).
-        new_effects: effects may still be started (a retry is one).
-    """
-
-    model_config = ConfigDict(frozen=True)
-
-    compensate: bool
-    retry_absent: bool
-    new_effects: bool = True
-
-
-#: The policy per stop reason. A user who cancels (or barges in) wants what
-#: the turn did undone and nothing retried; a worker that shut down was not
-#: asked to stop, so an effect found absent is retried and kept; a safety
-#: abort reverses what it can and starts nothing new; a turn that hit its
-#: own limits is abandoned like a cancel; a dropped call keeps what was done
-#: but retries nothing (the user cannot be told).
-POLICIES: dict[StopReasonKind | None, EffectPolicy] = {
-    StopReasonKind.USER_CANCEL: EffectPolicy(compensate=True, retry_absent=False),
-    StopReasonKind.BARGE_IN: EffectPolicy(compensate=True, retry_absent=False),
-    StopReasonKind.SAFETY_ABORT: EffectPolicy(compensate=True, retry_absent=False, new_effects=False),
-    StopReasonKind.WORKER_SHUTDOWN: EffectPolicy(compensate=False, retry_absent=True),
-    StopReasonKind.TRANSPORT_DISCONNECTED: EffectPolicy(compensate=False, retry_absent=False),
-    StopReasonKind.DEADLINE_EXCEEDED: EffectPolicy(compensate=True, retry_absent=False),
-    StopReasonKind.BUDGET_EXCEEDED: EffectPolicy(compensate=True, retry_absent=False),
-    StopReasonKind.MAX_STEPS: EffectPolicy(compensate=True, retry_absent=False),
-    StopReasonKind.LOOP_DETECTED: EffectPolicy(compensate=True, retry_absent=False),
-    #: no stop: the turn completed or failed on an error; keep what was done
-    None: EffectPolicy(compensate=False, retry_absent=True),
-}
-
-
-def policy_for(kind: StopReasonKind | None) -> EffectPolicy:
-    """The :class:`EffectPolicy` for a stop of ``kind`` (None: no stop)."""
-    return POLICIES[kind]
-
-
-def effect_key(turn_id: str, step: int) -> str:
-    """The idempotency key of a turn's step: ``"<turn_id>:<step>"``."""
-    return f"{turn_id}:{step}"
-
-
-def compensation_key(key: str) -> str:
-    """The compensation job's own idempotency key."""
-    return f"{key}:compensate"
-
-
-def effect_remains(intents: list[Intent], stop_at: datetime, policy: EffectPolicy) -> bool:
-    """True if the ledger shows an external effect that stays after the stop
-    requested at ``stop_at``: one confirmed after it, one the policy wanted
-    reversed whose compensation has not succeeded (yet), or one still
-    unresolved (pending, effect_unknown, or one a person must settle). The
-    turn is then RECONCILE_REQUIRED, never CANCELLED (DESIGN.md)."""
-    for i in intents:
-        if i.kind is not IntentKind.EFFECT or i.effect == "none":
-            continue
-        if i.status in (IntentStatus.PENDING, IntentStatus.EFFECT_UNKNOWN, IntentStatus.HUMAN_REQUIRED):
-            return True
-        if i.status is IntentStatus.DONE:
-            if i.done_at is not None and i.done_at > stop_at:
-                return True
-            if i.effect == "compensate" and policy.compensate:
-                return True  # its compensation has not succeeded (yet)
-    return False
-
-
-# -- the ledger service ----------------------------------------------------------
+#: re-exported: the ledger's rows and policy are used through this module too
+__all__ = [
+    "OPEN", "RESOLVED", "AuditRow", "EffectHandler", "EffectNotApplied", "EffectPolicy", "Intent", "IntentKind",
+    "IntentStatus", "Ledger", "LookupAnswer", "compensation_key", "effect_key",
+    "effect_remains", "policy_for",
+]
 
 
 if TYPE_CHECKING:
@@ -230,8 +72,9 @@ MAX_ATTEMPTS = 6
 #: first retry delay of a lookup or compensation, s (doubling, at most BACKOFF_MAX_S)
 BACKOFF_S = 1.0
 BACKOFF_MAX_S = 300.0
-#: how long a stop may spend on one compensation before the terminal write,
-#: s; a slower one goes on as a durable job and the turn is RECONCILE_REQUIRED
+#: how long a stop may spend on one effect's reversal (its lookup, if it was
+#: in flight, and its compensation) before the terminal write, s; a slower
+#: one goes on as a durable job and the turn is RECONCILE_REQUIRED
 #: (a voice barge-in's new turn is recorded after the old turn's stop, so
 #: this bounds how much a slow external system can delay it)
 COMPENSATE_NOW_S = 0.5
@@ -249,13 +92,17 @@ class EffectHandler(Protocol):
     name: str
     effect: str
 
-    async def compensate_effect(self, key: str, args: dict[str, Any]) -> None:
+    async def compensate_effect(self, key: str, args: dict[str, Any]) -> bool | None:
         """Undo the effect of ``key`` (idempotent; a no-op if it never
-        happened). Raises on failure."""
+        happened). Returns False if the external system says ``key`` was
+        never applied (nothing was reversed: the effect is then recorded
+        abandoned, "not done"); True or None if it was reversed (now or
+        before). Raises on failure (the compensation is retried)."""
         ...
 
     async def lookup_effect(self, key: str) -> LookupAnswer:
-        """Ask the external system whether ``key`` was applied."""
+        """Ask the external system whether ``key`` was applied (UNKNOWN if
+        it cannot say). May raise: taken as UNKNOWN."""
         ...
 
     async def retry_effect(self, key: str, args: dict[str, Any]) -> Any:
@@ -314,12 +161,16 @@ class Ledger:
     async def _audit(self, key: str, action: str, detail: str = "") -> None:
         await self._call(lambda: self.store.audit_add(AuditRow(key=key, at=self.clock.now(), action=action, detail=detail)))
 
-    async def intent(self, turn_id: str, step: int, tool: str, args: dict[str, Any], effect: str) -> Intent:
+    async def intent(
+        self, turn_id: str, step: int, tool: str, args: dict[str, Any], effect: str, *, key: str | None = None
+    ) -> Intent:
         """Write the intent of step ``step`` before its call (status
-        pending). A repeat of the same step returns the stored row."""
+        pending), under ``key`` (default: the step's :func:`effect_key`; a
+        queued item has its own). A repeat of the same key returns the
+        stored row."""
         now = self.clock.now()
         intent = Intent(
-            key=effect_key(turn_id, step), turn_id=turn_id, step=step, tool=tool, args=args, effect=effect,
+            key=key or effect_key(turn_id, step), turn_id=turn_id, step=step, tool=tool, args=args, effect=effect,
             created_at=now, updated_at=now,
         )
         stored, created = await self._call(lambda: self.store.ledger_add(intent))
@@ -360,27 +211,37 @@ class Ledger:
         """The call itself answered (``status``, normally DONE): its answer
         is authoritative, also when it came after a stop's resolution or a
         reconciliation had already called the row effect_unknown or
-        abandoned. An effect that landed after its compensation had run is
-        reversed again (compensations are idempotent by key)."""
+        abandoned. An effect that landed after its compensation had run
+        (one that reversed it, or found nothing to reverse yet) is reversed
+        again (compensations are idempotent by key)."""
         moved = await self.move(
             key, status,
             expect=frozenset({IntentStatus.PENDING, IntentStatus.EFFECT_UNKNOWN, IntentStatus.ABANDONED}),
             detail="answered" if status is IntentStatus.DONE else "the call answered late", **fields,
         )
-        if moved is not None or status is not IntentStatus.DONE:
+        if status is not IntentStatus.DONE:
             return moved
-        cur: Intent = await self._call(lambda: self.store.ledger_get(key))
-        if cur.status is IntentStatus.COMPENSATED:
-            handler = self.handlers(cur.tool)
-            await self._audit(key, "late_effect", "the effect landed after its compensation; reversing it again")
-            if handler is not None:
-                try:
-                    await handler.compensate_effect(key, cur.args)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    await self.move(key, IntentStatus.HUMAN_REQUIRED, detail=f"late effect could not be reversed: {exc}", error=str(exc))
-        return None
+        cur: Intent = moved or await self._call(lambda: self.store.ledger_get(key))
+        if cur.status is IntentStatus.DONE:
+            if cur.effect != "compensate":
+                return moved
+            rows = await self._call(lambda: self.store.ledger_list(cur.turn_id))
+            if not any(r.key == compensation_key(key) and r.status is IntentStatus.DONE for r in rows):
+                return moved  # no compensation has run before it landed
+        elif cur.status is not IntentStatus.COMPENSATED:
+            return moved
+        await self._audit(key, "late_effect", "the effect landed after its compensation; reversing it again")
+        handler = self.handlers(cur.tool)
+        if handler is not None:
+            try:
+                reversed_ = await handler.compensate_effect(key, cur.args)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                return await self.move(key, IntentStatus.HUMAN_REQUIRED, detail=f"late effect could not be reversed: {exc}", error=str(exc))
+            if reversed_ is not False:
+                return await self.move(key, IntentStatus.COMPENSATED, expect=frozenset({IntentStatus.DONE}), detail="the late effect was reversed again") or moved
+        return moved
 
     # -- a stop --------------------------------------------------------------------
 
@@ -389,12 +250,17 @@ class Ledger:
     ) -> bool:
         """Resolve every intent of a stopped turn whose work has ended:
         a pending one becomes abandoned (effect "none") or effect_unknown;
-        what the policy wants reversed gets a durable compensation job,
-        tried once now (bounded by ``COMPENSATE_NOW_S``); the rest waits for
-        the reconciliation worker. A failing compensation never blocks:
-        its job stays, retried with backoff.
+        what the policy wants reversed for its stage
+        (:meth:`EffectPolicy.compensates`) gets a durable compensation job,
+        tried once now (bounded by ``COMPENSATE_NOW_S``), after a lookup if
+        it was never confirmed done (:meth:`reverse_in_flight`); the rest
+        waits for the reconciliation worker. A failing compensation never
+        blocks: its job stays, retried with backoff.
 
         Args:
+            kind: the stop's reason (None: no stop).
+            stop_at: the stop request's time (UTC): an effect confirmed at
+                or before it was done before the stop.
             work_running: some of the turn's work is still running (a
                 must-complete section, or a child that ignored its
                 cancellation): its pending intents are left to it (and to
@@ -413,14 +279,67 @@ class Ledger:
                     intent = await self.move(intent.key, IntentStatus.ABANDONED, expect=frozenset({IntentStatus.PENDING}), detail="stopped before it answered") or intent
                 else:
                     intent = await self.move(intent.key, IntentStatus.EFFECT_UNKNOWN, expect=frozenset({IntentStatus.PENDING}), detail="stopped mid-call: it may have been applied") or intent
-            if intent.effect == "compensate" and policy.compensate and intent.status in (IntentStatus.DONE, IntentStatus.EFFECT_UNKNOWN):
+            if not policy.compensates(intent, stop_at):
+                continue
+            if intent.status is IntentStatus.DONE:
                 await self.compensate(intent, now=True)
+            elif intent.status is IntentStatus.EFFECT_UNKNOWN:
+                await self.reverse_in_flight(intent)
         intents = await self._call(lambda: self.store.ledger_list(turn_id))
         return effect_remains(intents, stop_at, policy)
 
-    async def compensate(self, effect: Intent, *, now: bool) -> Intent:
+    async def reverse_in_flight(self, effect: Intent) -> Intent:
+        """Reverse an effect that was in flight at a stop and never confirmed
+        done (effect_unknown), recording what the external system confirms:
+        its key is looked up first (``lookup_effect``); absent, it is
+        abandoned ("not done"), with no compensation; present, it is done
+        ("confirmed present by lookup"), then compensated; unknown, its
+        compensation runs anyway (it says itself whether it reversed
+        anything). The lookup and the compensation share one
+        ``COMPENSATE_NOW_S``; what does not fit goes on as a durable job.
+        Returns the effect's row afterwards."""
+        start = self.clock.monotonic()
+        limit = timeout_after(self.clock, COMPENSATE_NOW_S)
+        try:
+            async with limit:
+                answer = await self._lookup(effect)
+        except TimeoutError:
+            if not limit.expired:
+                raise
+            await self._audit(effect.key, "lookup", "no answer in time; its compensation is left to a job")
+            await self.compensate(effect, now=False)
+            return effect
+        expect = frozenset({IntentStatus.EFFECT_UNKNOWN})
+        if answer is LookupAnswer.ABSENT:
+            return await self.move(effect.key, IntentStatus.ABANDONED, expect=expect, detail="not done: confirmed absent by lookup") or effect
+        if answer is LookupAnswer.PRESENT:
+            await self.move(effect.key, IntentStatus.DONE, expect=expect, detail="confirmed present by lookup")
+        cur: Intent = await self._call(lambda: self.store.ledger_get(effect.key))
+        if cur.status in (IntentStatus.DONE, IntentStatus.EFFECT_UNKNOWN):
+            left = COMPENSATE_NOW_S - (self.clock.monotonic() - start)
+            await self.compensate(cur, now=left > 0, within_s=left)
+            cur = await self._call(lambda: self.store.ledger_get(effect.key))
+        return cur
+
+    async def _lookup(self, intent: Intent) -> LookupAnswer:
+        """Ask the external system about ``intent``'s key (UNKNOWN if there
+        is no handler or the lookup fails); leaves an audit row."""
+        handler = self.handlers(intent.tool)
+        answer = LookupAnswer.UNKNOWN
+        if handler is not None:
+            try:
+                answer = LookupAnswer(await handler.lookup_effect(intent.key))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("lookup of %s failed: %s", intent.key, exc)
+        await self._audit(intent.key, "lookup", answer.value)
+        return answer
+
+    async def compensate(self, effect: Intent, *, now: bool, within_s: float = COMPENSATE_NOW_S) -> Intent:
         """Create (once) the durable compensation job of ``effect``; with
-        ``now``, try it at once. Returns the job."""
+        ``now``, try it at once, for at most ``within_s`` s (a slower one is
+        retried later). Returns the job."""
         at = self.clock.now()
         job = Intent(
             key=compensation_key(effect.key), turn_id=effect.turn_id, step=effect.step, tool=effect.tool,
@@ -430,7 +349,7 @@ class Ledger:
         if created:
             await self._audit(job.key, "intent", f"compensate {effect.key}")
         if now and job.status in OPEN:
-            limit = timeout_after(self.clock, COMPENSATE_NOW_S)
+            limit = timeout_after(self.clock, within_s)
             try:
                 async with limit:
                     job = await self.run_compensation(job)
@@ -442,22 +361,31 @@ class Ledger:
 
     async def run_compensation(self, job: Intent) -> Intent:
         """One attempt of a compensation job: on success the job is done and
-        its effect compensated; on failure it is retried with backoff, and
-        after ``MAX_ATTEMPTS`` a person must decide (it never disappears)."""
+        its effect compensated, or abandoned ("not done") if the external
+        system says there was nothing to reverse; on failure it is retried
+        with backoff, and after ``MAX_ATTEMPTS`` a person must decide (it
+        never disappears)."""
         handler = self.handlers(job.tool)
         effect_k = job.key.removesuffix(":compensate")
         if handler is None:
             return await self._give_up(job, f"no tool {job.tool!r} here to compensate with")
         try:
-            await handler.compensate_effect(effect_k, job.args)
+            reversed_ = await handler.compensate_effect(effect_k, job.args)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             return await self._retry_later(job, f"compensation failed: {type(exc).__name__}: {exc}")
+        if reversed_ is False:  # the external system never applied it
+            done = await self.move(job.key, IntentStatus.DONE, expect=OPEN, detail="nothing to reverse", attempts=job.attempts + 1) or job
+            await self.move(
+                effect_k, IntentStatus.ABANDONED, expect=frozenset({IntentStatus.DONE, IntentStatus.EFFECT_UNKNOWN}),
+                detail=f"not done: {job.key} found nothing to reverse",
+            )
+            return done
         done = await self.move(job.key, IntentStatus.DONE, expect=OPEN, detail="compensated", attempts=job.attempts + 1) or job
         await self.move(
             effect_k, IntentStatus.COMPENSATED,
-            expect=frozenset({IntentStatus.DONE, IntentStatus.EFFECT_UNKNOWN, IntentStatus.PENDING}),
+            expect=frozenset({IntentStatus.DONE, IntentStatus.EFFECT_UNKNOWN, IntentStatus.PENDING, IntentStatus.ABANDONED}),
             detail=f"reversed by {job.key}",
         )
         return done
@@ -482,22 +410,17 @@ class Ledger:
     async def reconcile(self, intent: Intent, kind: StopReasonKind | None) -> Intent:
         """One reconciliation attempt of an effect_unknown intent: ask the
         external system by key (never a blind retry) and act on the answer
-        under the policy of the turn's stop reason ``kind``."""
+        under the policy of the turn's stop reason ``kind``. An
+        effect_unknown found present was in flight at the stop: it is
+        reversed if the policy reverses effects in flight."""
         policy = policy_for(kind)
         handler = self.handlers(intent.tool)
         if handler is None:
             return await self._give_up(intent, f"no tool {intent.tool!r} here to look the effect up")
-        try:
-            answer = await handler.lookup_effect(intent.key)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            answer = LookupAnswer.UNKNOWN
-            log.warning("lookup of %s failed: %s", intent.key, exc)
-        await self._audit(intent.key, "lookup", answer.value)
+        answer = await self._lookup(intent)
         if answer is LookupAnswer.PRESENT:
             done = await self.move(intent.key, IntentStatus.DONE, expect=frozenset({IntentStatus.EFFECT_UNKNOWN}), detail="confirmed present by lookup")
-            if done is not None and done.effect == "compensate" and policy.compensate:
+            if done is not None and done.effect == "compensate" and policy.compensate_in_flight:
                 await self.compensate(done, now=True)
             return done or intent
         if answer is LookupAnswer.ABSENT:
@@ -526,72 +449,3 @@ def _payload(intent: Intent) -> dict[str, Any]:
         "effect": intent.effect, "status": intent.status.value, "kind": intent.kind.value,
         "output": intent.result, "error": intent.error,
     }
-
-
-class ReconciliationWorker:
-    """Settles what stops and crashes left open, in the background: runs
-    compensation jobs, reconciles effect_unknown intents by lookup, and
-    resolves intents of turns whose worker is gone. Safe on several
-    instances at once: every change is a compare-and-set.
-
-    Args:
-        ledger: the ledger.
-        turn_stop_kind: the stop kind of a turn (None if it was not stopped)
-            and whether it is terminal: ``async (turn_id) -> (kind, terminal)``.
-        interval_s: pause between passes, s.
-        pending_grace_s: a pending row of an ended turn is taken over only
-            when it has not changed for this long, s (its call may still be
-            running: a must-complete section outlives the stop's grace).
-    """
-
-    def __init__(
-        self,
-        ledger: Ledger,
-        turn_stop_kind: Callable[[str], Awaitable[tuple[StopReasonKind | None, bool]]],
-        *,
-        interval_s: float = 1.0,
-        pending_grace_s: float = 30.0,
-    ) -> None:
-        self.ledger = ledger
-        self.turn_stop_kind = turn_stop_kind
-        self.interval_s = interval_s
-        self.pending_grace_s = pending_grace_s
-
-    async def run_once(self, limit: int = 100) -> int:
-        """One pass over the rows that are due; returns how many it acted on."""
-        ledger = self.ledger
-        acted = 0
-        for row in await ledger._call(lambda: ledger.store.ledger_due(ledger.clock.now(), limit)):
-            try:
-                kind, terminal = await self.turn_stop_kind(row.turn_id)
-                if row.kind is IntentKind.COMPENSATION:
-                    await ledger.run_compensation(row)
-                elif row.status is IntentStatus.EFFECT_UNKNOWN:
-                    await ledger.reconcile(row, kind)
-                elif (
-                    row.status is IntentStatus.PENDING
-                    and terminal
-                    and (ledger.clock.now() - row.updated_at).total_seconds() >= self.pending_grace_s
-                ):
-                    # its worker is gone (the turn ended without resolving it)
-                    status = IntentStatus.ABANDONED if row.effect == "none" else IntentStatus.EFFECT_UNKNOWN
-                    await ledger.move(row.key, status, expect=frozenset({IntentStatus.PENDING}), detail="its turn ended without an answer")
-                else:
-                    continue
-                acted += 1
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("could not settle ledger row %s", row.key)
-        return acted
-
-    async def run(self) -> None:
-        """Run passes forever, ``interval_s`` apart."""
-        while True:
-            try:
-                await self.run_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("reconciliation pass failed")
-            await self.ledger.clock.sleep(self.interval_s)

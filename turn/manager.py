@@ -25,7 +25,8 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from turn.clock import Clock
 from turn.events import EventLogs
-from turn.ledger import Ledger, ReconciliationWorker
+from turn.ledger import Ledger
+from turn.reconciliation import ReconciliationWorker
 from turn.models import Budget, Plan, Session, StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
 from turn.scope import LIMIT_KINDS, NotStarted, TurnScope, TurnStopped, terminal_status
 from turn.signals import StopSignals

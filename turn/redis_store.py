@@ -42,7 +42,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from turn.ledger import OPEN, AuditRow, Intent
+from turn.intents import OPEN, AuditRow, Intent
 from turn.models import (
     TERMINAL_STATUSES, Budget, EventRecord, Session, Spent, StopReason, StopReport, Turn, TurnStatus, Usage,
 )

@@ -25,7 +25,7 @@ from typing import Any, Callable, TypeVar
 
 from pydantic import BaseModel
 
-from turn.ledger import OPEN, AuditRow, Intent
+from turn.intents import OPEN, AuditRow, Intent
 from turn.models import (
     TERMINAL_STATUSES,
     Budget,

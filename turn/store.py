@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from turn.ledger import AuditRow, Intent
+from turn.intents import AuditRow, Intent
 from turn.models import EventRecord, Session, StopReason, Turn, TurnStatus
 from turn.states import TransitionResult
 

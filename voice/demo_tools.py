@@ -11,18 +11,22 @@
   them one by one and skips those of a stopped turn.
 
 Every call passes its idempotency key on; each message has its own key
-(``<batch key>:<i>``).
+(``<batch key>:<i>``) and its own ledger row (tool ``outbound_messages``),
+written before it is sent. :func:`demo_handlers` gives the ledger what it
+needs to settle both: the tools, and :class:`QueuedMessages` for the
+messages (lookup by key; never compensated).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from pydantic import Field
 
 from turn.clock import Clock
 from turn.downstream import DownstreamWorker
-from turn.ledger import LookupAnswer
+from turn.ledger import EffectHandler, LookupAnswer
 from turn.store import TurnStore
 from voice.demo_service import DemoService
 from voice.tools import Toolbox, embedded_tools, tool
@@ -37,8 +41,8 @@ def demo_tools(clock: Clock, service: DemoService, store: TurnStore) -> Toolbox:
     async def lookup(idempotency_key: str) -> LookupAnswer:
         return await service.lookup(idempotency_key)
 
-    async def cancel_order(idempotency_key: str) -> None:
-        await service.reverse(idempotency_key)
+    async def cancel_order(idempotency_key: str) -> bool:
+        return await service.reverse(idempotency_key)  # False: never placed, nothing reversed
 
     @tool(effect="compensate", compensate=cancel_order, lookup=lookup, expected_duration_ms=50, max_duration_ms=10_000)
     async def create_order(idempotency_key: str, item: str = "a coffee") -> str:
@@ -73,3 +77,58 @@ def message_sender(service: DemoService, store: TurnStore, clock: Clock, **kw: A
         await service.apply("message", item["key"], {"text": item.get("text", "")})
 
     return DownstreamWorker(store, MESSAGES_QUEUE, send, clock, **kw)
+
+
+class QueuedMessages:
+    """The ledger's handler for the rows of queued messages (tool
+    :data:`MESSAGES_QUEUE`, effect "complete"): a lookup asks ``service``
+    by the message's key; a retry sends it again under the same key (only
+    when the turn's stop policy allows retries); there is no compensation
+    (a sent message cannot be unsent).
+
+    Args:
+        service: the external system the messages go to.
+    """
+
+    name = MESSAGES_QUEUE
+    effect = "complete"
+
+    def __init__(self, service: DemoService) -> None:
+        self.service = service
+
+    async def compensate_effect(self, key: str, args: dict[str, Any]) -> bool:
+        """Never called for a "complete" effect.
+
+        Raises:
+            RuntimeError: always (a sent message cannot be unsent).
+        """
+        raise RuntimeError("a sent message cannot be unsent")
+
+    async def lookup_effect(self, key: str) -> LookupAnswer:
+        """Whether the message ``key`` was sent (UNKNOWN if the service
+        cannot say)."""
+        return await self.service.lookup(key)
+
+    async def retry_effect(self, key: str, args: dict[str, Any]) -> Any:
+        """Send the message ``key`` again (the service applies a key once).
+
+        Raises:
+            turn.ledger.EffectNotApplied / voice.demo_service.ServiceError:
+                as :meth:`DemoService.apply`.
+        """
+        return await self.service.apply("message", key, {"text": args.get("text", "")})
+
+
+def demo_handlers(tools: Callable[[], Toolbox], service: DemoService) -> Callable[[str], EffectHandler | None]:
+    """What ``Ledger.handlers`` should be for the demo: the tool of a name
+    (``tools()`` is asked each time, so a toolbox built later is found),
+    or :class:`QueuedMessages` for the message rows; None for any other
+    name."""
+    messages = QueuedMessages(service)
+
+    def handler(name: str) -> EffectHandler | None:
+        if name == MESSAGES_QUEUE:
+            return messages
+        return tools().get(name)
+
+    return handler

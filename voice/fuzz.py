@@ -6,17 +6,30 @@ in-process :class:`voice.demo_service.DemoService`) on a virtual clock and
 the SQLite store, with random faults in the external system, and usually
 stops it: at a random checkpoint (the injector requests the stop as that
 checkpoint begins) or at a random moment (mid-call included), with a random
-stop reason. Then the reconciliation and downstream workers run until
-nothing is left for them, and the invariants are checked:
+stop reason. The downstream (message) worker runs all along, so a stop may
+land while it sends. Then the reconciliation and downstream workers run
+until nothing is left for them, and the invariants are checked:
 
 1. no ledger row is left pending (pending, effect_unknown, retrying);
 2. every external effect is applied at most once, under its intent's key,
-   and nothing is applied that the ledger does not know of; no queued
-   message of a stopped turn is sent after its stop;
+   and nothing is applied that the ledger does not know of (each queued
+   message has its own row); a queued message of a stopped turn applied
+   after its stop is in the ledger as done and its turn is
+   RECONCILE_REQUIRED, never CANCELLED;
 3. every turn has exactly one terminal state, consistent with its ledger:
    a CANCELLED (or limit-FAILED) turn keeps no effect after its stop; a
    compensated effect is reversed in the external system; a done one is
-   applied there.
+   applied there;
+4. a barge-in never reverses an effect that was done before its stop: no
+   compensation is even attempted for one (a barge-in means "I want to
+   speak now", not "undo", :mod:`turn.stop_policy`);
+5. what the next model request is actually sent (a follow-up turn in the
+   same session, read from the model's own input) matches the external
+   system and what the client was shown: each tool call of the turn with
+   its outcome ("done" only if the effect stands there, "done, then
+   reversed" only if it was reversed there, "not done" only if it never
+   happened), and as the turn's reply exactly the text the client received
+   (its ``agent.delta`` events logged deliverable), nothing withheld.
 
 ``turnkeeper fuzz --iterations N [--seed S]`` runs it by hand. A seed fixes
 the scripts, the stops and the faults; the interleaving with the store's
@@ -40,14 +53,15 @@ from typing import Any
 
 from turn.clock import VirtualClock
 from turn.downstream import turn_stopped
-from turn.ledger import RESOLVED, IntentKind, IntentStatus, policy_for
+from turn.intents import RESOLVED, IntentKind, IntentStatus, compensation_key
 from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
 from turn.scope import LIMIT_KINDS
 from turn.sqlite_store import SqliteStore
+from turn.stop_policy import Stage, policy_for, stage_at_stop
 from turn.usage import Pricing, RequestMeter
 from voice.demo_service import DemoService
-from voice.demo_tools import demo_tools, message_sender
+from voice.demo_tools import MESSAGES_QUEUE, demo_handlers, demo_tools, message_sender
 from voice.llm import prompt_tokens, tokenize
 from voice.providers import Message, ToolCall, ToolSpec
 from voice.text_turns import TextTurns
@@ -62,6 +76,8 @@ REASONS = (
     StopReasonKind.WORKER_SHUTDOWN,
 )
 FAULTS = ("fail_before", "fail_after", "slow")
+#: the words of the turn that follows each fuzzed one in its session
+FOLLOW_UP = "what happened"
 
 
 class ScriptedModel:
@@ -72,8 +88,18 @@ class ScriptedModel:
     name = "scripted"
     pricing = Pricing()
 
-    def __init__(self, script: list[list[ToolCall]], clock: VirtualClock, *, reply: str = "All done.", tps: float = 200.0) -> None:
+    def __init__(
+        self,
+        script: list[list[ToolCall]],
+        clock: VirtualClock,
+        *,
+        reply: str = "All done: every step you asked for was carried out, one by one, in order.",
+        tps: float = 200.0,
+        requests: list[list[Message]] | None = None,
+    ) -> None:
         self.script = script
+        #: every request's messages, in order (what the model was sent)
+        self.requests = requests if requests is not None else []
         self.clock = clock
         self.reply = reply
         self.interval = 1.0 / tps
@@ -82,6 +108,7 @@ class ScriptedModel:
         self, messages: list[Message], *, tools: list[ToolSpec] | None = None, meter: RequestMeter | None = None
     ) -> AsyncIterator[str | ToolCall]:
         """The next step's tool calls, or the reply once the script is done."""
+        self.requests.append([m.model_copy() for m in messages])
         last_user = max(i for i, m in enumerate(messages) if m.role == "user")
         steps = sum(1 for m in messages[last_user + 1 :] if m.role == "assistant" and m.tool_calls)
         finished = False
@@ -117,6 +144,9 @@ class FuzzReport:
         intents: ledger rows by final status.
         effects_applied: keys the external system applied.
         messages_sent / messages_skipped: downstream items.
+        kept_through_barge_in: effects done before a barge-in's stop (each
+            must be kept: invariant 4 had this many chances to break).
+        histories_checked: follow-up model requests checked (invariant 5).
         violations: every broken invariant, one line each (empty: all held).
     """
 
@@ -128,6 +158,8 @@ class FuzzReport:
     effects_applied: int = 0
     messages_sent: int = 0
     messages_skipped: int = 0
+    kept_through_barge_in: int = 0
+    histories_checked: int = 0
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -137,17 +169,23 @@ class FuzzReport:
 
     def invariants(self) -> dict[str, int]:
         """Violations per invariant (0 everywhere when all held)."""
-        out = {"no_row_left_pending": 0, "effect_at_most_once": 0, "one_terminal_state_consistent_with_ledger": 0}
+        out = {
+            "no_row_left_pending": 0, "effect_at_most_once": 0, "one_terminal_state_consistent_with_ledger": 0,
+            "barge_in_keeps_done_effects": 0, "history_matches_ledger_and_heard": 0,
+        }
         for v in self.violations:
             out[v.split(":", 1)[0]] = out.get(v.split(":", 1)[0], 0) + 1
         return out
 
     def as_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data (what `turnkeeper fuzz --json` prints)."""
         return {
             "iterations": self.iterations, "seed": self.seed, "ok": self.ok,
             "terminal": dict(self.terminal), "stops": dict(self.stops), "intents": dict(self.intents),
             "effects_applied": self.effects_applied, "messages_sent": self.messages_sent,
-            "messages_skipped": self.messages_skipped, "invariants": self.invariants(),
+            "messages_skipped": self.messages_skipped, "kept_through_barge_in": self.kept_through_barge_in,
+            "histories_checked": self.histories_checked,
+            "invariants": self.invariants(),
             "violations": self.violations[:50],
         }
 
@@ -169,7 +207,8 @@ class _Injector:
                 self.seen += 1
                 if self.seen == self.at and self.reason is not None:
                     self.fired = True
-                    await manager.request_stop(turn_id, self.reason)
+                    # stamped as it is requested, as a real caller does
+                    await manager.request_stop(turn_id, self.reason.model_copy(update={"at": manager.clock.now()}))
             await original(turn_id, phase, **kw)
 
         manager.checkpoint = checkpoint  # type: ignore[method-assign]
@@ -211,12 +250,13 @@ async def fuzz(iterations: int, seed: int = 1, *, folder: Path | None = None) ->
         stack.callback(service.close)
         manager = TurnManager(store, clock, owner="fuzz")
         toolbox = demo_tools(clock, service, store)
-        manager.ledger.handlers = toolbox.get
+        manager.ledger.handlers = demo_handlers(lambda: toolbox, service)
         injector = _Injector(manager)
         script: list[list[ToolCall]] = []
+        requests: list[list[Message]] = []
         turns = TextTurns(
             manager,
-            lambda: ScriptedModel(script, clock),
+            lambda: ScriptedModel(script, clock, requests=requests),
             clock,
             plans=lambda _t: Plan(deadline_s=60, max_steps=32),
             tools=lambda: toolbox,
@@ -224,6 +264,8 @@ async def fuzz(iterations: int, seed: int = 1, *, folder: Path | None = None) ->
         skipped: list[dict[str, Any]] = []
         sender = message_sender(service, store, clock, consumer="fuzz", on_skip=skipped.append)
         worker = manager.reconciliation_worker()
+        # the message worker runs all along, so a stop can land while it sends
+        sending = asyncio.ensure_future(sender.run(poll_s=0.01))
         try:
             for n in range(iterations):
                 script[:] = _random_script(rng)
@@ -246,10 +288,18 @@ async def fuzz(iterations: int, seed: int = 1, *, folder: Path | None = None) ->
                 service.clear_faults()
                 await _settle_workers(clock, store, sender, worker)
                 await _check(manager, store, service, turn.id, report)
+                # invariant 5: what the next request of this session is sent
+                script[:] = []
+                sent_before = len(requests)
+                follow = await turns.start(tenant_id="fuzz", text=FOLLOW_UP, session_id=session)
+                await _drive(clock, lambda t=follow.id: t not in turns.scopes and not _running(turns, t))
+                await _check_history(manager, store, service, turn.id, requests[sent_before:], report)
             report.messages_sent = sender.done
             report.messages_skipped = len(skipped)
             report.effects_applied = len(service.applied())
         finally:
+            sending.cancel()
+            await asyncio.wait([sending])
             await turns.aclose()
             await manager.events.aclose()
             await store.close()
@@ -312,6 +362,7 @@ async def _check(manager: TurnManager, store: SqliteStore, service: DemoService,
     for i in intents:
         report.intents[f"{i.kind.value}:{i.status.value}"] += 1
     # 3a. exactly one terminal state
+    await manager.events.log(turn.session_id).flush()
     events = await store.read_events(turn.session_id, 0, 10_000)
     terminal_events = [e for e in events if e.type == "turn" and e.turn_id == turn_id and TurnStatus(e.payload["status"]).is_terminal]
     if not turn.is_terminal or len(terminal_events) != 1:
@@ -323,17 +374,28 @@ async def _check(manager: TurnManager, store: SqliteStore, service: DemoService,
     # 2. effects: each under its own key, at most once, none unknown to the ledger
     applied = service.applied(turn_id)
     keys = {i.key for i in intents if i.kind is IntentKind.EFFECT}
+    rows = {i.key: i for i in intents}
     for key, eff in applied.items():
         base = key if eff["op"] != "message" else key.rsplit(":", 1)[0]
-        if base not in keys:
-            bad(f"effect_at_most_once: {key} was applied but the ledger has no intent {base}")
+        if base not in keys or key not in keys:
+            bad(f"effect_at_most_once: {key} was applied but the ledger has no intent {key if base in keys else base}")
         if service.times_applied(key) > 1:
             bad(f"effect_at_most_once: {key} applied {service.times_applied(key)} times")
         if service.repeats(key):
             bad(f"effect_at_most_once: {key} was sent again after it had been applied (a blind retry)")
         if eff["op"] == "message" and turn.stop_reason is not None and turn_stopped(turn):
-            if datetime.fromisoformat(eff["applied_at"]) > turn.stop_reason.at:
-                bad(f"effect_at_most_once: message {key} of a stopped turn was sent after the stop")
+            row = rows.get(key)
+            stop_at = turn.stop_reason.at
+            if datetime.fromisoformat(eff["applied_at"]) > stop_at:
+                # only an item already on its way at the stop (its intent
+                # written before it) may land after it, and then the ledger
+                # and the terminal state must say so
+                if row is None or row.created_at > stop_at:
+                    bad(f"effect_at_most_once: message {key} of a stopped turn was sent after the stop, "
+                        "though it was not yet on its way when the stop was recorded")
+                elif turn.status is not TurnStatus.RECONCILE_REQUIRED or row.status is not IntentStatus.DONE:
+                    bad(f"effect_at_most_once: message {key} of a stopped turn was sent after the stop, "
+                        f"and the turn is {turn.status} with its row {row.status}")
     # 3b. consistency of terminal state and ledger
     stop = turn.stop_reason
     policy = policy_for(stop.kind if stop else None)
@@ -354,14 +416,25 @@ async def _check(manager: TurnManager, store: SqliteStore, service: DemoService,
         for i in intents:
             if i.kind is not IntentKind.EFFECT or i.effect == "none":
                 continue
-            if i.status is IntentStatus.DONE and i.done_at is not None and i.done_at > stop.at:
+            queued_work_goes_on = i.tool == MESSAGES_QUEUE and policy.finish_queued  # by policy (worker_shutdown)
+            if i.status is IntentStatus.DONE and i.done_at is not None and i.done_at > stop.at and not queued_work_goes_on:
                 bad(f"one_terminal_state_consistent_with_ledger: {turn.status} turn {turn_id} has {i.key} done after its stop")
-            if i.status is IntentStatus.DONE and i.effect == "compensate" and policy.compensate:
+            if i.status is IntentStatus.DONE and policy.compensates(i, stop.at):
                 bad(f"one_terminal_state_consistent_with_ledger: {turn.status} turn {turn_id} kept {i.key}, which its stop reverses")
             if i.status is IntentStatus.HUMAN_REQUIRED:
                 bad(f"one_terminal_state_consistent_with_ledger: {turn.status} turn {turn_id} has {i.key} unresolved")
     if turn.status is TurnStatus.COMPLETED and any(i.status is IntentStatus.COMPENSATED for i in intents):
         bad(f"one_terminal_state_consistent_with_ledger: completed turn {turn_id} had an effect reversed")
+    # 4. a barge-in keeps what was done before it
+    if stop is not None and stop.kind is StopReasonKind.BARGE_IN:
+        jobs = {i.key for i in intents if i.kind is IntentKind.COMPENSATION}
+        for i in intents:
+            if i.kind is not IntentKind.EFFECT or stage_at_stop(i, stop.at) is not Stage.DONE_BEFORE_STOP:
+                continue
+            report.kept_through_barge_in += 1
+            eff = applied.get(i.key)
+            if i.status is IntentStatus.COMPENSATED or compensation_key(i.key) in jobs or (eff is not None and eff["reversed"]):
+                bad(f"barge_in_keeps_done_effects: {i.key} was done before the barge-in of turn {turn_id} and was reversed ({i.status.value})")
 
 
 def print_report(report: FuzzReport) -> None:
@@ -371,9 +444,70 @@ def print_report(report: FuzzReport) -> None:
     print(f"  terminal states: {dict(report.terminal)}")
     print(f"  ledger rows: {dict(report.intents)}")
     print(f"  effects applied: {report.effects_applied}; messages sent {report.messages_sent}, skipped {report.messages_skipped}")
+    print(f"  effects done before a barge-in (to be kept): {report.kept_through_barge_in}")
+    print(f"  follow-up requests checked against the ledger and the heard text: {report.histories_checked}")
     print("  invariants (violations):")
     for name, count in report.invariants().items():
         print(f"    {name:<45} {count}")
     for v in report.violations[:20]:
         print(f"  ! {v}")
     print("OK" if report.ok else f"BROKEN: {len(report.violations)} violations")
+
+
+async def _check_history(
+    manager: TurnManager, store: SqliteStore, service: DemoService, turn_id: str,
+    sent: list[list[Message]], report: FuzzReport,
+) -> None:
+    """Invariant 5 (module doc): the follow-up turn's first model request,
+    against the external system and the event log of ``turn_id``."""
+    bad = report.violations.append
+    name = "history_matches_ledger_and_heard"
+    turn: Turn = await manager.get(turn_id)
+    if not sent:
+        bad(f"{name}: the turn after {turn_id} sent the model nothing")
+        return
+    first = sent[0]
+    if first[-1].role != "user" or first[-1].content != FOLLOW_UP:
+        bad(f"{name}: the turn after {turn_id} did not end its request with its own words")
+        return
+    earlier = first[:-1]
+    report.histories_checked += 1
+    if not earlier or earlier[0].role != "user" or earlier[0].content != turn.transcript:
+        bad(f"{name}: the request after {turn_id} does not start with that turn's words")
+        return
+    rows = {i.key: i for i in await store.ledger_list(turn_id) if i.kind is IntentKind.EFFECT}
+    applied = service.applied(turn_id)
+    calls = {c.id: c for m in earlier if m.tool_calls for c in m.tool_calls}
+    for m in (m for m in earlier if m.role == "tool"):
+        call = calls.get(m.tool_call_id or "")
+        row = rows.get(m.tool_call_id or "")
+        if call is None or row is None:
+            bad(f"{name}: a tool result {m.tool_call_id} with no call or no ledger row")
+            continue
+        if m.status != row.status.value:
+            bad(f"{name}: {row.key} told as {m.status}, the ledger says {row.status.value}")
+        eff = applied.get(row.key)
+        if row.effect == "none":
+            continue
+        stands = eff is not None and not eff["reversed"]
+        if m.status == IntentStatus.DONE.value and not stands:
+            bad(f"{name}: {row.key} told done, but it does not stand in the external system")
+        if m.status == IntentStatus.COMPENSATED.value and not (eff is not None and eff["reversed"]):
+            bad(f"{name}: {row.key} told done, then reversed, but nothing was reversed there")
+        if m.status == IntentStatus.ABANDONED.value and stands:
+            bad(f"{name}: {row.key} told not done, but it stands in the external system")
+    told = {m.tool_call_id for m in earlier if m.role == "tool"}
+    for key, row in rows.items():
+        if key == f"{turn_id}:{row.step}" and key not in told:
+            bad(f"{name}: {key} ({row.tool}) is in the ledger but the model was not told of it")
+    events = await store.read_events(turn.session_id, 0, 100_000)
+    heard = "".join(
+        str(e.payload.get("text", "")) for e in events
+        if e.turn_id == turn_id and e.type == "agent.delta" and not e.fenced and not e.payload.get("withheld")
+    ).strip()
+    replies = [m for m in earlier if m.role == "assistant" and not m.tool_calls]
+    said = replies[-1].content if replies else ""
+    if said != heard:
+        bad(f"{name}: the model is told {turn_id} said {said[:60]!r}, the client received {heard[:60]!r}")
+    if replies and turn.status is not TurnStatus.COMPLETED and not replies[-1].interrupted:
+        bad(f"{name}: {turn_id}'s reply is not marked interrupted though the turn was {turn.status}")

@@ -11,9 +11,10 @@ against it before the call.
 - ``"complete"``: must finish once started; it runs as a short shielded
   must-complete section (:meth:`turn.scope.TurnScope.commit`), and a stop
   takes effect after it (the turn then needs reconciliation);
-- ``"compensate"``: reversed on stop by ``compensate`` (the side-effect
-  ledger, issue 5, runs compensations; until then it is treated like
-  ``"complete"``).
+- ``"compensate"``: reversed on stop by ``compensate`` when the stop's
+  policy says so for the call's stage (:mod:`turn.stop_policy`: a barge-in
+  keeps what was done before it); the side-effect ledger runs the
+  compensation as a durable job.
 
 ``expected_duration_ms``: a call is not started when the turn has less time
 left (event ``tool.not_started``, reason ``no_budget``).
@@ -95,15 +96,22 @@ class Tool:
 
     # -- turn.ledger.EffectHandler ------------------------------------------------
 
-    async def compensate_effect(self, key: str, args: dict[str, Any]) -> None:
+    async def compensate_effect(self, key: str, args: dict[str, Any]) -> bool:
         """Undo the effect of ``key`` with the declared ``compensate``.
+
+        Returns:
+            False if ``compensate`` returned False: the external system says
+            ``key`` was never applied, so nothing was reversed (the ledger
+            then records the effect abandoned, "not done"); True otherwise
+            (any other answer, None included, means it was reversed).
 
         Raises:
             RuntimeError: the tool declares no compensation.
+            Exception: whatever ``compensate`` raises (the ledger retries).
         """
         if self.compensate is None:
             raise RuntimeError(f"tool {self.name} has no compensation")
-        await self.compensate(key)
+        return await self.compensate(key) is not False
 
     async def lookup_effect(self, key: str) -> LookupAnswer:
         """Ask the external system about ``key`` (UNKNOWN without ``lookup``)."""
@@ -135,7 +143,9 @@ def tool(
         max_duration_ms: a call is cut off after this long, ms.
         compensate: ``compensate(idempotency_key)`` undoes the effect
             (required for ``"compensate"`` tools; idempotent, a no-op for a
-            key never applied).
+            key never applied). It may return False to say the key was
+            never applied (nothing reversed: the call is then recorded "not
+            done" rather than "done, then reversed").
         lookup: ``lookup(idempotency_key)`` asks the external system whether
             the effect happened: ``"present"``, ``"absent"`` or ``"unknown"``.
 

@@ -35,7 +35,7 @@ from voice.openai_llm import OpenAiChatModel
 from voice.providers import LanguageModel
 from turn.store import TurnStore
 from voice.demo_service import DemoService
-from voice.demo_tools import demo_tools, message_sender
+from voice.demo_tools import demo_handlers, demo_tools, message_sender
 from voice.tools import Toolbox, embedded_tools
 from voice.session import Providers
 from voice.stt import PocketsphinxSTT
@@ -213,7 +213,7 @@ def create_app(
     app[STREAMS] = set()
     app[PROVIDERS] = provs = providers or EmbeddedProviders(settings, app[CLOCK])
     provs.bind(store)
-    app[MANAGER].ledger.handlers = lambda name: provs.tools().get(name)
+    app[MANAGER].ledger.handlers = demo_handlers(provs.tools, provs.service)
     app[TEXT_TURNS] = TextTurns(
         app[MANAGER],
         provs.llm_for_session,

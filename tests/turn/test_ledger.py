@@ -18,13 +18,13 @@ from turn.ledger import (
     IntentStatus,
     Ledger,
     LookupAnswer,
-    ReconciliationWorker,
     compensation_key,
     effect_key,
     effect_remains,
     policy_for,
 )
 from turn.models import StopReasonKind
+from turn.reconciliation import ReconciliationWorker
 from turn.store import UnknownIntent
 from voice.demo_service import DemoService
 from voice.demo_tools import demo_tools
@@ -128,9 +128,12 @@ async def run(clock: VirtualClock, coro):  # type: ignore[no-untyped-def]
 
 
 def test_policies_differ_by_reason() -> None:
-    assert policy_for(StopReasonKind.USER_CANCEL).compensate and not policy_for(StopReasonKind.USER_CANCEL).retry_absent
-    assert policy_for(StopReasonKind.WORKER_SHUTDOWN).retry_absent and not policy_for(StopReasonKind.WORKER_SHUTDOWN).compensate
+    cancel, shutdown = policy_for(StopReasonKind.USER_CANCEL), policy_for(StopReasonKind.WORKER_SHUTDOWN)
+    assert cancel.compensate_done and cancel.compensate_in_flight and not cancel.retry_absent
+    assert shutdown.retry_absent and not shutdown.compensate_done and not shutdown.compensate_in_flight
     assert not policy_for(StopReasonKind.SAFETY_ABORT).new_effects
+    barge = policy_for(StopReasonKind.BARGE_IN)  # "I want to speak now", not "undo"
+    assert not barge.compensate_done and barge.compensate_in_flight
 
 
 async def test_stop_compensates_a_done_order(ledger: Ledger, service: DemoService, clock: VirtualClock) -> None:
@@ -237,6 +240,9 @@ def test_effect_remains_rules() -> None:
     assert effect_remains([paid_after], stop, cancel)
     assert effect_remains([order], stop, cancel)  # its compensation has not succeeded
     assert not effect_remains([order], stop, policy_for(StopReasonKind.WORKER_SHUTDOWN))
+    assert not effect_remains([order], stop, policy_for(StopReasonKind.BARGE_IN))  # kept: nothing after the stop
+    order_after = order.model_copy(update={"done_at": after})
+    assert effect_remains([order_after], stop, policy_for(StopReasonKind.BARGE_IN))  # in flight: not reversed yet
     assert effect_remains([unknown], stop, cancel)
     job = intent(step=6, kind=IntentKind.COMPENSATION, status=IntentStatus.RETRYING)
     assert not effect_remains([reversed_order, job], stop, cancel)

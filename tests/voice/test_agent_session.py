@@ -428,9 +428,12 @@ def test_audible_pending() -> None:
 async def test_barge_in_during_a_tool_call_follows_the_ledger_rules(
     store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
 ) -> None:
-    """A voice barge-in while create_order is in flight: the old turn's order
-    is reversed by its compensation, the turn ends CANCELLED, and the new
-    turn is answered; the same rules as a REST stop."""
+    """A voice barge-in while create_order is in flight (the shop has not
+    written it): the order follows its class, a reversal, which first looks
+    the key up and finds nothing to reverse, so it is recorded "not done"
+    (abandoned, no compensation run), never "done, then reversed"; the turn
+    ends CANCELLED, and the new turn is answered; the same rules as a REST
+    stop (issue 10.5)."""
     h = Harness(store, grammar_file)
     service = DemoService(h.clock, latency_s=0.02)
     service.slow_s = 3.0
@@ -450,15 +453,17 @@ async def test_barge_in_during_a_tool_call_follows_the_ledger_rules(
         assert old.transcript == "please order a coffee" and old.stop_reason.kind is StopReasonKind.BARGE_IN  # type: ignore[union-attr]
         assert old.status is TurnStatus.CANCELLED
         rows = {i.kind.value: i for i in await store.ledger_list(old.id)}
-        assert rows["effect"].tool == "create_order" and rows["effect"].status.value == "compensated"
-        assert rows["compensation"].status.value == "done"
-        assert all(e["reversed"] for e in service.applied(old.id).values())  # nothing of it stands
+        assert rows["effect"].tool == "create_order" and rows["effect"].status.value == "abandoned"
+        assert "compensation" not in rows  # looked up first: absent, nothing to reverse
+        assert service.applied(old.id) == {}  # the shop never wrote it
+        assert "confirmed absent by lookup" in (await store.audit_list(rows["effect"].key))[-1].detail
         assert new.status is TurnStatus.COMPLETED and new.transcript == "hello there"
-        assert any(e["type"] == "tool.compensated" for e in h.events)
+        assert any(e["type"] == "tool.abandoned" for e in h.events)
+        assert not any(e["type"] == "tool.compensated" for e in h.events)
         # nothing of the old reply was played, so the history holds none of it
         history = [(m.role, m.content if not m.tool_calls else m.tool_calls[0].name) for m in await h.session.history()]
         assert history[:2] == [("user", "please order a coffee"), ("assistant", "create_order")]
-        assert history[2][0] == "tool" and history[3] == ("user", "hello there")
+        assert history[2] == ("tool", "cancelled: it was not done") and history[3] == ("user", "hello there")
     finally:
         await h.stop()
         service.close()

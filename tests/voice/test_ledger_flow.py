@@ -17,6 +17,7 @@ from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
 from turn.sqlite_store import SqliteStore
 from voice.demo_service import DemoService
+from turn.downstream import DownstreamWorker
 from voice.demo_tools import MESSAGES_QUEUE, demo_tools, message_sender
 from voice.llm import LlmConfig, LocalAgent
 from voice.providers import Message
@@ -118,20 +119,22 @@ async def test_a_stop_before_the_order_was_sent_abandons_it(flow: Flow, monkeypa
     assert flow.service.applied(turn.id) == {}
 
 
-async def test_a_stop_mid_order_compensates_it_and_the_turn_is_cancelled(flow: Flow) -> None:
+async def test_a_stop_mid_order_the_shop_never_wrote_is_not_done(flow: Flow) -> None:
+    """Issue 10.5: the order was sent, the stop cut the call off before the
+    shop wrote anything. The reversal looks the key up first: absent, so
+    the order is recorded "not done" (abandoned), no compensation runs, and
+    nobody is told it was done, then reversed."""
     turn = await flow.start("please order a coffee")
     await flow.until(lambda: f"{turn.id}:2" in flow.service.received)  # sent; the shop takes 0.3 s to answer
     await flow.stop(turn.id)
     done = await flow.settled(turn.id)
     assert done.status is TurnStatus.CANCELLED
-    rows = {i.kind: i for i in await flow.store.ledger_list(turn.id)}
-    assert rows[IntentKind.EFFECT].status is IntentStatus.COMPENSATED
-    assert rows[IntentKind.COMPENSATION].status is IntentStatus.DONE
-    # the call was cut off before the shop answered: nothing stands there
-    applied = flow.service.applied(turn.id)
-    assert all(e["reversed"] for e in applied.values())
+    [row] = await flow.store.ledger_list(turn.id)
+    assert row.kind is IntentKind.EFFECT and row.status is IntentStatus.ABANDONED  # no compensation job either
+    assert [a.detail for a in await flow.store.audit_list(row.key)][-2:] == ["absent", "not done: confirmed absent by lookup"]
+    assert flow.service.applied(turn.id) == {}
     types = await flow.event_types(turn.session_id)
-    assert "tool.intent" in types and "tool.effect_unknown" in types and "tool.compensated" in types
+    assert "tool.effect_unknown" in types and "tool.abandoned" in types and "tool.compensated" not in types
 
 
 async def test_a_stop_after_the_order_reverses_it(flow: Flow) -> None:
@@ -188,10 +191,10 @@ async def test_the_next_model_call_sees_a_consistent_tool_history(flow: Flow) ->
     assert done.status is TurnStatus.COMPLETED
     sent = RecordingAgent.seen[-2]  # the second turn's first request
     tool_messages = [m for m in sent if m.role == "tool"]
-    assert tool_messages and tool_messages[0].status == "compensated"
+    assert tool_messages and tool_messages[0].status == "abandoned"
     [effect] = [i for i in await flow.store.ledger_list(first.id) if i.kind is IntentKind.EFFECT]
-    assert effect.status is IntentStatus.COMPENSATED  # the history says what the ledger says
-    assert "cancelled" in tool_messages[0].content
+    assert effect.status is IntentStatus.ABANDONED  # the history says what the ledger says
+    assert tool_messages[0].content == "cancelled: it was not done"  # and what the shop confirms
     # the finished weather lookup of this turn is used, not run again
     assert len([i for i in await flow.store.ledger_list(second.id) if i.tool == "lookup_weather"]) == 1
 
@@ -216,3 +219,62 @@ async def test_a_shutdown_during_a_payment_records_the_stop_first_and_resolves_t
     assert row.status is IntentStatus.DONE and row.done_at is not None and row.done_at > done.stop_reason.at
     assert done.status is TurnStatus.RECONCILE_REQUIRED  # the payment committed after the stop
     assert flow.service.times_applied(row.key) == 1 and done.stop_report is not None
+
+
+async def test_a_message_on_its_way_when_the_stop_lands_is_recorded_and_the_turn_is_honest(flow: Flow) -> None:
+    """Issue 10.6: the stop is recorded while the worker is sending the
+    second message. That one was on its way (its intent written first): it
+    lands, the ledger records it done after the stop, and the turn is
+    RECONCILE_REQUIRED, never CANCELLED "no effect after the stop". The
+    messages after it are never sent."""
+    stop_at: list = []  # type: ignore[type-arg]
+
+    async def send(item):  # type: ignore[no-untyped-def]
+        if item["key"].endswith(":1") and not stop_at:
+            stop_at.append(flow.clock.now())
+            await flow.stop(item["turn_id"])  # lands mid-send
+            await flow.clock.sleep(0.01)  # the provider takes 10 ms to accept it
+        await flow.service.apply("message", item["key"], {"text": item.get("text", "")})
+
+    flow.service.latency_s = 0.0  # messages go out while the reply still streams
+    sender = DownstreamWorker(flow.store, MESSAGES_QUEUE, send, flow.clock, consumer="t")
+    sending = asyncio.ensure_future(sender.run(poll_s=0.01))
+    try:
+        turn = await flow.start("please send five messages")
+        stopped = await flow.settled(turn.id)
+        await flow.until(lambda: sender.done + sender.skipped == 5)
+    finally:
+        sending.cancel()
+        await asyncio.wait([sending])
+    assert stopped.status is TurnStatus.RECONCILE_REQUIRED
+    messages = {k: v for k, v in flow.service.applied(turn.id).items() if v["op"] == "message"}
+    assert sorted(k.rsplit(":", 1)[1] for k in messages) == ["0", "1"] and sender.skipped == 3
+    rows = {i.key: i for i in await flow.store.ledger_list(turn.id)}
+    late = rows[next(k for k in messages if k.endswith(":1"))]
+    assert late.status is IntentStatus.DONE and late.done_at is not None and late.done_at > stop_at[0]
+    assert all(k not in rows or rows[k].status is IntentStatus.ABANDONED for k in (f"{turn.id}:2:{i}" for i in (2, 3, 4)))
+
+
+async def test_a_stop_between_the_intent_and_the_send_skips_the_message(flow: Flow, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other side of the handshake: the stop lands right after the
+    worker wrote the item's intent, before it sends. The worker reads the
+    turn again, abandons the intent and sends nothing; the turn is
+    CANCELLED, the ledger says "not sent"."""
+    sender = message_sender(flow.service, flow.store, flow.clock, consumer="t")
+    turn = await flow.start("please send five messages")
+    await flow.until(lambda: not in_tool(flow, turn.id, "send_messages") and bool(flow.service.applied(f"{turn.id}:")))
+    original = sender.ledger.intent
+
+    async def intent_then_stop(*args, **kw):  # type: ignore[no-untyped-def]
+        row = await original(*args, **kw)
+        await flow.stop(turn.id)
+        return row
+
+    monkeypatch.setattr(sender.ledger, "intent", intent_then_stop)
+    await _run(flow, sender.run_once(1))
+    stopped = await flow.settled(turn.id)
+    assert sender.done == 0 and sender.skipped == 1
+    assert [e["op"] for e in flow.service.applied(turn.id).values()] == ["batch"]
+    [row] = [i for i in await flow.store.ledger_list(turn.id) if i.tool == MESSAGES_QUEUE]
+    assert row.status is IntentStatus.ABANDONED
+    assert stopped.status is TurnStatus.CANCELLED

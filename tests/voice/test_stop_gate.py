@@ -12,6 +12,7 @@ import random
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,9 @@ from voice.faults import CancellationIgnoringModel
 from voice.llm import LlmConfig, LocalAgent, LocalLlmConfig
 from voice.providers import LanguageModel
 from voice.text_turns import TextTurns
+
+from conftest import requires_espeak
+from test_agent_session import Harness, pcm48
 
 TRIALS = 12
 
@@ -124,3 +128,29 @@ async def test_nothing_is_delivered_after_a_stop_from_another_instance(two_insta
     # log unfenced, but no follower delivers it.
     _logged, delivered = await stop_trials(two_instances, models(SystemClock())[rate], seed=71)
     assert delivered == 0
+
+
+@requires_espeak
+async def test_a_voice_turn_stopped_from_outside_sends_nothing_after_its_stop(
+    store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+) -> None:
+    """The same rule for voice: a stop request (the REST API's path) while
+    the story plays. From the moment the stop is recorded no audio frame of
+    the turn leaves the track and no output of it is deliverable."""
+    h = Harness(store, grammar_file)
+    await h.start()
+    try:
+        h.mic.say(pcm48(say("tell me a story")))
+        await h.wait_for(lambda: 1 in h.track.audit.per_generation and h.track.audit.per_generation[1].frames > 40)
+        [turn] = await store.list_session("sess-1")
+        reason = StopReason(kind=StopReasonKind.USER_CANCEL, initiator="api", at=h.clock.now())
+        await h.manager.request_stop(turn.id, reason)
+        recorded = h.clock.monotonic()
+        await h.wait_for(lambda: "CANCELLED" in h.statuses(turn.id), timeout=10)
+        await asyncio.sleep(0.3)
+        last = h.track.audit.per_generation[1].last_sent_at
+        assert last is not None and last <= recorded
+        await h.log.flush()
+        assert late_output(await store.read_events("sess-1", 0, 10_000), turn.id) == []
+    finally:
+        await h.stop()
