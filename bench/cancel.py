@@ -10,6 +10,8 @@ a temporary folder, on the real ``SystemClock``, once per model:
 - ``sse``: the OpenAI-compatible client (voice/openai_llm.py) streaming over
   a real loopback HTTP connection from the local Chat Completions server
   (voice/openai_server.py, in this process) at ``--tps`` tokens/s;
+- ``sse_ignoring``: the same server acting as a provider that ignores the
+  hang-up and generates (and bills) its whole completion anyway;
 - ``ignoring``: a provider that ignores cancellation and keeps streaming
   (voice/faults.py), to show the bound the stop grace puts on the terminal
   write and the waste such a provider causes.
@@ -23,12 +25,15 @@ Each of ``--stops`` rounds starts a turn ("tell me a story", a reply of about
   manager announced the CANCELLED row written (its listener runs right after
   the store write returned);
 - tokens after the stop request, as the turn's usage records them
-  (``completion_tokens_after_stop``: tokens that reached the client after the
-  stop), and for ``sse`` also the tokens the server generated after the
-  client had disconnected;
+  (``completion_tokens_after_stop``: tokens received after the stop), and
+  whether the provider is known to have stopped (``after_stop``:
+  "confirmed", or "unconfirmed" with ``completion_tokens_after_stop_bound``,
+  the most it can have spent unseen, from the request's ``max_tokens``);
+  for ``sse`` also the tokens the server generated after the client had
+  disconnected;
 - model requests started after the stop request (must be 0).
 
-Usage: python bench/cancel.py [--stops N] [--tps T] [--seed S] [--only local|sse|ignoring] [--json]
+Usage: python bench/cancel.py [--stops N] [--tps T] [--seed S] [--only local|sse|sse_ignoring|ignoring] [--json]
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ from voice.openai_server import ChatCompletionsServer, ServerOptions  # noqa: E4
 from voice.providers import LanguageModel  # noqa: E402
 from voice.text_turns import TextTurns  # noqa: E402
 
-MODELS = ("local", "sse", "ignoring")
+MODELS = ("local", "sse", "sse_ignoring", "ignoring")
 
 
 async def run_model(kind: str, stops: int, tps: float, rng: random.Random, folder: Path) -> dict[str, Any]:
@@ -73,8 +78,8 @@ async def run_model(kind: str, stops: int, tps: float, rng: random.Random, folde
     runner: web.AppRunner | None = None
     server: ChatCompletionsServer | None = None
     model: LanguageModel
-    if kind == "sse":
-        server = ChatCompletionsServer(ServerOptions(tokens_per_second=tps))
+    if kind in ("sse", "sse_ignoring"):
+        server = ChatCompletionsServer(ServerOptions(tokens_per_second=tps, ignore_disconnect=kind == "sse_ignoring"))
         runner = web.AppRunner(server.app())
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -88,6 +93,8 @@ async def run_model(kind: str, stops: int, tps: float, rng: random.Random, folde
     turns = TextTurns(manager, lambda: model, clock, plans=lambda _t: Plan())
     latencies: list[float] = []
     after_stop: list[int] = []
+    bounds: list[int | None] = []
+    unconfirmed = 0
     requests_after_stop = 0
     server_after_disconnect = 0
     streamed: list[int] = []
@@ -114,6 +121,8 @@ async def run_model(kind: str, stops: int, tps: float, rng: random.Random, folde
                 await asyncio.sleep(0.01)
             done = await manager.get(turn.id)
             after_stop.append(done.usage.completion_tokens_after_stop)
+            bounds.append(done.usage.completion_tokens_after_stop_bound)
+            unconfirmed += done.usage.after_stop == "unconfirmed"
             requests_after_stop += done.usage.requests_after_stop
             streamed.append(done.usage.completion_tokens)
         if server is not None:
@@ -138,7 +147,9 @@ async def run_model(kind: str, stops: int, tps: float, rng: random.Random, folde
             "max": round(float(lat.max()), 2),
         },
         "tokens_after_stop": {"total": int(sum(after_stop)), "mean": round(float(np.mean(after_stop)), 2), "max": int(max(after_stop))},
-        "server_tokens_after_disconnect": server_after_disconnect if kind == "sse" else None,
+        "after_stop_unconfirmed": unconfirmed,
+        "tokens_after_stop_bound": None if None in bounds else int(sum(b for b in bounds if b is not None)),
+        "server_tokens_after_disconnect": server_after_disconnect if server is not None else None,
         "requests_after_stop": requests_after_stop,
         "tokens_streamed_before_stop_mean": round(float(np.mean(streamed)) - float(np.mean(after_stop)), 1),
     }
@@ -157,14 +168,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_table(res: dict[str, Any]) -> None:
     print(f"stop request -> CANCELLED with a model stream in flight ({res['stops']} stops each, {res['tps']:g} tokens/s)")
-    print(f"{'model':<10} {'min ms':>8} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8} {'tok after stop (mean/max)':>26} {'server tok after disc.':>22} {'req after stop':>15}")
+    print(
+        f"{'model':<13} {'min ms':>8} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8} {'tok after stop (mean/max)':>26} "
+        f"{'unconfirmed':>12} {'bound (sum)':>12} {'server tok after disc.':>22} {'req after stop':>15}"
+    )
     for kind, r in res["models"].items():
         s = r["stop_to_cancelled_ms"]
         t = r["tokens_after_stop"]
         srv = "-" if r["server_tokens_after_disconnect"] is None else str(r["server_tokens_after_disconnect"])
+        bound = "none" if r["tokens_after_stop_bound"] is None else str(r["tokens_after_stop_bound"])
         print(
-            f"{kind:<10} {s['min']:>8.2f} {s['p50']:>8.2f} {s['p95']:>8.2f} {s['max']:>8.2f} "
-            f"{t['mean']:>17.2f} / {t['max']:<6} {srv:>22} {r['requests_after_stop']:>15}"
+            f"{kind:<13} {s['min']:>8.2f} {s['p50']:>8.2f} {s['p95']:>8.2f} {s['max']:>8.2f} "
+            f"{t['mean']:>17.2f} / {t['max']:<6} {r['after_stop_unconfirmed']:>5}/{r['stops']:<6} {bound:>12} "
+            f"{srv:>22} {r['requests_after_stop']:>15}"
         )
 
 

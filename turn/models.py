@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -131,6 +131,19 @@ class UsageRecord(BaseModel):
             (one streamed chunk = one token; the prompt estimated).
         started_after_stop: the request began after the stop request (a
             defect: it must never happen).
+        max_tokens: the completion cap the request was sent with, tokens
+            (None: the provider was given none).
+        after_stop: for a request in flight when the turn was stopped:
+            ``"confirmed"`` when the provider is known to have stopped
+            generating (it ran in this process, or its stream ended and
+            every token was seen), ``"unconfirmed"`` when turnkeeper only
+            closed the connection and cannot see what the provider went on
+            generating; None for a request no stop concerned.
+        completion_tokens_after_stop_bound: at most this many completion
+            tokens were generated after the stop, tokens: the ones seen
+            (``completion_tokens_after_stop``), plus, when unconfirmed, the
+            rest of ``max_tokens`` the provider may have spent unseen. None
+            when unconfirmed and uncapped (no bound is known).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -142,6 +155,9 @@ class UsageRecord(BaseModel):
     partial: bool = False
     source: str = "counted"
     started_after_stop: bool = False
+    max_tokens: int | None = None
+    after_stop: Literal["confirmed", "unconfirmed"] | None = None
+    completion_tokens_after_stop_bound: int | None = 0
 
 
 class Usage(BaseModel):
@@ -149,8 +165,19 @@ class Usage(BaseModel):
 
     Attributes:
         prompt_tokens / completion_tokens: billed tokens in all.
-        completion_tokens_after_stop: tokens the provider produced after the
-            stop was requested (waste that a stop could not prevent).
+        completion_tokens_after_stop: tokens received from the provider
+            after the stop was requested (waste that a stop could not
+            prevent), as far as turnkeeper saw them.
+        after_stop: ``"unconfirmed"`` if any request in flight at the stop
+            may have gone on generating unseen (its connection was closed,
+            the provider did not confirm), ``"confirmed"`` if every such
+            request is known to have stopped, None if no request was in
+            flight at a stop. Never read an unconfirmed 0 as "nothing was
+            spent".
+        completion_tokens_after_stop_bound: an upper bound of the completion
+            tokens generated after the stop, seen or not (the per-request
+            bounds added up); None when some request was unconfirmed and
+            uncapped.
         requests_after_stop: model requests started after the stop request
             (must stay 0).
         model_requests: model requests started in all.
@@ -162,6 +189,8 @@ class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     completion_tokens_after_stop: int = 0
+    after_stop: Literal["confirmed", "unconfirmed"] | None = None
+    completion_tokens_after_stop_bound: int | None = 0
     requests_after_stop: int = 0
     model_requests: int = 0
     records: list[UsageRecord] = Field(default_factory=list)

@@ -8,6 +8,16 @@ one). When a request is aborted, its record is kept as *partial*: prompt
 tokens plus the completion tokens streamed so far (issue 4: "usage on
 abort").
 
+Spend after a stop is never claimed to be zero when it is not known.
+Closing a provider's connection does not prove that it stopped generating
+(a provider may bill the whole completion whatever the client does), and
+turnkeeper cannot count tokens it no longer reads. So a request in flight
+at a stop is recorded ``after_stop="confirmed"`` only when the provider is
+known to have stopped (an in-process model, or a stream that ran to its
+end), else ``"unconfirmed"`` with an upper bound: the tokens seen after the
+stop plus what is left of the request's ``max_tokens`` (every request is
+sent with a cap so the bound is finite).
+
 Prices make cents: ``Pricing`` is in US cents per 1,000 tokens.
 """
 
@@ -68,6 +78,10 @@ class RequestMeter:
         self.started_after_stop = started_after_stop
         self.finished = False
         self.partial = False
+        #: the completion cap the provider was sent, tokens (None: none)
+        self.max_tokens: int | None = None
+        #: the provider is known to have stopped generating (see finish)
+        self.provider_stopped = False
 
     def chunk(self, tokens: int = 1) -> None:
         """``tokens`` completion tokens arrived (a streamed chunk is one
@@ -95,18 +109,37 @@ class RequestMeter:
         self.completion_tokens = 0
         self.after_stop = 0
 
-    def finish(self, *, partial: bool) -> None:
+    def finish(self, *, partial: bool, provider_stopped: bool | None = None) -> None:
         """The request ended; ``partial`` if it was aborted before its end.
-        Idempotent (the first call decides ``partial``)."""
+        Idempotent (the first call decides).
+
+        Args:
+            partial: aborted before the end of the completion.
+            provider_stopped: whether the provider is known to have stopped
+                generating. Default: True for a complete stream (every token
+                was seen), False for an aborted one (a closed connection
+                proves nothing); an in-process model that stops when it is
+                closed passes True.
+        """
         if self.finished:
             return
         self.finished = True
         self.partial = partial
+        self.provider_stopped = (not partial) if provider_stopped is None else provider_stopped
 
     def record(self) -> UsageRecord:
-        """This request as a :class:`turn.models.UsageRecord`."""
+        """This request as a :class:`turn.models.UsageRecord`, with its
+        after-stop status and bound (module doc)."""
         stop_at = self._meter.stop_at
         late = stop_at is not None and self.started_at is not None and self.started_at > stop_at
+        status: str | None = None
+        bound: int | None = self.after_stop
+        if self.billed and (self._meter.stopped or stop_at is not None):
+            in_flight = self.partial or not self.finished or self.after_stop > 0
+            if in_flight:
+                status = "confirmed" if self.finished and self.provider_stopped else "unconfirmed"
+            if status == "unconfirmed":
+                bound = None if self.max_tokens is None else self.after_stop + max(0, self.max_tokens - self.completion_tokens)
         return UsageRecord(
             request=self.number,
             prompt_tokens=self.prompt_tokens,
@@ -115,6 +148,9 @@ class RequestMeter:
             partial=(self.partial or not self.finished) and self.billed,
             source="not_billed" if not self.billed else "usage_chunk" if self.reported_usage else "counted",
             started_after_stop=self.started_after_stop or late,
+            max_tokens=self.max_tokens,
+            after_stop=status,
+            completion_tokens_after_stop_bound=bound,
         )
 
 
@@ -167,10 +203,14 @@ class UsageMeter:
     def usage(self) -> Usage:
         """The turn's :class:`turn.models.Usage` now."""
         records = [r.record() for r in self.requests]
+        statuses = {r.after_stop for r in records} - {None}
+        bounds = [r.completion_tokens_after_stop_bound for r in records]
         return Usage(
             prompt_tokens=sum(r.prompt_tokens for r in records),
             completion_tokens=sum(r.completion_tokens for r in records),
             completion_tokens_after_stop=sum(r.completion_tokens_after_stop for r in records),
+            after_stop="unconfirmed" if "unconfirmed" in statuses else "confirmed" if statuses else None,
+            completion_tokens_after_stop_bound=None if None in bounds else sum(b for b in bounds if b is not None),
             requests_after_stop=sum(1 for r in records if r.started_after_stop),
             model_requests=len(records),
             records=records,

@@ -60,8 +60,10 @@ class CancellationIgnoringModel:
         if last_user is None:
             raise ValueError("no user message to answer")
         interval = 1.0 / self.config.tokens_per_second
-        tokens = tokenize(choose_reply(last_user.content))
+        tokens = tokenize(choose_reply(last_user.content))[: self.config.max_tokens]
         finished = False
+        if meter is not None:
+            meter.max_tokens = self.config.max_tokens
         try:
             held: list[str] = []
             for token in tokens:
@@ -83,5 +85,5 @@ class CancellationIgnoringModel:
             if meter is not None:
                 meter.reported(prompt_tokens(messages, tools), len(tokens))
         finally:
-            if meter is not None:
-                meter.finish(partial=not finished)
+            if meter is not None:  # in this process: when it ends, it has stopped
+                meter.finish(partial=not finished, provider_stopped=True)

@@ -130,7 +130,7 @@ class ScriptedModel:
                 meter.reported(prompt_tokens(messages, tools), meter.completion_tokens)
         finally:
             if meter is not None:
-                meter.finish(partial=not finished)
+                meter.finish(partial=not finished, provider_stopped=True)
 
 
 @dataclass

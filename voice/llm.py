@@ -80,6 +80,14 @@ class LlmConfig(BaseModel):
         request_timeout_s: a whole model request at most, s.
         prompt_cents_per_1k / completion_cents_per_1k: token prices, US
             cents per 1,000 tokens (the budget's cents come from these).
+        max_tokens: the completion cap of every model request, tokens
+            (sent as ``max_tokens``; the local agent stops there too). It
+            bounds what a provider can spend unseen after a stop.
+        max_tokens_field: the request field the cap is sent in:
+            ``"max_tokens"`` (understood by Ollama, vLLM, the llama.cpp
+            server and OpenAI's non-reasoning models) or
+            ``"max_completion_tokens"`` (OpenAI's current name, required by
+            its reasoning models).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -93,6 +101,8 @@ class LlmConfig(BaseModel):
     request_timeout_s: float = Field(120.0, gt=0, le=3600)
     prompt_cents_per_1k: float = Field(0.0, ge=0)
     completion_cents_per_1k: float = Field(0.0, ge=0)
+    max_tokens: int = Field(1024, ge=1, le=131_072)
+    max_tokens_field: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"
 
     @property
     def pricing(self) -> Pricing:
@@ -218,6 +228,8 @@ class LocalAgent:
         prompt = prompt_tokens(messages, tools)
         completion = 0
         finished = False
+        if meter is not None:
+            meter.max_tokens = self.config.max_tokens
         try:
             call = choose_tool_call(messages, tools or [])
             if call is not None:
@@ -232,7 +244,7 @@ class LocalAgent:
                     reply = " ".join(m.content for m in messages if m.role == "tool" and _after_last_user(messages, m))
                 else:
                     reply = choose_reply(last_user.content)
-                for token in tokenize(reply):
+                for token in tokenize(reply)[: self.config.max_tokens]:
                     await self.clock.sleep(interval)
                     self.tokens_streamed += 1
                     completion += 1
@@ -243,8 +255,8 @@ class LocalAgent:
             if meter is not None:
                 meter.reported(prompt, completion)
         finally:
-            if meter is not None:
-                meter.finish(partial=not finished)
+            if meter is not None:  # it runs here: once closed, it generates nothing more
+                meter.finish(partial=not finished, provider_stopped=True)
 
 
 def _after_last_user(messages: list[Message], msg: Message) -> bool:

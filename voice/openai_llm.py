@@ -137,6 +137,9 @@ class OpenAiChatModel:
             "messages": to_wire(messages),
             "stream": True,
             "stream_options": {"include_usage": True},
+            # a cap on every request: it bounds what the provider can spend
+            # unseen if it goes on after a stop closed the connection
+            self.config.max_tokens_field: self.config.max_tokens,
         }
         if tools:
             body["tools"] = [{"type": "function", "function": t.model_dump()} for t in tools]
@@ -159,6 +162,8 @@ class OpenAiChatModel:
             headers["Authorization"] = f"Bearer {key}"
         url = self.config.base_url.rstrip("/") + "/chat/completions"
         finished = False
+        if meter is not None:
+            meter.max_tokens = self.config.max_tokens
         try:
             resp = await self._client().post(url, json=self.request_body(messages, tools), headers=headers)
         except BaseException:
@@ -206,7 +211,7 @@ class OpenAiChatModel:
                 yield _tool_call(calls[index], index)
             finished = True
         finally:
-            if meter is not None:
+            if meter is not None:  # aborted: closing the connection does not prove the provider stopped
                 meter.finish(partial=not finished)
             if finished:
                 resp.release()

@@ -6,7 +6,9 @@ streams (no mock objects: a real HTTP server on a real socket).
 ``chat.completion.chunk`` events, one token per chunk at ``tokens_per_second``,
 tool calls in the incremental ``delta.tool_calls`` form, a usage chunk when
 ``stream_options.include_usage`` is set (in every chunk with
-``usage_every_chunk``), and ``data: [DONE]``. The replies are the embedded
+``usage_every_chunk``), and ``data: [DONE]``. A completion stops at
+``max_tokens`` (or ``max_completion_tokens``) with finish reason
+``length``, as the API's does. The replies are the embedded
 agent's (:func:`voice.llm.choose_reply`, :func:`voice.llm.choose_tool_call`).
 
 It counts, per request, the tokens it generated and how many of them it
@@ -111,15 +113,24 @@ class ChatCompletionsServer:
         if not body.get("stream"):
             return _error(400, "invalid_request_error", "this server only streams: set stream to true.")
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        cap = body.get("max_completion_tokens", body.get("max_tokens"))
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            return _error(400, "invalid_request_error", "max_tokens must be a positive integer.")
         stats = RequestStats()
         self.requests.append(stats)
         try:
-            return await self._stream(request, messages, tools, include_usage, stats)
+            return await self._stream(request, messages, tools, include_usage, stats, cap)
         finally:
             stats.done.set()
 
     async def _stream(
-        self, request: web.Request, messages: list[Message], tools: list[ToolSpec], include_usage: bool, stats: RequestStats
+        self,
+        request: web.Request,
+        messages: list[Message],
+        tools: list[ToolSpec],
+        include_usage: bool,
+        stats: RequestStats,
+        cap: int | None = None,
     ) -> web.StreamResponse:
         opts = self.options
         started = time.monotonic()
@@ -141,6 +152,9 @@ class ChatCompletionsServer:
                 else choose_reply(next(m.content for m in reversed(messages) if m.role == "user"))
             )
             pieces = [{"content": t} for t in tokenize(reply)]
+        truncated = cap is not None and call is None and len(pieces) > cap
+        if truncated:
+            pieces = pieces[:cap]  # finish_reason "length", as the API does at max_tokens
         connected = True
 
         def gone() -> bool:
@@ -183,7 +197,7 @@ class ChatCompletionsServer:
                 stats.generated_after_disconnect += 1
             stats.generated += 1
             await send(chunk(delta))
-        await send(chunk({}, "tool_calls" if call is not None else "stop"))
+        await send(chunk({}, "tool_calls" if call is not None else "length" if truncated else "stop"))
         if include_usage:
             await send({"id": cid, "object": "chat.completion.chunk", "choices": [], "usage": _usage(prompt, stats.generated)})
         if connected:

@@ -358,6 +358,10 @@ async def test_stopped_turn_shows_honest_usage_and_child_reports(api: Api) -> No
     assert usage["requests_after_stop"] == 0 and usage["model_requests"] == 1
     assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
     assert usage["records"][0]["partial"] is True
+    # the embedded agent runs in this process: its stop is known, and said so
+    assert usage["after_stop"] == "confirmed" and usage["records"][0]["after_stop"] == "confirmed"
+    assert usage["completion_tokens_after_stop_bound"] == usage["completion_tokens_after_stop"]
+    assert usage["records"][0]["max_tokens"] == 1024
     assert done["spent"]["tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     outcomes = {c["name"]: c["outcome"] for c in done["stop_report"]["children"]}
     assert outcomes["model"] == "stopped" and done["stop_report"]["grace_ms"] == 250
