@@ -27,7 +27,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from media.frames import VAD_RATE
 from voice import stt_worker
@@ -47,10 +47,22 @@ class PocketsphinxConfig(BaseModel):
         grammar: optional JSGF file; None means free-form with the bundled LM.
         max_decoders: utterances decoded at the same time, across all
             sessions (each decoder is one worker process of about 80 MB).
+        cmn_start: the cepstral mean every utterance starts from, so no
+            utterance changes how a later one is heard
+            (:mod:`voice.stt_worker`): ``"speech"`` (a starting point
+            measured on speech, the default), ``"model"`` (the acoustic
+            model's own ``cmninit``) or 13 comma-separated numbers.
     """
 
     grammar: Path | None = None
     max_decoders: int = Field(2, ge=1, le=64)
+    cmn_start: str = "speech"
+
+    @field_validator("cmn_start")
+    @classmethod
+    def _cmn_start_known(cls, value: str) -> str:
+        stt_worker.cmn_vector(value, "")
+        return value
 
 
 class SttError(RuntimeError):
@@ -66,7 +78,7 @@ class _Decoder:
             max_workers=1,
             mp_context=multiprocessing.get_context("spawn"),  # never fork an asyncio process
             initializer=stt_worker.init,
-            initargs=(grammar,),
+            initargs=(grammar, config.cmn_start),
         )
         self.broken: BaseException | None = None
         self.loaded = self.submit(stt_worker.ping)
