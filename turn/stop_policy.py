@@ -5,15 +5,17 @@ Stopping is domain policy. What happens to an effect depends on
 
 - the stop's reason (:class:`turn.models.StopReasonKind`): a barge-in means
   "I want to speak now", not "undo what you did"; a user who stops a turn
-  in flight may want what it was in the middle of undone; a server that
-  shuts down was not asked to undo anything;
+  in flight may want what it was in the middle of undone, but a stop after
+  a step committed is a no-op for that step, not a rollback; a safety abort
+  means the turn should not have acted at all; a server that shuts down
+  was not asked to undo anything;
 - the tool's class (its declared effect): ``none`` (a read: safe to
   abandon), ``complete`` (must finish once started) or ``compensate``
   (reversible by its compensation);
 - the effect's stage at the stop (:class:`Stage`, :func:`stage_at_stop`):
-  confirmed done before the stop's time, in flight at the stop (pending,
-  effect_unknown, or confirmed only after the stop), or not started (never
-  sent: nothing is sent after a known stop).
+  confirmed done before the stop's time (its call had answered), in flight
+  at the stop (pending, effect_unknown, or answered only after the stop),
+  or not started (never sent: nothing is sent after a known stop).
 
 The table, as :data:`POLICIES` encodes it (``none`` effects are abandoned
 when cut off and kept when done, and ``complete`` ones finish, whatever the
@@ -24,10 +26,10 @@ effect happened, see :meth:`turn.ledger.Ledger.resolve_on_stop`):
 stop reason                   ``compensate``, done   ``compensate``, in
                               before the stop        flight at the stop
 ============================  =====================  =====================
-user_cancel                   reversed               reversed
+user_cancel                   kept                   reversed
 barge_in                      kept                   reversed
 safety_abort                  reversed               reversed (no retry)
-deadline/budget/max_steps/    reversed               reversed
+deadline/budget/max_steps/    kept                   reversed
 loop_detected
 worker_shutdown               kept                   looked up: kept, or
                                                      retried (same key)
@@ -36,8 +38,8 @@ transport_disconnected        kept                   looked up: kept, or
 ============================  =====================  =====================
 
 A stop that arrives after the turn completed changes nothing (the turn is
-terminal; no policy is applied). A turn that hit one of its own limits is
-reversed like a cancel: a failed turn leaves no half-done plan behind.
+terminal; no policy is applied). Only a safety abort reverses a step that
+had committed: it says the step should never have been taken.
 """
 
 from __future__ import annotations
@@ -112,18 +114,19 @@ class EffectPolicy(BaseModel):
         return stage is Stage.IN_FLIGHT and self.compensate_in_flight
 
 
-_REVERSE = EffectPolicy(compensate_done=True, compensate_in_flight=True, retry_absent=False)
+#: keep what committed, reverse what the stop cut off, retry nothing
+_CUT_OFF = EffectPolicy(compensate_done=False, compensate_in_flight=True, retry_absent=False)
 
-#: The policy per stop reason (see the module doc). A user who cancels wants
-#: what the turn did undone and nothing retried; a barge-in keeps what was
-#: done and reverses only what it cut off; a safety abort reverses what it
-#: can and starts nothing new; a turn that hit its own limits is reversed
-#: like a cancel; a worker that shut down was not asked to stop, so an
-#: effect found absent is retried and what was queued goes out; a dropped
-#: call keeps what was done but retries nothing (the user cannot be told).
+#: The policy per stop reason (see the module doc). A user's cancel, a
+#: barge-in and a turn's own limits keep what committed, reverse what they
+#: cut off and retry nothing; a safety abort reverses what it can, committed
+#: steps included, and starts nothing new; a worker that shut down was not
+#: asked to stop, so an effect found absent is retried and what was queued
+#: goes out; a dropped call keeps what was done but retries nothing (the
+#: user cannot be told).
 POLICIES: dict[StopReasonKind | None, EffectPolicy] = {
-    StopReasonKind.USER_CANCEL: _REVERSE,
-    StopReasonKind.BARGE_IN: EffectPolicy(compensate_done=False, compensate_in_flight=True, retry_absent=False),
+    StopReasonKind.USER_CANCEL: _CUT_OFF,
+    StopReasonKind.BARGE_IN: _CUT_OFF,
     StopReasonKind.SAFETY_ABORT: EffectPolicy(
         compensate_done=True, compensate_in_flight=True, retry_absent=False, new_effects=False
     ),
@@ -131,10 +134,10 @@ POLICIES: dict[StopReasonKind | None, EffectPolicy] = {
         compensate_done=False, compensate_in_flight=False, retry_absent=True, finish_queued=True
     ),
     StopReasonKind.TRANSPORT_DISCONNECTED: EffectPolicy(compensate_done=False, compensate_in_flight=False, retry_absent=False),
-    StopReasonKind.DEADLINE_EXCEEDED: _REVERSE,
-    StopReasonKind.BUDGET_EXCEEDED: _REVERSE,
-    StopReasonKind.MAX_STEPS: _REVERSE,
-    StopReasonKind.LOOP_DETECTED: _REVERSE,
+    StopReasonKind.DEADLINE_EXCEEDED: _CUT_OFF,
+    StopReasonKind.BUDGET_EXCEEDED: _CUT_OFF,
+    StopReasonKind.MAX_STEPS: _CUT_OFF,
+    StopReasonKind.LOOP_DETECTED: _CUT_OFF,
     #: no stop: the turn completed or failed on an error; keep what was done
     None: EffectPolicy(compensate_done=False, compensate_in_flight=False, retry_absent=True, finish_queued=True),
 }

@@ -20,9 +20,11 @@ until nothing is left for them, and the invariants are checked:
    a CANCELLED (or limit-FAILED) turn keeps no effect after its stop; a
    compensated effect is reversed in the external system; a done one is
    applied there;
-4. a barge-in never reverses an effect that was done before its stop: no
+4. a stop never reverses an effect that was done before it unless its
+   policy reverses committed steps (only a safety abort does): no
    compensation is even attempted for one (a barge-in means "I want to
-   speak now", not "undo", :mod:`turn.stop_policy`);
+   speak now", not "undo"; a stop after a step committed is a no-op for
+   that step, :mod:`turn.stop_policy`);
 5. what the next model request is actually sent (a follow-up turn in the
    same session, read from the model's own input) matches the external
    system and what the client was shown: each tool call of the turn with
@@ -144,7 +146,7 @@ class FuzzReport:
         intents: ledger rows by final status.
         effects_applied: keys the external system applied.
         messages_sent / messages_skipped: downstream items.
-        kept_through_barge_in: effects done before a barge-in's stop (each
+        kept_through_stop: effects done before a stop that keeps them (each
             must be kept: invariant 4 had this many chances to break).
         histories_checked: follow-up model requests checked (invariant 5).
         violations: every broken invariant, one line each (empty: all held).
@@ -158,7 +160,7 @@ class FuzzReport:
     effects_applied: int = 0
     messages_sent: int = 0
     messages_skipped: int = 0
-    kept_through_barge_in: int = 0
+    kept_through_stop: int = 0
     histories_checked: int = 0
     violations: list[str] = field(default_factory=list)
 
@@ -171,7 +173,7 @@ class FuzzReport:
         """Violations per invariant (0 everywhere when all held)."""
         out = {
             "no_row_left_pending": 0, "effect_at_most_once": 0, "one_terminal_state_consistent_with_ledger": 0,
-            "barge_in_keeps_done_effects": 0, "history_matches_ledger_and_heard": 0,
+            "stop_keeps_done_effects": 0, "history_matches_ledger_and_heard": 0,
         }
         for v in self.violations:
             out[v.split(":", 1)[0]] = out.get(v.split(":", 1)[0], 0) + 1
@@ -183,7 +185,7 @@ class FuzzReport:
             "iterations": self.iterations, "seed": self.seed, "ok": self.ok,
             "terminal": dict(self.terminal), "stops": dict(self.stops), "intents": dict(self.intents),
             "effects_applied": self.effects_applied, "messages_sent": self.messages_sent,
-            "messages_skipped": self.messages_skipped, "kept_through_barge_in": self.kept_through_barge_in,
+            "messages_skipped": self.messages_skipped, "kept_through_stop": self.kept_through_stop,
             "histories_checked": self.histories_checked,
             "invariants": self.invariants(),
             "violations": self.violations[:50],
@@ -425,16 +427,16 @@ async def _check(manager: TurnManager, store: SqliteStore, service: DemoService,
                 bad(f"one_terminal_state_consistent_with_ledger: {turn.status} turn {turn_id} has {i.key} unresolved")
     if turn.status is TurnStatus.COMPLETED and any(i.status is IntentStatus.COMPENSATED for i in intents):
         bad(f"one_terminal_state_consistent_with_ledger: completed turn {turn_id} had an effect reversed")
-    # 4. a barge-in keeps what was done before it
-    if stop is not None and stop.kind is StopReasonKind.BARGE_IN:
+    # 4. a stop keeps what was done before it (unless it is a safety abort)
+    if stop is not None and not policy.compensate_done:
         jobs = {i.key for i in intents if i.kind is IntentKind.COMPENSATION}
         for i in intents:
             if i.kind is not IntentKind.EFFECT or stage_at_stop(i, stop.at) is not Stage.DONE_BEFORE_STOP:
                 continue
-            report.kept_through_barge_in += 1
+            report.kept_through_stop += 1
             eff = applied.get(i.key)
             if i.status is IntentStatus.COMPENSATED or compensation_key(i.key) in jobs or (eff is not None and eff["reversed"]):
-                bad(f"barge_in_keeps_done_effects: {i.key} was done before the barge-in of turn {turn_id} and was reversed ({i.status.value})")
+                bad(f"stop_keeps_done_effects: {i.key} was done before the {stop.kind.value} of turn {turn_id} and was reversed ({i.status.value})")
 
 
 def print_report(report: FuzzReport) -> None:
@@ -444,7 +446,7 @@ def print_report(report: FuzzReport) -> None:
     print(f"  terminal states: {dict(report.terminal)}")
     print(f"  ledger rows: {dict(report.intents)}")
     print(f"  effects applied: {report.effects_applied}; messages sent {report.messages_sent}, skipped {report.messages_skipped}")
-    print(f"  effects done before a barge-in (to be kept): {report.kept_through_barge_in}")
+    print(f"  effects done before a stop that keeps them: {report.kept_through_stop}")
     print(f"  follow-up requests checked against the ledger and the heard text: {report.histories_checked}")
     print("  invariants (violations):")
     for name, count in report.invariants().items():

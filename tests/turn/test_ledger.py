@@ -129,19 +129,21 @@ async def run(clock: VirtualClock, coro):  # type: ignore[no-untyped-def]
 
 def test_policies_differ_by_reason() -> None:
     cancel, shutdown = policy_for(StopReasonKind.USER_CANCEL), policy_for(StopReasonKind.WORKER_SHUTDOWN)
-    assert cancel.compensate_done and cancel.compensate_in_flight and not cancel.retry_absent
+    # a stop after a step committed is a no-op for that step; what it cut off is reversed
+    assert not cancel.compensate_done and cancel.compensate_in_flight and not cancel.retry_absent
+    assert policy_for(StopReasonKind.SAFETY_ABORT).compensate_done  # "should never have been taken"
     assert shutdown.retry_absent and not shutdown.compensate_done and not shutdown.compensate_in_flight
     assert not policy_for(StopReasonKind.SAFETY_ABORT).new_effects
     barge = policy_for(StopReasonKind.BARGE_IN)  # "I want to speak now", not "undo"
     assert not barge.compensate_done and barge.compensate_in_flight
 
 
-async def test_stop_compensates_a_done_order(ledger: Ledger, service: DemoService, clock: VirtualClock) -> None:
+async def test_a_safety_abort_compensates_a_done_order(ledger: Ledger, service: DemoService, clock: VirtualClock) -> None:
     row = await ledger.intent("t1", 1, "create_order", {"item": "tea"}, "compensate")
     await service.apply("order", row.key, {"item": "tea"})
     await ledger.move(row.key, IntentStatus.DONE)
     stop_at = clock.now()
-    remains = await run(clock, ledger.resolve_on_stop("t1", StopReasonKind.USER_CANCEL, stop_at))
+    remains = await run(clock, ledger.resolve_on_stop("t1", StopReasonKind.SAFETY_ABORT, stop_at))
     assert not remains
     rows = {i.key: i for i in await ledger.store.ledger_list("t1")}
     assert rows[row.key].status is IntentStatus.COMPENSATED
@@ -158,11 +160,11 @@ async def test_a_failing_compensation_never_blocks_and_never_disappears(
     await service.apply("order", row.key, {})
     await ledger.move(row.key, IntentStatus.DONE)
     service.inject("reverse", *["fail_before"] * (MAX_ATTEMPTS + 2))
-    remains = await run(clock, ledger.resolve_on_stop("t1", StopReasonKind.USER_CANCEL, clock.now()))
+    remains = await run(clock, ledger.resolve_on_stop("t1", StopReasonKind.SAFETY_ABORT, clock.now()))
     assert remains  # the order stands for now: RECONCILE_REQUIRED
     job = await ledger.store.ledger_get(compensation_key(row.key))
     assert job.status is IntentStatus.RETRYING and job.attempts == 1 and job.next_attempt_at is not None
-    worker = ReconciliationWorker(ledger, _kind(StopReasonKind.USER_CANCEL))
+    worker = ReconciliationWorker(ledger, _kind(StopReasonKind.SAFETY_ABORT))
     for _ in range(MAX_ATTEMPTS + 2):
         await clock.advance(400)
         await run(clock, worker.run_once())
@@ -176,9 +178,9 @@ async def test_a_compensation_that_recovers_is_done(ledger: Ledger, service: Dem
     await service.apply("order", row.key, {})
     await ledger.move(row.key, IntentStatus.DONE)
     service.inject("reverse", "fail_before")
-    await run(clock, ledger.resolve_on_stop("t1", StopReasonKind.USER_CANCEL, clock.now()))
+    await run(clock, ledger.resolve_on_stop("t1", StopReasonKind.SAFETY_ABORT, clock.now()))
     await clock.advance(5)
-    await run(clock, ReconciliationWorker(ledger, _kind(StopReasonKind.USER_CANCEL)).run_once())
+    await run(clock, ReconciliationWorker(ledger, _kind(StopReasonKind.SAFETY_ABORT)).run_once())
     assert (await ledger.store.ledger_get(row.key)).status is IntentStatus.COMPENSATED
 
 
@@ -227,7 +229,7 @@ async def test_unknown_forever_becomes_human_required(ledger: Ledger, service: D
 
 def test_effect_remains_rules() -> None:
     stop = T0 + timedelta(seconds=10)
-    cancel = policy_for(StopReasonKind.USER_CANCEL)
+    cancel = policy_for(StopReasonKind.SAFETY_ABORT)  # reverses what committed, too
     before = T0 + timedelta(seconds=5)
     after = T0 + timedelta(seconds=15)
     paid_before = intent(step=1, effect="complete", status=IntentStatus.DONE, done_at=before)
@@ -241,6 +243,7 @@ def test_effect_remains_rules() -> None:
     assert effect_remains([order], stop, cancel)  # its compensation has not succeeded
     assert not effect_remains([order], stop, policy_for(StopReasonKind.WORKER_SHUTDOWN))
     assert not effect_remains([order], stop, policy_for(StopReasonKind.BARGE_IN))  # kept: nothing after the stop
+    assert not effect_remains([order], stop, policy_for(StopReasonKind.USER_CANCEL))  # a committed step: kept
     order_after = order.model_copy(update={"done_at": after})
     assert effect_remains([order_after], stop, policy_for(StopReasonKind.BARGE_IN))  # in flight: not reversed yet
     assert effect_remains([unknown], stop, cancel)

@@ -25,9 +25,9 @@ from voice.text_turns import tool_outcome_text
 K = StopReasonKind
 LIMITS = {K.DEADLINE_EXCEEDED, K.BUDGET_EXCEEDED, K.MAX_STEPS, K.LOOP_DETECTED}
 #: reverse a compensable effect done before the stop
-REVERSE_DONE = {K.USER_CANCEL, K.SAFETY_ABORT} | LIMITS
+REVERSE_DONE = {K.SAFETY_ABORT}
 #: reverse a compensable effect in flight at the stop (once it is known to have happened)
-REVERSE_IN_FLIGHT = REVERSE_DONE | {K.BARGE_IN}
+REVERSE_IN_FLIGHT = REVERSE_DONE | {K.USER_CANCEL, K.BARGE_IN} | LIMITS
 #: retry an effect in flight found absent (same key)
 RETRY_ABSENT = {K.WORKER_SHUTDOWN}
 

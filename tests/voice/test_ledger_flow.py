@@ -137,18 +137,21 @@ async def test_a_stop_mid_order_the_shop_never_wrote_is_not_done(flow: Flow) -> 
     assert "tool.effect_unknown" in types and "tool.abandoned" in types and "tool.compensated" not in types
 
 
-async def test_a_stop_after_the_order_reverses_it(flow: Flow) -> None:
-    turn = await flow.start("please order a coffee")
-    await flow.until(lambda: bool(flow.service.applied(turn.id)))
-    await flow.until(lambda: not in_tool(flow, turn.id, "create_order"))
-    await flow.stop(turn.id)
-    done = await flow.settled(turn.id)
-    if done.status is TurnStatus.COMPLETED:
-        pytest.skip("the reply was already complete")
-    assert done.status is TurnStatus.CANCELLED
-    [(key, effect)] = flow.service.applied(turn.id).items()
-    assert effect["reversed"]
-    assert (await flow.store.ledger_get(key)).status is IntentStatus.COMPENSATED
+async def test_a_stop_after_the_order_keeps_it_and_a_safety_abort_reverses_it(flow: Flow) -> None:
+    """A user's stop while the agent talks about the placed order is a
+    no-op for that committed step (issue 10's seed: not a rollback); a
+    safety abort at the same moment reverses it."""
+    for kind, reversed_ in ((StopReasonKind.USER_CANCEL, False), (StopReasonKind.SAFETY_ABORT, True)):
+        turn = await flow.start("please order a coffee")
+        await flow.until(lambda t=turn.id: bool(flow.service.applied(t)))
+        await flow.until(lambda t=turn.id: not in_tool(flow, t, "create_order"))
+        await flow.stop(turn.id, kind)
+        done = await flow.settled(turn.id)
+        assert done.status is TurnStatus.CANCELLED  # nothing happened after the stop
+        [(key, effect)] = flow.service.applied(turn.id).items()
+        assert effect["reversed"] is reversed_
+        status = (await flow.store.ledger_get(key)).status
+        assert status is (IntentStatus.COMPENSATED if reversed_ else IntentStatus.DONE)
 
 
 async def test_a_safety_abort_during_a_payment_lets_it_finish_and_needs_reconciliation(flow: Flow) -> None:
