@@ -31,6 +31,7 @@ from turn.clock import Clock
 from turn.intents import AuditRow, IntentStatus
 from turn.ledger import EffectNotApplied, Ledger
 from turn.models import Turn, TurnStatus
+from turn.scope import finish_anyway
 from turn.stop_policy import policy_for
 from turn.store import TurnStore, UnknownTurn
 
@@ -159,7 +160,10 @@ class DownstreamWorker:
             error = f"{type(exc).__name__}: {exc}"
             await self.ledger.move(key, IntentStatus.EFFECT_UNKNOWN, expect=pending, detail=f"the call failed: {error}", error=error)
             raise
-        await self.ledger.settle_late(key, IntentStatus.DONE, result="sent")
+        # sent: done as of now (a stop recorded after this finds it done),
+        # and the record is written even if this worker is cancelled meanwhile
+        sent_at = self.clock.now()
+        await finish_anyway(self.ledger.settle_late(key, IntentStatus.DONE, result="sent", done_at=sent_at))
         return True
 
     async def run_once(self, count: int = 10) -> int:

@@ -496,3 +496,28 @@ def terminal_status(report: StopReport, *, limit: bool, effect_remains: bool = F
     if effect_remains or any(r.outcome is ChildOutcome.COMMITTING for r in report.children):
         return TurnStatus.RECONCILE_REQUIRED
     return TurnStatus.FAILED if limit else TurnStatus.CANCELLED
+
+
+async def finish_anyway(work: Awaitable[T]) -> T:
+    """Await ``work`` to its end even if the caller is cancelled meanwhile
+    (a record of something that already happened must not be lost to a
+    stop); the cancellation is re-raised once ``work`` has finished, never
+    swallowed.
+
+    Raises:
+        asyncio.CancelledError: the caller was cancelled while waiting.
+        Exception: what ``work`` raised.
+    """
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result

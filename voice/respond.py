@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from turn.ledger import EffectNotApplied, IntentStatus, effect_key
 from turn.manager import TurnManager
-from turn.scope import NotStarted, TurnScope, TurnStopped
+from turn.scope import NotStarted, TurnScope, TurnStopped, finish_anyway
 from turn.store import UnknownIntent
 from turn.usage import RequestMeter, UsageMeter, estimate_tokens
 from voice.providers import LanguageModel, Message, ToolCall
@@ -234,7 +234,11 @@ async def _invoke(
             error = f"{type(exc).__name__}: {exc}"
             await ledger.move(key, unsure, expect=pending, detail=f"the call failed: {error}", error=error)
             raise
-        await ledger.settle_late(key, IntentStatus.DONE, result=_as_text(output))
+        # The call answered: that moment is when it was done (a stop after it
+        # finds a committed step, however long the write takes), and the
+        # write is finished even if a stop cancels this task meanwhile.
+        answered_at = manager.clock.now()
+        await finish_anyway(ledger.settle_late(key, IntentStatus.DONE, result=_as_text(output), done_at=answered_at))
         done.append(True)
         return output
 

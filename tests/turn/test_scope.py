@@ -254,3 +254,24 @@ async def test_timeout_after_converts_only_its_own_cancel(clock: VirtualClock) -
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_finish_anyway_completes_the_work_and_then_raises_the_cancel() -> None:
+    from turn.scope import finish_anyway
+
+    finished = asyncio.Event()
+
+    async def record() -> str:
+        await asyncio.sleep(0.05)
+        finished.set()
+        return "written"
+
+    task = asyncio.ensure_future(finish_anyway(record()))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.sleep(0.01)
+    task.cancel()  # a second cancel (a grace running out) changes nothing
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert finished.is_set()
+    assert await finish_anyway(record()) == "written"  # uncancelled: its result

@@ -25,7 +25,7 @@ async def test_a_thousand_iterations_keep_every_invariant() -> None:
     # the run exercised every path, not just the easy one
     assert {"CANCELLED", "RECONCILE_REQUIRED", "COMPLETED"} <= set(report.terminal)
     assert report.stops["checkpoint"] > 300 and report.stops["moment"] > 300
-    assert report.intents["effect:compensated"] > 50 and report.intents["effect:abandoned"] > 50
+    assert report.intents["effect:compensated"] > 25 and report.intents["effect:abandoned"] > 50
     assert report.messages_skipped > 0 and report.messages_sent > 0
     assert report.kept_through_stop > 100  # invariant 4 had real chances to break
     assert report.histories_checked == 1000  # every turn's follow-up request was read

@@ -281,3 +281,31 @@ async def test_a_stop_between_the_intent_and_the_send_skips_the_message(flow: Fl
     [row] = [i for i in await flow.store.ledger_list(turn.id) if i.tool == MESSAGES_QUEUE]
     assert row.status is IntentStatus.ABANDONED
     assert stopped.status is TurnStatus.CANCELLED
+
+
+async def test_an_order_answered_before_the_stop_is_kept_however_late_its_record(flow: Flow, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shop answered before the barge-in was recorded, but the ledger's
+    write of that answer is slow (queued behind the stop's own writes, a
+    busy store). The step committed when the call answered: it is kept,
+    never looked up and reversed as if it had been in flight."""
+    ledger = flow.manager.ledger
+    original = ledger.settle_late
+    answered: list = []  # type: ignore[type-arg]
+
+    async def slow_settle(key, status, **fields):  # type: ignore[no-untyped-def]
+        if not answered:
+            answered.append(flow.clock.now())
+            await flow.clock.sleep(0.2)  # the store is busy: the write waits its turn
+        return await original(key, status, **fields)
+
+    monkeypatch.setattr(ledger, "settle_late", slow_settle)
+    turn = await flow.start("please order a coffee")
+    await flow.until(lambda: bool(answered))
+    await flow.clock.advance(0.05)
+    await flow.stop(turn.id, StopReasonKind.BARGE_IN)  # after the answer, before its record
+    done = await flow.settled(turn.id)
+    [row] = await flow.store.ledger_list(turn.id)
+    assert row.status is IntentStatus.DONE and row.done_at == answered[0]  # when the shop answered
+    assert done.stop_reason is not None and row.done_at < done.stop_reason.at
+    assert not any(e["reversed"] for e in flow.service.applied(turn.id).values())
+    assert done.status is TurnStatus.CANCELLED  # nothing happened after the stop
