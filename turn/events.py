@@ -161,6 +161,21 @@ class SessionEventLog:
         self.fenced = 0
         self.lost = 0
         self.last_seq = 0
+        #: text of ``agent.delta`` events logged deliverable, for the turns
+        #: that asked (:meth:`track_delivery`)
+        self._delivered: dict[str, list[str]] = {}
+
+    def track_delivery(self, turn_id: str) -> None:
+        """Keep the text of ``turn_id``'s ``agent.delta`` events that are
+        logged deliverable (what a client following the log can have
+        received), until :meth:`take_delivered`."""
+        self._delivered.setdefault(turn_id, [])
+
+    def take_delivered(self, turn_id: str) -> str:
+        """The text of ``turn_id``'s ``agent.delta`` events logged
+        deliverable so far, in order ("" if none, or not tracked); stops
+        tracking it. Call :meth:`flush` first to count everything emitted."""
+        return "".join(self._delivered.pop(turn_id, []))
 
     def emit(
         self, type: str, *, generation: int, turn_id: str | None = None, withheld: bool = False, **payload: Any
@@ -208,6 +223,9 @@ class SessionEventLog:
             if event is None:
                 self._idle.set()
                 return
+            if event.type in OUTPUT_TYPES and not event.fenced and not self.gate.passes(event.generation):
+                # the gate closed while it waited: it is never stored deliverable
+                event = event.model_copy(update={"fenced": True})
             try:
                 stored = await self.retry(lambda: self.store.append_event(event))
             except asyncio.CancelledError:
@@ -227,6 +245,8 @@ class SessionEventLog:
                     log.exception("session %s: could not mark event %d fenced", self.session_id, stored.seq)
             if stored.fenced:
                 self.fenced += 1
+            elif stored.type == "agent.delta" and stored.turn_id in self._delivered:
+                self._delivered[stored.turn_id].append(str(stored.payload.get("text", "")))
 
     async def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until everything emitted so far is written; False on timeout."""

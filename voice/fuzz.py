@@ -6,7 +6,9 @@ in-process :class:`voice.demo_service.DemoService`) on a virtual clock and
 the SQLite store, with random faults in the external system, and usually
 stops it: at a random checkpoint (the injector requests the stop as that
 checkpoint begins) or at a random moment (mid-call included), with a random
-stop reason. The downstream (message) worker runs all along, so a stop may
+stop reason, or supersedes it with a newer message in its session at a
+random moment (a real barge-in: the newer turn's history is read once the
+old one has ended). The downstream (message) worker runs all along, so a stop may
 land while it sends. Then the reconciliation and downstream workers run
 until nothing is left for them, and the invariants are checked:
 
@@ -66,6 +68,7 @@ from voice.demo_service import DemoService
 from voice.demo_tools import MESSAGES_QUEUE, demo_handlers, demo_tools, message_sender
 from voice.llm import prompt_tokens, tokenize
 from voice.providers import Message, ToolCall, ToolSpec
+from voice.history import REVERSING
 from voice.text_turns import TextTurns
 
 log = logging.getLogger(__name__)
@@ -258,7 +261,7 @@ async def fuzz(iterations: int, seed: int = 1, *, folder: Path | None = None) ->
         requests: list[list[Message]] = []
         turns = TextTurns(
             manager,
-            lambda: ScriptedModel(script, clock, requests=requests),
+            lambda: ScriptedModel(list(script), clock, requests=requests),  # each turn its own script
             clock,
             plans=lambda _t: Plan(deadline_s=60, max_steps=32),
             tools=lambda: toolbox,
@@ -274,7 +277,7 @@ async def fuzz(iterations: int, seed: int = 1, *, folder: Path | None = None) ->
                 _random_faults(rng, service)
                 session = f"fuzz-{n}-{uuid.uuid4().hex[:6]}"
                 turn = await turns.start(tenant_id="fuzz", text="do the scripted things", session_id=session)
-                mode = rng.choices(("checkpoint", "moment", "none"), weights=(5, 4, 1))[0]
+                mode = rng.choices(("checkpoint", "moment", "supersede", "none"), weights=(5, 4, 2, 1))[0]
                 reason = StopReason(kind=rng.choice(REASONS), initiator="fuzz", at=clock.now())
                 report.stops[mode] += 1
                 if mode == "checkpoint":
@@ -286,14 +289,22 @@ async def fuzz(iterations: int, seed: int = 1, *, folder: Path | None = None) ->
                     asyncio.get_running_loop().call_soon(
                         lambda t=turn.id, d=delay, r=reason: asyncio.ensure_future(_stop_later(manager, clock, t, d, r))
                     )
+                follow: Turn | None = None
+                sent_before = len(requests)
+                if mode == "supersede":  # a newer message in the session: a real barge-in
+                    t0, delay = clock.monotonic(), rng.uniform(0, 0.2 + 0.1 * len(script))
+                    await _drive(clock, lambda: clock.monotonic() - t0 >= delay)
+                    script[:] = []
+                    follow = await turns.start(tenant_id="fuzz", text=FOLLOW_UP, session_id=session)
                 await _drive(clock, lambda t=turn.id: t not in turns.scopes and not _running(turns, t))
                 service.clear_faults()
                 await _settle_workers(clock, store, sender, worker)
                 await _check(manager, store, service, turn.id, report)
                 # invariant 5: what the next request of this session is sent
-                script[:] = []
-                sent_before = len(requests)
-                follow = await turns.start(tenant_id="fuzz", text=FOLLOW_UP, session_id=session)
+                if follow is None:
+                    script[:] = []
+                    sent_before = len(requests)
+                    follow = await turns.start(tenant_id="fuzz", text=FOLLOW_UP, session_id=session)
                 await _drive(clock, lambda t=follow.id: t not in turns.scopes and not _running(turns, t))
                 await _check_history(manager, store, service, turn.id, requests[sent_before:], report)
             report.messages_sent = sender.done
@@ -465,13 +476,11 @@ async def _check_history(
     bad = report.violations.append
     name = "history_matches_ledger_and_heard"
     turn: Turn = await manager.get(turn_id)
-    if not sent:
-        bad(f"{name}: the turn after {turn_id} sent the model nothing")
+    ours = [r for r in sent if r and r[-1].role == "user" and r[-1].content == FOLLOW_UP]
+    if not ours:
+        bad(f"{name}: the turn after {turn_id} sent the model nothing that ends with its own words")
         return
-    first = sent[0]
-    if first[-1].role != "user" or first[-1].content != FOLLOW_UP:
-        bad(f"{name}: the turn after {turn_id} did not end its request with its own words")
-        return
+    first = ours[0]
     earlier = first[:-1]
     report.histories_checked += 1
     if not earlier or earlier[0].role != "user" or earlier[0].content != turn.transcript:
@@ -486,7 +495,8 @@ async def _check_history(
         if call is None or row is None:
             bad(f"{name}: a tool result {m.tool_call_id} with no call or no ledger row")
             continue
-        if m.status != row.status.value:
+        unsettled = m.status in (IntentStatus.EFFECT_UNKNOWN.value, IntentStatus.HUMAN_REQUIRED.value, REVERSING)
+        if m.status != row.status.value and not unsettled:  # "being checked" is true until it is settled
             bad(f"{name}: {row.key} told as {m.status}, the ledger says {row.status.value}")
         eff = applied.get(row.key)
         if row.effect == "none":

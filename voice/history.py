@@ -9,7 +9,8 @@ For each earlier turn of the session, in order:
    outcome (:func:`tool_outcome_text`): the result of a call that was done
    (never run again), "cancelled: it was not done", or "cancelled: it was
    done, then reversed" only when the external system's effect was actually
-   reversed;
+   reversed ("it was done and is being reversed" while the stop's reversal
+   is still under way);
 3. the reply as far as the user heard it (``Turn.reply``; never
    ``reply_unheard``), marked interrupted when the turn did not complete.
 
@@ -22,13 +23,16 @@ downstream work) are not tool calls the model made, and are left out too.
 
 from __future__ import annotations
 
-from turn.ledger import Intent, IntentKind, IntentStatus, effect_key
+from turn.ledger import OPEN, Intent, IntentKind, IntentStatus, compensation_key, effect_key
 from turn.manager import TurnManager
 from turn.models import Turn, TurnStatus
 from voice.providers import Message, ToolCall
 
 #: messages of history a model sees at most (whole turns are kept or dropped)
 HISTORY_MESSAGES = 40
+#: a tool message's status while the stop's reversal of a done effect is
+#: still under way (its compensation job is open)
+REVERSING = "reversing"
 
 
 def tool_outcome_text(intent: Intent) -> str:
@@ -51,10 +55,16 @@ def tool_messages(intents: list[Intent]) -> list[Message]:
     rows (in step order), the assistant's call and the tool's outcome."""
     out: list[Message] = []
     own = [i for i in intents if i.kind is IntentKind.EFFECT and i.key == effect_key(i.turn_id, i.step)]
+    reversing = {i.key for i in intents if i.kind is IntentKind.COMPENSATION and i.status in OPEN}
     for i in sorted(own, key=lambda i: i.step):
         call = ToolCall(id=i.key, name=i.tool, arguments=i.args)
         out.append(Message(role="assistant", content="", tool_calls=[call]))
-        out.append(Message(role="tool", tool_call_id=i.key, status=i.status.value, content=tool_outcome_text(i)))
+        if i.status is IntentStatus.DONE and compensation_key(i.key) in reversing:
+            # its stop's reversal is still running (a slow shop): not "done"
+            status, text = REVERSING, "cancelled: it was done and is being reversed"
+        else:
+            status, text = i.status.value, tool_outcome_text(i)
+        out.append(Message(role="tool", tool_call_id=i.key, status=status, content=text))
     return out
 
 

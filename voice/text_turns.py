@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turn.clock import Clock
+from turn.events import SessionEventLog
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import Budget, Plan, StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
@@ -37,6 +38,12 @@ class _TextSession:
     fence: GenerationFence
     running: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
+
+#: how long a new message waits for the turns it superseded to end (their
+#: stop: delivered text recorded, ledger resolved) before its history is
+#: read, s; a slower stop (a compensation that goes on as a job) is told as
+#: it stands then ("outcome unknown: being checked")
+SUPERSEDED_WAIT_S = 2.0
 
 class TextTurns:
     """Runs text turns on this instance.
@@ -119,11 +126,12 @@ class TextTurns:
         )
         ts.fence.active = max(ts.fence.active, turn.generation)  # the older turns' output is fenced now
         self.manager.events.log(session.id, gate=ts.fence)
+        older = list(ts.running.values())
         for older_id in list(ts.running):
             bg = asyncio.get_running_loop().create_task(self._supersede(older_id))
             self._background.add(bg)
             bg.add_done_callback(self._background.discard)
-        task = asyncio.get_running_loop().create_task(self._run(turn, llm, plan), name=f"text-turn-{turn.id}")
+        task = asyncio.get_running_loop().create_task(self._run(turn, llm, plan, older), name=f"text-turn-{turn.id}")
         ts.running[turn.id] = task
         task.add_done_callback(lambda _t, tid=turn.id: ts.running.pop(tid, None))
         return turn
@@ -135,10 +143,11 @@ class TextTurns:
         except Exception:
             log.exception("turn %s: could not stop it for a newer message", turn_id)
 
-    async def _run(self, turn: Turn, llm: LanguageModel, plan: Plan) -> None:
+    async def _run(self, turn: Turn, llm: LanguageModel, plan: Plan, older: list[asyncio.Task[None]]) -> None:
         """Answer in the turn's cancel scope, or stop when asked (signal, a
         checkpoint that read the store, or a limit) and write exactly one
-        terminal state from the children's reports."""
+        terminal state from the children's reports. ``older``: the tasks of
+        the turns this one superseded (see :data:`SUPERSEDED_WAIT_S`)."""
         rt = self.manager.runtime(turn.id)
         scope = TurnScope(
             turn.id,
@@ -151,7 +160,7 @@ class TextTurns:
         try:
             async with scope:
                 try:
-                    await self._work(turn, llm, scope)
+                    await self._work(turn, llm, scope, older)
                 except asyncio.CancelledError:
                     # The server is shutting down. The stop is recorded now,
                     # before the children wind down (a must-complete call
@@ -177,11 +186,11 @@ class TextTurns:
                     log.exception("text turn %s: could not record its final usage", turn.id)
             self.scopes.pop(turn.id, None)
 
-    async def _work(self, turn: Turn, llm: LanguageModel, scope: TurnScope) -> None:
+    async def _work(self, turn: Turn, llm: LanguageModel, scope: TurnScope, older: list[asyncio.Task[None]]) -> None:
         """Inside the scope: run the agent child until it ends or a stop
         comes, then write the terminal state."""
         try:
-            agent: Child | None = scope.spawn("agent", self._answer(turn, llm, scope))
+            agent: Child | None = scope.spawn("agent", self._answer(turn, llm, scope, older))
         except TurnStopped:
             agent = None  # no time left at all: the scope stopped itself (deadline_exceeded)
         if agent is not None:
@@ -214,9 +223,13 @@ class TextTurns:
         except Exception:
             log.exception("text turn %s: could not record the shutdown", turn_id)
 
-    async def _answer(self, turn: Turn, llm: LanguageModel, scope: TurnScope) -> None:
-        """The work: history, the agent loop, reply recorded, COMPLETED."""
+    async def _answer(self, turn: Turn, llm: LanguageModel, scope: TurnScope, older: list[asyncio.Task[None]]) -> None:
+        """The work: history, the agent loop, reply recorded, COMPLETED. The
+        history is read once the turns this one superseded have ended (at
+        most :data:`SUPERSEDED_WAIT_S`), so it holds what they delivered and
+        how their tool calls ended, not a snapshot from mid-stop."""
         events = self.manager.events.log(turn.session_id)
+        events.track_delivery(turn.id)
         parts: list[str] = []
         unheard: list[str] = []
 
@@ -234,6 +247,8 @@ class TextTurns:
         events.emit("transcript", generation=turn.generation, turn_id=turn.id, role="user", text=turn.transcript or "")
         final = False
         try:
+            if older:
+                await asyncio.wait(older, timeout=SUPERSEDED_WAIT_S)
             messages = await session_history(self.manager, turn)
             result = await run_agent(
                 scope=scope,
@@ -245,12 +260,14 @@ class TextTurns:
                 on_token=sink_to(delivered, withheld),
                 on_event=on_event,
             )
-            reply = result.text.strip()
+            generated = result.text.strip()
 
             async def finish() -> None:
-                await self.manager.record(turn.id, reply=reply)
+                # what the client was shown: a newer message may have fenced the end
+                reply, rest = await self._heard(events, turn.id, generated)
+                await self.manager.record(turn.id, reply=reply, **({"reply_unheard": rest} if rest else {}))
                 if (await self.manager.complete(turn.id)).applied:
-                    events.emit("agent.done", generation=turn.generation, turn_id=turn.id, text=reply)
+                    events.emit("agent.done", generation=turn.generation, turn_id=turn.id, text=reply or "")
 
             final = True
             await scope.commit(finish(), effect=False)  # the final step commits whole, or not at all
@@ -260,11 +277,24 @@ class TextTurns:
                     await scope.commit(self._record_partial(turn.id, "".join(parts), "".join(unheard)), effect=False)
             raise
 
+    async def _heard(self, events: SessionEventLog, turn_id: str, generated: str) -> tuple[str | None, str | None]:
+        """(the part of ``generated`` the client can have received: the text
+        of the turn's deltas the log stored deliverable; the rest), once the
+        log has written what was emitted. A delta emitted before a stop (or a
+        newer message) but written after it is stored fenced: nobody saw
+        it, so it is not part of the reply."""
+        await events.flush()
+        shown = events.take_delivered(turn_id)
+        rest = generated[len(shown):] if generated.startswith(shown) else ""
+        return shown.strip() or None, rest.strip() or None
+
     async def _record_partial(self, turn_id: str, delivered: str, withheld: str) -> None:
         """A stopped turn's reply: what reached the client, and apart (for
-        audit, never for a model) what was generated after the stop."""
+        audit, never for a model) what was generated but not shown."""
         try:
-            await self.manager.record(turn_id, reply=delivered.strip() or None, reply_unheard=withheld.strip() or None)
+            events = self.manager.events.log((await self.manager.get(turn_id)).session_id)
+            shown, rest = await self._heard(events, turn_id, delivered + withheld)
+            await self.manager.record(turn_id, reply=shown, reply_unheard=rest)
         except Exception:
             log.exception("turn %s: could not record its partial reply", turn_id)
 

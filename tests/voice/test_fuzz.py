@@ -49,12 +49,13 @@ async def test_a_history_that_differs_from_what_was_heard_is_caught(monkeypatch:
     """A turn store that files the words the client received as unheard
     (so the next request is told the interrupted turn said nothing) is
     caught by what that request is sent, against the event log."""
-    original = TextTurns._record_partial
+    original = TextTurns._heard
 
-    async def misfile(self, turn_id, delivered, withheld):  # type: ignore[no-untyped-def]
-        await original(self, turn_id, "", delivered + withheld)
+    async def misfile(self, events, turn_id, generated):  # type: ignore[no-untyped-def]
+        shown, rest = await original(self, events, turn_id, generated)
+        return None, " ".join(filter(None, (shown, rest))) or None
 
-    monkeypatch.setattr(TextTurns, "_record_partial", misfile)
+    monkeypatch.setattr(TextTurns, "_heard", misfile)
     report = await fuzz(150, seed=7)
     assert report.invariants()["history_matches_ledger_and_heard"] > 0
     assert any("the client received" in v for v in report.violations)

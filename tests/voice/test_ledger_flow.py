@@ -309,3 +309,32 @@ async def test_an_order_answered_before_the_stop_is_kept_however_late_its_record
     assert done.stop_reason is not None and row.done_at < done.stop_reason.at
     assert not any(e["reversed"] for e in flow.service.applied(turn.id).values())
     assert done.status is TurnStatus.CANCELLED  # nothing happened after the stop
+
+
+async def test_a_newer_message_is_told_what_the_turn_it_superseded_did(flow: Flow) -> None:
+    """A second message in the same session while the first is still
+    answering supersedes it (a barge-in). The second turn's model request is
+    built once the first has ended: it holds the first reply as far as it
+    was delivered, marked interrupted, and each tool call as the ledger
+    finally has it, never a snapshot from mid-stop."""
+    story = await flow.start("tell me a story")
+    t0 = flow.clock.monotonic()
+    await flow.until(lambda: flow.clock.monotonic() - t0 >= 0.5)  # mid-reply
+    weather = await flow.start("what is the weather", session_id=story.session_id)
+    await flow.settled(weather.id)
+    old = await flow.manager.get(story.id)
+    assert old.status is TurnStatus.CANCELLED and old.reply
+    first = next(r for r in RecordingAgent.seen if r[-1].content == "what is the weather")
+    assert [(m.role, m.content) for m in first] == [
+        ("user", "tell me a story"), ("assistant", old.reply), ("user", "what is the weather"),
+    ]
+    assert first[1].interrupted
+
+    order = await flow.start("please order a coffee", session_id=story.session_id)
+    await flow.until(lambda: f"{order.id}:2" in flow.service.received)  # the order is on its way
+    hello = await flow.start("hello there", session_id=story.session_id)
+    await flow.settled(hello.id)
+    [row] = [i for i in await flow.store.ledger_list(order.id) if i.kind is IntentKind.EFFECT]
+    request = next(r for r in RecordingAgent.seen if r[-1].content == "hello there")
+    [told] = [m for m in request if m.role == "tool" and m.tool_call_id == row.key]
+    assert told.status == row.status.value == "abandoned"  # as it ended, not "being checked"
