@@ -76,6 +76,18 @@ class SttStream(Protocol):
         ...
 
 
+class SttAdaptation:
+    """What a recogniser learnt of one session's voice and channel, carried
+    from one of that session's utterances to the next and never to another
+    session's (for pocketsphinx: the cepstral mean it settled at). Opaque
+    to the session: only the recogniser reads and writes ``state``; a new
+    one (``state`` None) starts from the recogniser's fixed starting point.
+    """
+
+    def __init__(self) -> None:
+        self.state: Any = None
+
+
 class SpeechToText(Protocol):
     """Speech recognition for one session (may hold a loaded model)."""
 
@@ -83,8 +95,10 @@ class SpeechToText(Protocol):
         """Load what is needed. Idempotent."""
         ...
 
-    def open_stream(self) -> SttStream:
-        """Begin a new utterance."""
+    def open_stream(self, adaptation: SttAdaptation | None = None) -> SttStream:
+        """Begin a new utterance, from ``adaptation`` (the session's) if
+        given, else from the recogniser's fixed starting point; a
+        recognised utterance updates ``adaptation``."""
         ...
 
     async def aclose(self) -> None:

@@ -42,7 +42,7 @@ from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
 from turn.scope import TurnScope, TurnStopped
 from turn.store import StoreUnavailable, UnknownTurn
-from voice.providers import LanguageModel, Message, SpeechToText, SttStream, TextToSpeech
+from voice.providers import LanguageModel, Message, SpeechToText, SttAdaptation, SttStream, TextToSpeech
 from voice.history import earlier_messages, session_history
 from voice.respond import run_agent, sink_to
 from voice.text import SentenceSplitter
@@ -337,6 +337,8 @@ class AgentSession:
         self.plan = plan or Plan()
         self.manager = manager
         self.providers = providers
+        #: the recogniser's state for this session's voice (its requests only)
+        self.stt_adaptation = SttAdaptation()
         self.playout = playout
         self.fence = fence
         self.clock = clock
@@ -696,7 +698,7 @@ class AgentSession:
         cleared = self.playout.clear()
         self.playout.resume()
         after: asyncio.Task[None] | None = None
-        run = TurnRun(generation=generation, stt=self.providers.stt.open_stream(), ptt=initiator == "ptt")
+        run = TurnRun(generation=generation, stt=self.providers.stt.open_stream(self.stt_adaptation), ptt=initiator == "ptt")
         if old is not None:
             if old.scope is not None and old.scope.committing:
                 # A must-complete tool is committing: its audio is silenced

@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from media.frames import VAD_RATE
 from voice import stt_worker
+from voice.providers import SttAdaptation
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +48,19 @@ class PocketsphinxConfig(BaseModel):
         grammar: optional JSGF file; None means free-form with the bundled LM.
         max_decoders: utterances decoded at the same time, across all
             sessions (each decoder is one worker process of about 80 MB).
-        cmn_start: the cepstral mean every utterance starts from, so no
-            utterance changes how a later one is heard
-            (:mod:`voice.stt_worker`): ``"speech"`` (a starting point
-            measured on speech, the default), ``"model"`` (the acoustic
-            model's own ``cmninit``) or 13 comma-separated numbers.
+        cmn_start: the cepstral mean a session's first utterance starts
+            from (later ones start from what the session's last recognised
+            utterance settled at), so no other session's audio changes how
+            this one is heard (:mod:`voice.stt_worker`): ``"model"`` (the
+            acoustic model's own ``cmninit``, the default), ``"speech"``
+            (a starting point measured on speech: fewer errors on free-form
+            first words, see :data:`voice.stt_worker.SPEECH_CMN`) or 13
+            comma-separated numbers.
     """
 
     grammar: Path | None = None
     max_decoders: int = Field(2, ge=1, le=64)
-    cmn_start: str = "speech"
+    cmn_start: str = "model"
 
     @field_validator("cmn_start")
     @classmethod
@@ -147,15 +151,18 @@ class PocketsphinxSTT:
             raise RuntimeError(f"speech model failed to load: {errors[0]}") from errors[0]
         self._started = True
 
-    def open_stream(self) -> "PocketsphinxStream":
-        """Begin an utterance (never blocks; audio waits if no decoder is free).
+    def open_stream(self, adaptation: SttAdaptation | None = None) -> "PocketsphinxStream":
+        """Begin an utterance (never blocks; audio waits if no decoder is
+        free), from the session's ``adaptation`` (the cepstral mean its
+        last recognised utterance settled at) or from ``cmn_start``; a
+        recognised utterance (non-empty text) updates ``adaptation``.
 
         Raises:
             RuntimeError: after :meth:`aclose`.
         """
         if self._closed:
             raise RuntimeError("STT is closed")
-        return PocketsphinxStream(self)
+        return PocketsphinxStream(self, adaptation)
 
     async def aclose(self) -> None:
         """Stop every worker process, after the calls already queued. Idempotent."""
@@ -218,8 +225,9 @@ class PocketsphinxStream:
     happens to the awaiting task.
     """
 
-    def __init__(self, owner: PocketsphinxSTT) -> None:
+    def __init__(self, owner: PocketsphinxSTT, adaptation: SttAdaptation | None = None) -> None:
         self._owner = owner
+        self._adaptation = adaptation
         self._decoder: _Decoder | None = None
         self._pending: list[bytes] = []
         self._pending_bytes = 0
@@ -233,7 +241,7 @@ class PocketsphinxStream:
     async def _attach(self) -> None:
         dec = await self._owner._acquire()
         self._decoder = dec
-        self._submit(stt_worker.start)
+        self._submit(stt_worker.start, self._adaptation.state if self._adaptation is not None else None)
         if self._pending:
             self._submit(stt_worker.process, b"".join(self._pending))
         self._pending.clear()
@@ -291,13 +299,15 @@ class PocketsphinxStream:
         self._ended = True
         await asyncio.shield(self._attached)  # raises RuntimeError if STT closed meanwhile
         try:
-            text = await self._end(stt_worker.end)
+            text, cmn = await self._end(stt_worker.end)
         except BrokenProcessPool as exc:
             raise SttError(f"speech worker died: {exc}") from exc
         except RuntimeError as exc:
             raise SttError(f"recognition failed: {exc}") from exc
         if self._error is not None:
             raise SttError(f"recognition failed: {self._error}") from self._error
+        if text and self._adaptation is not None:
+            self._adaptation.state = cmn  # this session's next utterance starts here
         return text
 
     async def aclose(self) -> None:

@@ -88,3 +88,39 @@ async def test_the_cmn_start_is_a_setting_and_bad_values_are_refused() -> None:
     for bad in ("", "loud", "1,2,3", ",".join(["nan"] * 13), ",".join(["1e9"] * 13)):
         with pytest.raises(ValueError, match="cmn_start"):
             PocketsphinxConfig(cmn_start=bad)
+
+
+async def test_a_session_adapts_to_its_own_voice_and_no_other_session_sees_it(say: Callable[..., Path]) -> None:
+    """Per-session state, reset to a fixed starting point: what one session
+    said (here noise and loud speech, the worst case) only moves its own
+    adaptation; a new session's first utterance is heard exactly as on a
+    fresh server, on whichever decoder it lands."""
+    from voice.providers import SttAdaptation
+
+    async def heard(stt: PocketsphinxSTT, pcm: bytes, adaptation: SttAdaptation | None) -> str:
+        stream = stt.open_stream(adaptation)
+        for i in range(0, len(pcm), 640):
+            stream.feed(pcm[i : i + 640])
+        return await stream.finish()
+
+    probe = speech(say(PROBES[0]))
+    fresh = PocketsphinxSTT(PocketsphinxConfig(max_decoders=1))
+    await fresh.start()
+    try:
+        first_on_a_fresh_server = await heard(fresh, probe, SttAdaptation())
+    finally:
+        await fresh.aclose()
+    stt = PocketsphinxSTT(PocketsphinxConfig(max_decoders=2))
+    await stt.start()
+    try:
+        noisy = SttAdaptation()
+        for pcm in stimuli(say, 12):
+            await heard(stt, pcm, noisy)
+        assert noisy.state is not None  # it did adapt, to its own audio
+        for _ in range(3):  # new sessions, on both decoders
+            assert await heard(stt, probe, SttAdaptation()) == first_on_a_fresh_server
+        again = SttAdaptation()
+        await heard(stt, probe, again)
+        assert again.state is not None and again.state != noisy.state
+    finally:
+        await stt.aclose()
