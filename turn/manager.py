@@ -48,6 +48,9 @@ __all__ = ["TurnManager", "TurnStopped", "NotStarted", "LIMIT_KINDS", "TurnRunti
 
 #: how many identical tool calls in a row are a loop
 LOOP_REPEATS = 3
+#: how long a checkpoint waits for a stop of its turn being written here, s
+#: (a store write takes milliseconds; a store that hangs is not waited out)
+STOP_WRITE_WAIT_S = 1.0
 
 
 @dataclass
@@ -70,6 +73,9 @@ class TurnRuntime:
         recent_tools: the last tool calls, as ``(name, canonical JSON args)``.
         stopping: a stop was seen (signal or store).
         synced_at: monotonic time of the last store round trip.
+        stop_writes: stop requests for it being recorded by this process
+            right now; a checkpoint waits for them (see
+            :meth:`TurnManager.checkpoint`).
     """
 
     turn_id: str
@@ -81,6 +87,7 @@ class TurnRuntime:
     recent_tools: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=LOOP_REPEATS))
     stopping: bool = False
     synced_at: float = 0.0
+    stop_writes: set[asyncio.Future[None]] = field(default_factory=set)
 
     def over_budget(self, expected_tokens: int = 0) -> str | None:
         """Why the budget is spent, or cannot pay for ``expected_tokens``
@@ -370,11 +377,25 @@ class TurnManager:
                 parameters.
         """
         rid = request_id or reason.request_id
-        res = await self.store_call(
-            lambda: self.store.request_stop(turn_id, rid, reason, at=self.clock.now(), fingerprint=fingerprint)
-        )
+        # A turn this process runs must not start a step while its stop is
+        # being written (the stop's time is already taken): its checkpoints
+        # wait for the write, then see the stop.
+        rt = self._runtime.get(turn_id)
+        writing: asyncio.Future[None] | None = None
+        if rt is not None:
+            writing = asyncio.get_running_loop().create_future()
+            rt.stop_writes.add(writing)
+        try:
+            res = await self.store_call(
+                lambda: self.store.request_stop(turn_id, rid, reason, at=self.clock.now(), fingerprint=fingerprint)
+            )
+            if res.first:
+                self._mark_stopping(turn_id)
+        finally:
+            if rt is not None and writing is not None:
+                rt.stop_writes.discard(writing)
+                writing.set_result(None)
         if res.first:
-            self._mark_stopping(turn_id)
             self._notify(res.turn)
             await self.signals.publish(turn_id)
         return res
@@ -562,6 +583,9 @@ class TurnManager:
                 when a stop was asked.
         """
         rt = self._runtime.get(turn_id)
+        if rt is not None and rt.stop_writes:
+            # a stop is being recorded here: decide once it is (bounded)
+            await asyncio.wait(set(rt.stop_writes), timeout=STOP_WRITE_WAIT_S)
         if rt is not None:
             if phase.startswith("before_"):
                 rt.steps += 1

@@ -7,7 +7,6 @@ RECONCILE_REQUIRED (an effect remains after the stop)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import pytest
@@ -21,6 +20,8 @@ from turn.stop_policy import POLICIES, Stage, policy_for, stage_at_stop
 from voice.demo_service import DemoService
 from voice.demo_tools import demo_handlers, demo_tools
 from voice.text_turns import tool_outcome_text
+
+from test_ledger import run
 
 K = StopReasonKind
 LIMITS = {K.DEADLINE_EXCEEDED, K.BUDGET_EXCEEDED, K.MAX_STEPS, K.LOOP_DETECTED}
@@ -65,14 +66,6 @@ def service(clock: VirtualClock) -> Iterator[DemoService]:
     s = DemoService(clock, latency_s=0.0)
     yield s
     s.close()
-
-
-async def run(clock: VirtualClock, coro):  # type: ignore[no-untyped-def]
-    task = asyncio.ensure_future(coro)
-    while not task.done():
-        await clock.advance(0.05)
-        await asyncio.sleep(0.001)
-    return task.result()
 
 
 def test_every_stop_kind_has_a_policy() -> None:

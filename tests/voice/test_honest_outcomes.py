@@ -8,6 +8,7 @@ session's own bookkeeping."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -58,10 +59,14 @@ def shape(messages: list[Message]) -> list[tuple[str, str]]:
     return out
 
 
-@pytest.fixture
-async def shop(store: SqliteStore, grammar_file: Path) -> AsyncIterator[tuple[Harness, DemoService, RecordingModel]]:
+@contextlib.asynccontextmanager
+async def shop_session(
+    store: SqliteStore, grammar_file: Path, *, latency_s: float = 0.02
+) -> AsyncIterator[tuple[Harness, DemoService, RecordingModel]]:
+    """A voice session with the demo shop (each call takes ``latency_s``)
+    and a model that records what it is sent."""
     h = Harness(store, grammar_file)
-    service = DemoService(h.clock, latency_s=0.02)
+    service = DemoService(h.clock, latency_s=latency_s)
     tools = demo_tools(h.clock, service, store)
     h.manager.ledger.handlers = tools.get
     h.session.providers.tools = tools
@@ -73,6 +78,12 @@ async def shop(store: SqliteStore, grammar_file: Path) -> AsyncIterator[tuple[Ha
     finally:
         await h.stop()
         service.close()
+
+
+@pytest.fixture
+async def shop(store: SqliteStore, grammar_file: Path) -> AsyncIterator[tuple[Harness, DemoService, RecordingModel]]:
+    async with shop_session(store, grammar_file) as parts:
+        yield parts
 
 
 def frames_of(h: Harness, generation: int) -> int:
@@ -246,53 +257,45 @@ async def test_barge_ins_at_random_moments_of_an_order_keep_what_was_done_and_te
     for trial in range(VOICE_TRIALS):
         store = SqliteStore(tmp_path / f"trial-{trial}.db")
         await store.open()
-        h = Harness(store, grammar_file)
-        service = DemoService(h.clock, latency_s=1.2)  # the order takes 1.2 s: the barge-in may land in it
-        tools = demo_tools(h.clock, service, store)
-        h.manager.ledger.handlers = tools.get
-        h.session.providers.tools = tools
-        model = RecordingModel(h.session.providers.llm)
-        h.session.providers.llm = model
-        await h.start()
         try:
-            h.mic.say(pcm48(say("please order a coffee")))
-            await h.wait_for(lambda: any(e["type"] == "tool.intent" for e in h.events), timeout=30)
-            await asyncio.sleep(rng.uniform(0.0, 2.5))
-            h.mic.say(pcm48(say("what is the weather like today")))
-            first = h.turn_events()[0]["turn_id"]
-            await h.wait_for(
-                lambda: any(e.get("status") == "COMPLETED" and e["turn_id"] != first for e in h.turn_events()), timeout=40
-            )
-            await asyncio.sleep(0.5)  # a reversal the stop might (wrongly) have started
-            turns = await store.list_session("sess-1")
-            old = turns[0]
-            stop = old.stop_reason
-            rows = await store.ledger_list(old.id)
-            applied = service.applied(old.id)
-            for row in rows:
-                if row.kind is IntentKind.EFFECT and stop is not None and row.done_at is not None and row.done_at <= stop.at:
-                    assert row.status is IntentStatus.DONE, (trial, row)
-                    assert not applied[row.key]["reversed"], (trial, row)
-            if old.merged_into:  # the user went on before anything was heard: one turn answers both
-                continue
-            [request, *_] = model.requests_for(turns[-1].transcript or "")
-            told = {m.tool_call_id: m for m in request if m.role == "tool"}
-            for row in rows:
-                if row.kind is not IntentKind.EFFECT:
+            # the order takes 1.2 s: the barge-in may land in it
+            async with shop_session(store, grammar_file, latency_s=1.2) as (h, service, model):
+                h.mic.say(pcm48(say("please order a coffee")))
+                await h.wait_for(lambda: any(e["type"] == "tool.intent" for e in h.events), timeout=30)
+                await asyncio.sleep(rng.uniform(0.0, 2.5))
+                h.mic.say(pcm48(say("what is the weather like today")))
+                first = h.turn_events()[0]["turn_id"]
+                await h.wait_for(
+                    lambda: any(e.get("status") == "COMPLETED" and e["turn_id"] != first for e in h.turn_events()), timeout=40
+                )
+                await asyncio.sleep(0.5)  # a reversal the stop might (wrongly) have started
+                turns = await store.list_session("sess-1")
+                old = turns[0]
+                stop = old.stop_reason
+                rows = await store.ledger_list(old.id)
+                applied = service.applied(old.id)
+                for row in rows:
+                    if row.kind is IntentKind.EFFECT and stop is not None and row.done_at is not None and row.done_at <= stop.at:
+                        assert row.status is IntentStatus.DONE, (trial, row)
+                        assert not applied[row.key]["reversed"], (trial, row)
+                if old.merged_into:  # the user went on before anything was heard: one turn answers both
                     continue
-                m = told[row.key]
-                assert m.status == row.status.value, (trial, m, row)
-                stands = row.key in applied and not applied[row.key]["reversed"]
-                assert stands == (row.status is IntentStatus.DONE), (trial, row, applied)
-            replies = [m for m in request if m.role == "assistant" and not m.tool_calls and m.content]
-            heard = next((e["heard"] for e in h.events if e["type"] == "agent.interrupted" and e.get("turn_id") == old.id), None)
-            if old.status is TurnStatus.COMPLETED:
-                assert replies and replies[0].content == old.reply
-            elif heard:
-                assert replies and replies[0].content == heard == old.reply and replies[0].interrupted
-            else:
-                assert not replies, (trial, replies)  # nothing was heard: nothing is claimed said
+                [request, *_] = model.requests_for(turns[-1].transcript or "")
+                told = {m.tool_call_id: m for m in request if m.role == "tool"}
+                for row in rows:
+                    if row.kind is not IntentKind.EFFECT:
+                        continue
+                    m = told[row.key]
+                    assert m.status == row.status.value, (trial, m, row)
+                    stands = row.key in applied and not applied[row.key]["reversed"]
+                    assert stands == (row.status is IntentStatus.DONE), (trial, row, applied)
+                replies = [m for m in request if m.role == "assistant" and not m.tool_calls and m.content]
+                heard = next((e["heard"] for e in h.events if e["type"] == "agent.interrupted" and e.get("turn_id") == old.id), None)
+                if old.status is TurnStatus.COMPLETED:
+                    assert replies and replies[0].content == old.reply
+                elif heard:
+                    assert replies and replies[0].content == heard == old.reply and replies[0].interrupted
+                else:
+                    assert not replies, (trial, replies)  # nothing was heard: nothing is claimed said
         finally:
-            await h.stop()
-            service.close()
             await store.close()

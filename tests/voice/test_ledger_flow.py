@@ -338,3 +338,23 @@ async def test_a_newer_message_is_told_what_the_turn_it_superseded_did(flow: Flo
     request = next(r for r in RecordingAgent.seen if r[-1].content == "hello there")
     [told] = [m for m in request if m.role == "tool" and m.tool_call_id == row.key]
     assert told.status == row.status.value == "abandoned"  # as it ended, not "being checked"
+
+
+async def test_no_model_request_starts_while_the_stop_is_being_written(flow: Flow, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stop's time is taken, its write is slow (a busy store), and the
+    turn reaches its next model call meanwhile: that call is not started
+    (requests_after_stop stays 0, as the README promises)."""
+    original = flow.store.request_stop
+
+    async def slow_stop(*args, **kw):  # type: ignore[no-untyped-def]
+        await flow.clock.sleep(0.6)  # longer than the order's 0.3 s
+        return await original(*args, **kw)
+
+    monkeypatch.setattr(flow.store, "request_stop", slow_stop)
+    turn = await flow.start("please order a coffee")
+    await flow.until(lambda: in_tool(flow, turn.id, "create_order"))
+    stopping = asyncio.ensure_future(flow.stop(turn.id))  # the order answers while this is written
+    done = await flow.settled(turn.id)
+    await stopping
+    assert done.usage.requests_after_stop == 0 and done.usage.model_requests == 1
+    assert not any(r.started_after_stop for r in done.usage.records)
