@@ -5,7 +5,9 @@
 playout frame whose generation passes the gate; frames of any other
 generation are dropped there (counted as fenced), however late they were
 queued. With nothing to send it sends silence, so the wire never stalls and a
-cleared buffer is silent on the very next tick.
+cleared buffer is silent on the very next tick; the joins between audio and
+silence are ramped over a few ms (:mod:`media.declick`), so a cut never
+clicks.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Protocol
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av.audio.frame import AudioFrame
 
+from media.declick import Declicker
 from media.frames import FRAME_MS, PLAYOUT_RATE, pcm_to_frame, samples_per_frame
 from media.playout import PlayoutBuffer, PlayoutFrame
 from turn.clock import Clock
@@ -82,7 +85,7 @@ class PacedAudioTrack(MediaStreamTrack):
         self.on_sent = on_sent
         self.audit = DeliveryAudit()
         self._samples = samples_per_frame(PLAYOUT_RATE)
-        self._silence = bytes(self._samples * 2)
+        self._declick = Declicker(PLAYOUT_RATE)
         self._start: float | None = None
         self._tick = 0
         self._pts = 0
@@ -113,9 +116,9 @@ class PacedAudioTrack(MediaStreamTrack):
         frame = self._next_deliverable()
         if frame is None:
             self.audit.silence_frames += 1
-            pcm = self._silence
+            pcm = self._declick.silence(self._samples)
         else:
-            pcm = frame.pcm
+            pcm = self._declick.audio(frame.pcm)
             audit = self.audit.per_generation.setdefault(frame.generation, GenerationAudit())
             audit.frames += 1
             audit.samples += self._samples
