@@ -275,6 +275,8 @@ class TextTurns:
             if (parts or unheard) and not final:  # what was delivered before the stop (waited for, then the stop goes on)
                 with contextlib.suppress(TurnStopped):  # the stop already under way is re-raised below
                     await scope.commit(self._record_partial(turn.id, "".join(parts), "".join(unheard)), effect=False)
+            else:
+                events.take_delivered(turn.id)  # nothing to record: stop tracking it (no entry left per turn)
             raise
 
     async def _heard(self, events: SessionEventLog, turn_id: str, generated: str) -> tuple[str | None, str | None]:
