@@ -26,6 +26,7 @@ from media.bargein import (
     DetectorEventKind as K,
 )
 from media.frames import PLAYOUT_RATE, VAD_RATE
+from media.speech_onset import shared_scorer
 from media.vad import VadConfig
 
 #: Most a confirmation may lag behind the labelled speech onset (s).
@@ -211,6 +212,8 @@ def test_a_loudspeaker_turned_on_mid_reply_is_still_echo() -> None:
     clip = _over_the_agent(b"", echo_from_s=2.0)
     run = run_clip(clip)
     assert K.SPEECH_CONFIRMED not in run.kinds(), run.kinds()
+    for started, rejected in zip(run.events[::2], run.events[1::2]):
+        assert (started.kind, rejected.kind) == (K.SPEECH_STARTED, K.SPEECH_REJECTED), run.events
     assert run.detector.echo_return_loss_db < 20  # the echo is back in the estimate
     assert sum(run.echo[int(2.5 / 0.02) :]) > 20
 
@@ -265,10 +268,15 @@ def test_speech_over_learnt_noise_confirms(snr_db: float) -> None:
 
 
 def test_continuous_noise_does_not_pause_resume_forever() -> None:
-    """A loud tone that stays on: one STARTED/REJECTED, then the detector
-    waits for the gate to close (rearm_ms) and the floor learns the tone."""
+    """A loud tone that stays on: its onset never scores as speech, so it
+    pauses nothing; one ignored run, then the detector waits for the gate to
+    close (rearm_ms) and the floor learns the tone."""
     pcm = C.tone((440.0,), 6.0, -20)
     run = run_clip(C.Clip("tone-6s", "tone", pcm))
+    assert run.kinds() == []
+    assert run.detector.ignored_runs == 1
+    # on the gate alone (the old first stage) it paused once and resumed
+    run = run_clip(C.Clip("tone-6s", "tone", pcm), BargeInConfig(pause_speech_threshold=0))
     assert run.kinds() == [K.SPEECH_STARTED, K.SPEECH_REJECTED]
 
 
@@ -276,14 +284,17 @@ def test_silero_runs_only_while_a_run_is_in_progress() -> None:
     quiet, _ = C.embed(bytes(640 * 10), 1000, 1000, noise_dbfs=-70)
     run = run_clip(C.Clip("quiet", "noise", quiet))
     assert run.events == [] and run.silero_calls == 0
-    # a tone: Silero from the first gated frame to the rejection, then never
+    # a tone: Silero from the first gated frame to the end of the run, then
+    # never; the onset check scores each gated frame from pause_after_ms on
     cfg = BargeInConfig()
+    onset = shared_scorer()
+    before = onset.calls
     run = run_clip(C.Clip("tone", "tone", C.tone((1000.0,), 6.0, -20)), cfg)
-    rejected = run.first(K.SPEECH_REJECTED)
-    assert rejected is not None
-    span_ms = (rejected.at - rejected.onset_at) * 1000 + 20
+    assert run.kinds() == [] and run.detector.ignored_runs == 1
+    span_ms = cfg.confirm_timeout_ms + 20
     warm = 3  # SILERO_WARM_CHUNKS
     assert run.silero_calls <= warm + span_ms / 32 + 1
+    assert onset.calls - before <= (cfg.confirm_timeout_ms - cfg.pause_after_ms) / 20 + 2
 
 
 def test_silero_stops_after_confirmation() -> None:
