@@ -44,7 +44,8 @@ from voice.text_turns import TextTurns
 from web import api
 from web.auth import Auth
 from web.errors import ApiError
-from web.peer import OfferRejected, PeerSession
+from web.offer_validation import OfferRejected, validate_offer
+from web.peer import PeerSession
 from web.settings import Settings
 from web.state import AUTH, CLOCK, LEASES, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE, STREAMS, TEXT_TURNS, WORKERS
 
@@ -367,8 +368,12 @@ async def _offer(request: web.Request) -> web.Response:
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
         raise ApiError(400, "invalid_offer", problems) from exc
-    if not offer.sdp.lstrip().startswith("v=0"):
-        raise ApiError(400, "invalid_sdp", "SDP must start with 'v=0' (RFC 8866)")
+    try:
+        # Before any limit is counted or session made: an offer that can never
+        # connect must not hold a pending slot until connect_timeout_s.
+        validate_offer(offer.sdp)
+    except OfferRejected as exc:
+        raise ApiError(400, exc.code, str(exc)) from exc
     settings = app[SETTINGS]
     peers: dict[str, PeerSession] = app[PEERS]
     if len(peers) >= settings.max_sessions:

@@ -31,6 +31,7 @@ from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import StopReasonKind, TurnKind
 from voice.session import AgentSession, Providers
+from web.offer_validation import OfferRejected
 from web.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -51,18 +52,6 @@ PTT_ERRORS = {
 }
 #: how often the watchdog looks at the connection, seconds
 WATCH_INTERVAL_S = 0.25
-
-
-class OfferRejected(Exception):
-    """The offer cannot be answered (malformed SDP, no audio, ...).
-
-    Attributes:
-        code: machine-readable error code for the JSON body.
-    """
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class EventChannel:
@@ -243,7 +232,9 @@ class PeerSession:
                  sample=frame.sample)
 
     async def answer(self, sdp: str) -> str:
-        """Apply the client's offer and return our answer SDP.
+        """Apply the client's offer and return our answer SDP. The caller
+        checks the offer first (:func:`web.offer_validation.validate_offer`);
+        what aiortc still refuses is reported the same way.
 
         Raises:
             OfferRejected: the SDP cannot be parsed or negotiated, or offers
