@@ -103,14 +103,17 @@ class Listening:
         stopped_at: client seconds where the agent's sound ended for good
             (the start of a final open run judged a stop), else None.
         open_run: the final open run, if the reception ended in silence.
-        beyond_reference: ms of sound time in the stretch that the reference
-            does not cover (its runs there could not be judged); 0 is good.
+        beyond_reference: ms of sound time in the reception that the
+            reference does not cover; 0 is good.
+        unjudged: closed runs of the stretch past the reference's cover (not
+            in ``gaps``: their natural length is unknown).
     """
 
     gaps: list[Gap] = field(default_factory=list)
     stopped_at: float | None = None
     open_run: SilentRun | None = None
     beyond_reference: float = 0.0
+    unjudged: int = 0
 
     @property
     def max_gap_ms(self) -> float:
@@ -136,6 +139,7 @@ class Listening:
             "gaps_ms": [round(v, 1) for v in self.inserted(40.0)],
             "stopped": self.stopped_at is not None,
             "beyond_reference_ms": self.beyond_reference,
+            "unjudged_runs": self.unjudged,
         }
 
 
@@ -262,6 +266,7 @@ def listen(
         if since is not None and g.run.end_at is not None and g.run.end_at < since:
             continue
         if g.run.sound_ms > covered:
+            result.unjudged += 1
             continue
         result.gaps.append(g)
     if runs and runs[-1].open:
@@ -292,7 +297,7 @@ def newer_turn_at(event_times: Sequence[tuple[float, dict[str, Any]]]) -> float 
     return None
 
 
-def judge_call(result: Any, reference: Sequence[Frame], *, whole_reply: bool = False, **kw: Any) -> list[Listening]:
+def judge_call(result: Any, reference: Sequence[Frame], *, whole_reply: bool = False, **kw: Any) -> list[Listening | None]:
     """Judge each measured stimulus of a call against a reference reception,
     and fill its ``gap_ms`` and ``outcome``.
 
@@ -306,16 +311,21 @@ def judge_call(result: Any, reference: Sequence[Frame], *, whole_reply: bool = F
         kw: passed to :func:`listen` (``tolerance_ms``, ``stop_ms``).
 
     Returns:
-        One :class:`Listening` per measure, in order. A stimulus is judged
-        from its first sample sent up to the next one's, or to where a newer
-        turn's reply may begin (:func:`newer_turn_at`): a first reply
-        superseded by a newer turn is ``stopped`` (it never resumes).
+        One :class:`Listening` per measure, in order, or None for one that
+        was not sent or was sent after a newer turn began (left unjudged:
+        ``gap_ms`` and ``outcome`` stay None). A stimulus is judged from its
+        first sample sent up to the next one's, or to where a newer turn's
+        reply may begin (:func:`newer_turn_at`): a first reply superseded by
+        a newer turn is ``stopped`` (it never resumes).
     """
     cut = newer_turn_at(result.event_times)
-    out: list[Listening] = []
+    out: list[Listening | None] = []
     measures = list(result.barge_ins)
     for k, m in enumerate(measures):
         since = None if whole_reply and k == 0 else m.sent_from
+        if m.sent_from is None or (cut is not None and since is not None and cut <= since):
+            out.append(None)
+            continue
         until = measures[k + 1].sent_from if k + 1 < len(measures) else None
         superseded = cut is not None and (until is None or cut <= until)
         if superseded:
@@ -323,7 +333,10 @@ def judge_call(result: Any, reference: Sequence[Frame], *, whole_reply: bool = F
         heard = listen(result.received, reference, since=since, until=until, **kw)
         if superseded and heard.stopped_at is None:
             heard.stopped_at = heard.open_run.start_at if heard.open_run is not None else until
-        m.gap_ms = round(heard.max_gap_ms, 1)
-        m.outcome = heard.outcome()
+        if heard.unjudged:  # part of the stretch is past the reference: no figure to vouch for
+            m.gap_ms, m.outcome = None, STOPPED if heard.stopped_at is not None else None
+        else:
+            m.gap_ms = round(heard.max_gap_ms, 1)
+            m.outcome = heard.outcome()
         out.append(heard)
     return out

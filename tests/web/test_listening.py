@@ -101,6 +101,7 @@ def test_since_leaves_out_earlier_runs_and_reference_coverage_is_told() -> None:
     assert heard.inserted(1.0) == [] and len(heard.gaps) == 2
     short = L.listen(rx(got), rx(Q(10) + S(50) + Q(5) + S(20)))
     assert short.beyond_reference > 0 and len(short.gaps) == 2  # the 160 ms pause is past the reference: not judged
+    assert short.unjudged == 1
 
 
 def test_until_cuts_the_reception() -> None:
@@ -113,7 +114,7 @@ def test_judge_call_fills_gap_and_outcome_and_stops_at_a_newer_turn() -> None:
     m = BargeInMeasure(label="cough", at_s=0.3, kind="noise", sent_from=T0 + 0.02 * 25)
     call = SimpleNamespace(received=got, event_times=[], barge_ins=[m])
     [heard] = L.judge_call(call, REF)
-    assert heard.inserted() == [240.0, 600.0] and heard.stopped_at is None
+    assert heard is not None and heard.inserted() == [240.0, 600.0] and heard.stopped_at is None
     assert m.gap_ms == 600.0 and m.outcome == L.RESUMED
     # the same reception, but a newer turn's transcript came during the final silence
     m2 = BargeInMeasure(label="speech", at_s=0.3, sent_from=T0 + 0.02 * 25)
@@ -124,4 +125,10 @@ def test_judge_call_fills_gap_and_outcome_and_stops_at_a_newer_turn() -> None:
     ]
     assert L.newer_turn_at(events) == T0 + 0.02 * 165
     [heard2] = L.judge_call(SimpleNamespace(received=got, event_times=events, barge_ins=[m2]), REF)
-    assert m2.outcome == L.STOPPED and heard2.stopped_at is not None
+    assert m2.outcome == L.STOPPED and heard2 is not None and heard2.stopped_at is not None
+    # a clip sent after the newer turn began is about another reply: not judged
+    late = BargeInMeasure(label="late", at_s=0.3, kind="noise", sent_from=T0 + 0.02 * 170)
+    unsent = BargeInMeasure(label="unsent", at_s=0.3, kind="noise")
+    m3 = BargeInMeasure(label="speech", at_s=0.3, sent_from=T0 + 0.02 * 25)
+    judged = L.judge_call(SimpleNamespace(received=got, event_times=events, barge_ins=[m3, late, unsent]), REF)
+    assert judged[1:] == [None, None] and late.gap_ms is None and late.outcome is None and m3.outcome == L.STOPPED
