@@ -280,57 +280,91 @@ def listen(
     return result
 
 
-def newer_turn_at(event_times: Sequence[tuple[float, dict[str, Any]]]) -> float | None:
-    """Where a reply to a turn newer than the call's first may begin: the
-    arrival (client seconds) of the first transcript or reply text of a
-    turn of a later generation, or None. Audio after it may be that reply,
-    not the first one's."""
+def reply_starts(event_times: Sequence[tuple[float, dict[str, Any]]]) -> list[tuple[float, int, str | None]]:
+    """Where each turn's reply may begin: per generation after the call's
+    first, the arrival (client seconds) of its first transcript or reply
+    text, with the generation and its transcript (None if not known then).
+    Audio after it may be that turn's reply. In order of arrival."""
     first: int | None = None
+    seen: dict[int, int] = {}
+    out: list[tuple[float, int, str | None]] = []
     for at, ev in event_times:
         gen = ev.get("generation")
-        if not isinstance(gen, int) or ev.get("type") not in ("turn", "transcript", "agent.delta"):
+        kind = ev.get("type")
+        if not isinstance(gen, int) or kind not in ("turn", "transcript", "agent.delta"):
             continue
+        text = ev.get("text") if kind == "transcript" else ev.get("transcript")
         if first is None:
             first = gen
-        elif gen > first and (ev.get("type") != "turn" or ev.get("transcript")):
-            return at
-    return None
+        elif gen > first and gen not in seen and (kind != "turn" or text):
+            seen[gen] = len(out)
+            out.append((at, gen, text))
+            continue
+        if gen in seen and text and out[seen[gen]][2] is None:
+            out[seen[gen]] = (out[seen[gen]][0], gen, text)
+    return out
 
 
-def judge_call(result: Any, reference: Sequence[Frame], *, whole_reply: bool = False, **kw: Any) -> list[Listening | None]:
+def newer_turn_at(event_times: Sequence[tuple[float, dict[str, Any]]]) -> float | None:
+    """Where a reply to a turn newer than the call's first may begin
+    (:func:`reply_starts`), client seconds, or None."""
+    starts = reply_starts(event_times)
+    return starts[0][0] if starts else None
+
+
+def judge_call(
+    result: Any, reference: Sequence[Frame], *, whole_reply: bool = False, same_reply: Any = None, **kw: Any
+) -> list[Listening | None]:
     """Judge each measured stimulus of a call against a reference reception,
     and fill its ``gap_ms`` and ``outcome``.
 
     Args:
-        result: a ``web.call.CallResult`` (its ``received``, ``event_times``
-            and ``barge_ins`` are read; each ``BargeInMeasure``'s ``gap_ms``
-            (ms, the longest inserted silence) and ``outcome`` are set).
-        reference: a reception of the same first reply with no stimulus.
-        whole_reply: judge from the reply's first sound, not from when the
-            stimulus started (a speakerphone's echo is there all along).
+        result: a ``web.call.CallResult`` (its ``received``, ``event_times``,
+            ``turns`` and ``barge_ins`` are read; each ``BargeInMeasure``'s
+            ``gap_ms`` (ms, the longest inserted silence) and ``outcome`` are
+            set).
+        reference: a reception of the call's first reply with no stimulus.
+        whole_reply: judge the first stimulus from the reply's first sound,
+            not from when it started (a speakerphone's echo is there all
+            along).
+        same_reply: ``f(transcript) -> bool``: a newer turn with this
+            transcript gets the same reply as the first (its reception is
+            judged against the same reference, sound time counted from its
+            own first sound). Default: the same transcript as the first turn.
         kw: passed to :func:`listen` (``tolerance_ms``, ``stop_ms``).
 
     Returns:
-        One :class:`Listening` per measure, in order, or None for one that
-        was not sent or was sent after a newer turn began (left unjudged:
-        ``gap_ms`` and ``outcome`` stay None). A stimulus is judged from its
-        first sample sent up to the next one's, or to where a newer turn's
-        reply may begin (:func:`newer_turn_at`): a first reply superseded by
+        One :class:`Listening` per measure, in order, or None (left
+        unjudged: ``gap_ms`` and ``outcome`` stay None) for one that was not
+        sent, or that was sent over another reply. A stimulus is judged from
+        its first sample sent up to the next one's, or to where a newer
+        turn's reply may begin (:func:`reply_starts`): a reply superseded by
         a newer turn is ``stopped`` (it never resumes).
     """
-    cut = newer_turn_at(result.event_times)
+    first_text = result.turns[0].transcript if getattr(result, "turns", None) else None
+    if same_reply is None:
+        same_reply = lambda text: text == first_text  # noqa: E731
+    starts = reply_starts(result.event_times)
     out: list[Listening | None] = []
     measures = list(result.barge_ins)
     for k, m in enumerate(measures):
         since = None if whole_reply and k == 0 else m.sent_from
-        if m.sent_from is None or (cut is not None and since is not None and cut <= since):
+        if m.sent_from is None:
             out.append(None)
             continue
+        # the reply the stimulus was played over: the first, or the newest begun before it
+        began = [s for s in starts if since is not None and s[0] <= since]
+        seg_from = began[-1][0] if began else None
+        if began and not same_reply(began[-1][2]):
+            out.append(None)
+            continue
+        cut = next((s[0] for s in starts if seg_from is None or s[0] > seg_from), None)
+        frames = result.received if seg_from is None else [f for f in result.received if f[0] > seg_from]
         until = measures[k + 1].sent_from if k + 1 < len(measures) else None
         superseded = cut is not None and (until is None or cut <= until)
         if superseded:
             until = cut
-        heard = listen(result.received, reference, since=since, until=until, **kw)
+        heard = listen(frames, reference, since=since, until=until, **kw)
         if superseded and heard.stopped_at is None:
             heard.stopped_at = heard.open_run.start_at if heard.open_run is not None else until
         if heard.unjudged:  # part of the stretch is past the reference: no figure to vouch for

@@ -112,7 +112,7 @@ def test_until_cuts_the_reception() -> None:
 def test_judge_call_fills_gap_and_outcome_and_stops_at_a_newer_turn() -> None:
     got = rx(Q(10) + S(20) + Q(12) + S(30) + Q(5) + S(50) + Q(8) + S(20) + Q(30) + S(30))
     m = BargeInMeasure(label="cough", at_s=0.3, kind="noise", sent_from=T0 + 0.02 * 25)
-    call = SimpleNamespace(received=got, event_times=[], barge_ins=[m])
+    call = SimpleNamespace(received=got, event_times=[], barge_ins=[m], turns=[])
     [heard] = L.judge_call(call, REF)
     assert heard is not None and heard.inserted() == [240.0, 600.0] and heard.stopped_at is None
     assert m.gap_ms == 600.0 and m.outcome == L.RESUMED
@@ -124,11 +124,37 @@ def test_judge_call_fills_gap_and_outcome_and_stops_at_a_newer_turn() -> None:
         (T0 + 0.02 * 165, {"type": "transcript", "generation": 2, "text": "hey"}),
     ]
     assert L.newer_turn_at(events) == T0 + 0.02 * 165
-    [heard2] = L.judge_call(SimpleNamespace(received=got, event_times=events, barge_ins=[m2]), REF)
+    [heard2] = L.judge_call(SimpleNamespace(received=got, event_times=events, barge_ins=[m2], turns=[]), REF)
     assert m2.outcome == L.STOPPED and heard2 is not None and heard2.stopped_at is not None
     # a clip sent after the newer turn began is about another reply: not judged
     late = BargeInMeasure(label="late", at_s=0.3, kind="noise", sent_from=T0 + 0.02 * 170)
     unsent = BargeInMeasure(label="unsent", at_s=0.3, kind="noise")
     m3 = BargeInMeasure(label="speech", at_s=0.3, sent_from=T0 + 0.02 * 25)
-    judged = L.judge_call(SimpleNamespace(received=got, event_times=events, barge_ins=[m3, late, unsent]), REF)
+    turns = [SimpleNamespace(transcript="tell me a story")]
+    call3 = SimpleNamespace(received=got, event_times=events, barge_ins=[m3, late, unsent], turns=turns)
+    judged = L.judge_call(call3, REF)
     assert judged[1:] == [None, None] and late.gap_ms is None and late.outcome is None and m3.outcome == L.STOPPED
+
+
+def test_judge_call_judges_a_clip_over_the_same_reply_begun_again() -> None:
+    # the story, stopped by speech asking for it again; a clip over the second
+    # telling inserts 200 ms in mid-word there (sound time counts from its start)
+    first = Q(10) + S(50) + Q(5) + S(20) + Q(40)
+    second = Q(10) + S(30) + Q(10) + S(20) + Q(5) + S(50) + Q(8) + S(30)
+    got = rx(first + second)
+    t_new = T0 + 0.02 * (len(first) + 2)
+    events = [
+        (T0, {"type": "turn", "generation": 1, "transcript": "tell me a story"}),
+        (t_new, {"type": "transcript", "generation": 2, "text": "tell me a story"}),
+    ]
+    speech = BargeInMeasure(label="speech", at_s=0.3, sent_from=T0 + 0.02 * 70)
+    cough = BargeInMeasure(label="cough", at_s=0.3, kind="noise", sent_from=T0 + 0.02 * (len(first) + 35))
+    turns = [SimpleNamespace(transcript="tell me a story")]
+    judged = L.judge_call(SimpleNamespace(received=got, event_times=events, barge_ins=[speech, cough], turns=turns), REF)
+    assert speech.outcome == L.STOPPED
+    assert cough.gap_ms == 200.0 and cough.outcome == L.RESUMED and judged[1] is not None
+    # over another reply ("You said: ...") it is not judged
+    events[1] = (t_new, {"type": "transcript", "generation": 2, "text": "hello there"})
+    speech.gap_ms = cough.gap_ms = cough.outcome = None
+    judged = L.judge_call(SimpleNamespace(received=got, event_times=events, barge_ins=[speech, cough], turns=turns), REF)
+    assert judged[1] is None and cough.gap_ms is None
