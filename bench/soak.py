@@ -3,7 +3,8 @@
 hears it (issue 11.6).
 
     python bench/soak.py [--sessions 200] [--seed 1] [--min-at 1] [--max-at 6]
-                         [--classes speech,backchannel,...] [--json]
+                         [--classes speech,backchannel,...] [--hangup-after 0.5]
+                         [--dump DIR] [--json]
 
 Starts one turnkeeper server in its own process on loopback (embedded
 defaults: SQLite store in a temporary directory, pocketsphinx, espeak-ng,
@@ -46,8 +47,9 @@ the server process's RSS (VmRSS) and open file descriptors at the start,
 after 10 calls, every 50 and at the end (the recogniser's worker processes
 are not included).
 
-Time: about 8 to 9 s per call on the 2-core machine, so the default 200
-calls take about 30 minutes; ``--sessions 12`` about 2 minutes. Progress goes
+Time: about 9 s per call on the 2-core machine (most of it the random wait
+before the stimulus), so the default 200 calls take about 30 minutes;
+``--sessions 12`` about 2 minutes. Progress goes
 to stderr; with ``--json``, stdout is one JSON object.
 """
 
