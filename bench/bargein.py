@@ -27,7 +27,11 @@ Figures (min, p50, p95, max where they apply):
 - false cancels: barge-ins committed for a backchannel, a noise or echo;
 - missed: speech over the audible agent that committed no barge-in;
 - false interruptions: pauses that resumed (not errors: the audio was held
-  while the detector made sure).
+  while the detector made sure);
+- inserted gap per kind: the longest silence each clip inserted into the
+  agent's reply as the client received it, told from the reply's own pauses
+  by a reference reception of the story without any clip (tests/listening.py;
+  one extra call of about 45 s); ">=100 ms" counts the audible ones.
 
 Usage: python bench/bargein.py [--json] [--seed S] [--per-call K] [--quick]
 """
@@ -54,11 +58,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import corpus as C  # noqa: E402  (the tests' labelled corpus)
+import listening as L  # noqa: E402  (the inserted-gap measure)
 from conftest import GRAMMAR  # noqa: E402  (the tests' grammar: test phrases and backchannels)
 from media.frames import PLAYOUT_RATE, VAD_RATE  # noqa: E402
 from web.call import BargeInMeasure, CallClient, CallResult, Utterance  # noqa: E402
 
 STORY = "tell me a story"
+REFERENCE_S = 44.0  # the reference reception hears this much of the story (s after it starts)
 WEATHER = "what is the weather like today"
 
 
@@ -149,8 +155,15 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         )
         measures: list[BargeInMeasure] = []
         echo_calls: list[CallResult] = []
+        echo_gap_ms: list[float] = []
         try:
             await wait_healthy(url, proc)
+            # The story heard with no clip: what the inserted gaps are measured against.
+            ref_call = await CallClient(url).run(
+                Utterance(up(story), label="story"), [Utterance(bytes(9600), at_s=REFERENCE_S, label="reference", kind="none")],
+                timeout_s=REFERENCE_S + 20, settle_s=0.2, hangup_after_s=0.3,
+            )
+            reference = ref_call.received
             # Calls of K corpus items; each ends with a human recording (or the
             # weather question) so it does not wait out a whole story.
             chunks = [items[i : i + args.per_call] for i in range(0, len(items), args.per_call)]
@@ -163,6 +176,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                     Utterance(up(story), label="story"), script, timeout_s=60 + 15 * len(script), settle_s=0.3,
                     revive=Utterance(up(story), label="story again"),  # the recogniser misheard: ask again
                 )
+                L.judge_call(result, reference)
                 measures.extend(result.barge_ins)
                 if not args.json:
                     print(f"  call {n + 1}/{len(chunks)} {result.session_id[:8]}: {len(script)} clips", file=sys.stderr)
@@ -175,6 +189,13 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                     settle_s=0.3,
                 )
                 echo_calls.append(result)
+                # the echo is there from the start: judged from the reply's first sound to the user's question
+                until = result.barge_ins[0].sent_from
+                cut = L.newer_turn_at(result.event_times)  # a false barge-in on the echo
+                if cut is not None and (until is None or cut < until):
+                    until = cut
+                echo_gaps = L.listen(result.received, reference, until=until)
+                echo_gap_ms.append(round(echo_gaps.max_gap_ms, 1))
                 measures.extend(result.barge_ins)
                 if not args.json:
                     print(f"  speakerphone call {n + 1}/{args.echo_calls} {result.session_id[:8]}", file=sys.stderr)
@@ -194,10 +215,20 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     echo_pauses = sum(sum(e.get("type") == "false_interruption" for e in r.events) for r in echo_calls)
     by_kind: dict[str, dict[str, int]] = {}
     for m in measures:
-        k = by_kind.setdefault(m.label.split("-")[0] if m.kind == "noise" else m.kind, {"n": 0, "barged_in": 0, "resumed": 0})
+        k = by_kind.setdefault(
+            m.label.split("-")[0] if m.kind == "noise" else m.kind, {"n": 0, "barged_in": 0, "resumed": 0, "gaps": []}
+        )
         k["n"] += 1
         k["barged_in"] += m.barged_in
         k["resumed"] += m.resumed is not None
+        if m.gap_ms is not None:
+            k["gaps"].append(m.gap_ms)
+    if echo_calls:
+        by_kind["echo"] = {"n": len(echo_calls), "barged_in": echo_false, "resumed": echo_pauses, "gaps": echo_gap_ms}
+    for k in by_kind.values():
+        gaps = k.pop("gaps")
+        k["inserted_gap_ms"] = stats(gaps)  # the longest silence each clip inserted, ms
+        k["gaps_100ms_or_more"] = sum(g >= 100 for g in gaps)
     return {
         "clips": len(measures),
         "unsent": len(unsent),
@@ -261,6 +292,11 @@ def main() -> int:
           f"false interruptions (paused, resumed): {out['false_interruptions']}   "
           f"backchannels resumed: {out['backchannels_resumed']}")
     print("by kind: " + ", ".join(f"{k} {v['barged_in']}/{v['n']} barged in" for k, v in sorted(out["by_kind"].items())))  # type: ignore[union-attr]
+    print(f"inserted gap per kind (ms){'n':>10}{'p50':>9}{'max':>9}{'>=100':>7}")
+    for k, v in sorted(out["by_kind"].items()):  # type: ignore[union-attr]
+        g = v["inserted_gap_ms"]
+        print(f"  {k:<24}{g['n']:>10}{'-' if g['p50'] is None else g['p50']:>9}{'-' if g['max'] is None else g['max']:>9}"
+              f"{v['gaps_100ms_or_more']:>7}")
     for f in out["failures"]:  # type: ignore[union-attr]
         print(f"  wrong: {f}")
     for d in out["speech_detail"]:  # type: ignore[union-attr]

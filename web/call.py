@@ -98,6 +98,13 @@ class BargeInMeasure:
     barged_in: bool = False
     #: it paused the agent, which then resumed (false_interruption / backchannel)
     resumed: str | None = None
+    #: silence it inserted into the agent's reply, ms, as the caller heard it
+    #: (None: not judged; filled by a listening measure against a reference
+    #: reception, e.g. ``tests/listening.py``)
+    gap_ms: float | None = None
+    #: the caller's verdict from the same measure: ``kept talking``,
+    #: ``paused and resumed`` or ``stopped`` (None: not judged)
+    outcome: str | None = None
 
     @property
     def stop_ms(self) -> float | None:
@@ -116,6 +123,8 @@ class BargeInMeasure:
             "stop_ms": None if self.stop_ms is None else round(self.stop_ms, 1),
             "speaking_at_onset": self.speaking_at_onset,
             "server_onset_to_fence_ms": self.server_onset_to_fence_ms,
+            "gap_ms": self.gap_ms,
+            "outcome": self.outcome,
         }
 
 
@@ -150,7 +159,13 @@ class TurnView:
 class CallResult:
     """Everything a call observed: turns (by generation), barge-in
     measurements, raw events, ms of agent audio received, and whether it ended
-    early (timeout, or the server hung up)."""
+    early (timeout, or the server hung up).
+
+    ``received`` is the reception itself, one entry per 20 ms frame of agent
+    audio in order: (RTP arrival, client clock seconds; level, dBFS RMS;
+    where its sound ends, ms into the frame, 0 if silent). ``event_times``
+    pairs each data-channel event with its arrival (client clock seconds).
+    """
 
     session_id: str
     turns: list[TurnView]
@@ -159,6 +174,8 @@ class CallResult:
     received_audio_ms: int
     timed_out: bool
     server_hung_up: bool = False
+    received: list[tuple[float, float, float]] = field(default_factory=list)
+    event_times: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -256,8 +273,14 @@ class CallClient:
         timeout_s: float = 60.0,
         settle_s: float = 0.5,
         revive: Utterance | None = None,
+        hangup_after_s: float | None = None,
     ) -> CallResult:
         """Make the call and return what happened.
+
+        ``hangup_after_s``: hang up this many seconds after the last barge-in
+        utterance has been handed to the sender, instead of waiting for the
+        last turn to end (a soak that judges each clip need not hear a whole
+        story out). None (default): wait for every turn to be terminal.
 
         ``revive``: said (and not measured) when the agent stays silent for
         ``REVIVE_AFTER_S`` while the script waits for it to talk before the
@@ -311,7 +334,7 @@ class CallClient:
             except TimeoutError as exc:
                 raise CallError(f"not connected after 15 s (state {pc.connectionState})") from exc
             self._revive = revive
-            script = asyncio.ensure_future(self._script(mic_buffer, opening, barge_ins, measures))
+            script = asyncio.ensure_future(self._script(mic_buffer, opening, barge_ins, measures, hangup_after_s))
             hangup = asyncio.ensure_future(disconnected.wait())
             try:
                 done, _ = await asyncio.wait({script, hangup}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -342,6 +365,8 @@ class CallClient:
             received_audio_ms=len(self._received) * 20,
             timed_out=timed_out,
             server_hung_up=server_hung_up,
+            received=list(self._received),
+            event_times=list(self._event_times),
         )
 
     async def _post_offer(self, sdp: str) -> dict[str, Any]:
@@ -411,6 +436,7 @@ class CallClient:
         opening: Utterance,
         barge_ins: list[Utterance],
         measures: list[BargeInMeasure],
+        hangup_after_s: float | None = None,
     ) -> None:
         mic.push(PlayoutFrame(bytes(1920), generation=0))
         for _ in range(LEAD_SILENCE_MS // 20 - 1):
@@ -440,10 +466,14 @@ class CallClient:
             m.sent_until = self.clock.monotonic()
             if utt.ptt:
                 self._send({"type": "ptt.end"})
-            if utt.kind != "speech":
+            last = k - 1 == len(barge_ins)
+            if utt.kind != "speech" and not (last and hangup_after_s is not None):
                 # Let its verdict come (a confirmation times out after 600 ms
                 # by default) before the next one.
                 await asyncio.sleep(1.0)
+        if hangup_after_s is not None:
+            await asyncio.sleep(hangup_after_s)
+            return
         # Wait for the last turn to reach a terminal state.
         await self._wait_last_turn_terminal()
 
