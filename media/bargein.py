@@ -149,6 +149,17 @@ class BargeInConfig(BaseModel):
             (p50 80, p95 100) after its first sample; noise, tones, clicks
             and coughs peak at 0.57, and a 200-6000 Hz sweep at 0.72 when a
             run starts mid-sweep (0.7 would let it pause and confirm).
+        pause_tentative_threshold: a gated frame scoring at least this
+            (but under ``pause_speech_threshold``) pauses at once, once per
+            run, on trial: unless the run reaches ``pause_speech_threshold``
+            within ``pause_verify_ms``, SPEECH_REJECTED (reason
+            "not_speech") resumes playout before the hole is audible. Set
+            it to 1 to pause only on ``pause_speech_threshold``. 0.5: most
+            onsets of "tell ..." score 0.57-0.92 on the frame where the gate
+            has been open 60 ms and >= 0.8 a frame later (20 ms sooner
+            heard); noise, clicks and coughs stay under 0.5.
+        pause_verify_ms: how long (ms, multiple of 20) a tentative pause
+            waits for the onset to score as speech.
         confirm_speech_ms: stage 2: ms of audio with Silero probability
             ``>= silero_threshold`` and energy ``>= floor + energy_margin_db``
             (and not echo) before SPEECH_CONFIRMED (multiple of 20).
@@ -185,6 +196,8 @@ class BargeInConfig(BaseModel):
 
     pause_after_ms: int = Field(60, ge=FRAME_MS, le=1000)
     pause_speech_threshold: float = Field(0.8, ge=0.0, lt=1.0)
+    pause_tentative_threshold: float = Field(0.5, ge=0.0, le=1.0)
+    pause_verify_ms: int = Field(40, ge=FRAME_MS, le=200)
     confirm_speech_ms: int = Field(160, ge=FRAME_MS, le=2000)
     silero_threshold: float = Field(0.5, gt=0.0, lt=1.0)
     confirm_timeout_ms: int = Field(600, ge=FRAME_MS, le=5000)
@@ -203,7 +216,7 @@ class BargeInConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> BargeInConfig:
-        for name in ("pause_after_ms", "confirm_speech_ms", "confirm_timeout_ms", "rearm_ms", "echo_max_delay_ms"):
+        for name in ("pause_after_ms", "confirm_speech_ms", "confirm_timeout_ms", "rearm_ms", "echo_max_delay_ms", "pause_verify_ms"):
             if getattr(self, name) % FRAME_MS:
                 raise ValueError(f"{name} must be a multiple of {FRAME_MS} ms")
         if self.confirm_timeout_ms < self.confirm_speech_ms:
@@ -241,7 +254,8 @@ class DetectorEvent:
         speech_ms: confirmed-speech ms counted so far (Silero-positive audio;
             after CONFIRMED, gated frames are added, 20 ms each).
         probability: highest Silero probability seen in the run.
-        reason: for REJECTED: "timeout".
+        reason: for REJECTED: "timeout", or "not_speech" (a tentative pause
+            whose onset did not score as speech in time).
         onset_score: highest speech-onset score (0..1) of the run's frames
             scored before SPEECH_STARTED.
     """
@@ -797,16 +811,23 @@ class BargeInDetector:
         self._silero_feed(pcm, countable=not echo_like)
         if self._gated < c.pause_frames:
             return
+        score = 0.0
         if gated and c.pause_speech_threshold > 0:
             if self._onset is None:
                 self._onset = shared_scorer()
-            self._onset_max = max(self._onset_max, self._onset.score(b"".join(self._recent)))
-        if gated and self._onset_max >= c.pause_speech_threshold:
+            score = self._onset.score(b"".join(self._recent))
+            self._onset_max = max(self._onset_max, score)
+        verified = self._onset_max >= c.pause_speech_threshold
+        tentative = not self._tentative_tried and c.pause_tentative_threshold < c.pause_speech_threshold and score >= c.pause_tentative_threshold
+        if gated and (verified or tentative):
             self._candidate = False
             self.pending = True
             self._started_at = at
+            self._verify_left = 0 if verified else c.pause_verify_ms // FRAME_MS
+            self._tentative_tried = self._tentative_tried or not verified
             events.append(self._event(DetectorEventKind.SPEECH_STARTED, at))
-            self._maybe_confirm(at, events)
+            if verified:
+                self._maybe_confirm(at, events)
         elif at - self._onset_at >= c.confirm_timeout_ms / 1000 - 1e-9:
             # Never sounded like speech, never confirmed: nothing was paused,
             # nothing is said. Disarmed like a rejection, so a continuing
@@ -818,6 +839,23 @@ class BargeInDetector:
     def _pending_frame(self, pcm: bytes, gated: bool, echo_like: bool, at: float, events: list[DetectorEvent]) -> None:
         self._silero_feed(pcm, countable=not echo_like)
         self._closed_run = 0 if gated else self._closed_run + 1
+        if self._verify_left:
+            # A tentative pause: the onset must score as speech within
+            # pause_verify_ms, or playout resumes before the hole is heard.
+            if gated:
+                assert self._onset is not None
+                self._onset_max = max(self._onset_max, self._onset.score(b"".join(self._recent)))
+            if self._onset_max >= self.config.pause_speech_threshold:
+                self._verify_left = 0
+            else:
+                self._verify_left -= 1
+                if not self._verify_left:
+                    events.append(self._event(DetectorEventKind.SPEECH_REJECTED, at, reason="not_speech"))
+                    # back to a candidate run: it may still turn out speech
+                    # (and pause again once it scores as such)
+                    self.pending = False
+                    self._candidate = True
+                return
         if self._maybe_confirm(at, events):
             return
         if at - self._started_at >= self.config.confirm_timeout_ms / 1000 - 1e-9:
@@ -863,6 +901,8 @@ class BargeInDetector:
         self._speech_ms = 0.0
         self._max_prob = 0.0
         self._onset_max = 0.0
+        self._verify_left = 0
+        self._tentative_tried = False
         self._sbuf = bytearray()
         self._scredit = bytearray()  # per sample: 1 = counts towards confirmation
         if not keep_closed:
