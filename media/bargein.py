@@ -630,7 +630,8 @@ class BargeInDetector:
         pending: True between SPEECH_STARTED and SPEECH_CONFIRMED/REJECTED.
         noise_floor_dbfs: the adaptive noise floor.
         echo_return_loss_db: the echo path's loss as far as the evidence
-            goes (dB, 0..``ERL_MAX_DB``; 0 while nothing audible is played).
+            goes (dB, 0..``ERL_MAX_DB``; 0 until the session's first reply
+            has been heard back, or not, for long enough).
         silero_calls: Silero chunks evaluated so far (cost accounting).
         ignored_runs: gated runs that never scored as speech and never
             confirmed: ended without pausing anything.
@@ -763,11 +764,13 @@ class BargeInDetector:
             self._inbound_energy.append(ms / 32768.0**2)
         if playing and received:
             self._learn_return_loss(at)
-        else:
-            # Nothing audible played within the horizon: each reply starts
-            # from "the echo may come back at full level" (a loudspeaker
-            # turned on between turns is checked from its first word).
-            self.echo_return_loss_db = 0.0
+        # While nothing audible is played there is no evidence either way:
+        # the loss learnt in this session's earlier replies is kept, so a
+        # user who barges in right at the start of a reply is known to be
+        # louder than any echo (a fresh estimate takes 800 ms of playout,
+        # and until then the user's onset matches the reply's onset and
+        # counted as echo: 180-220 ms lost). A loudspeaker turned on between
+        # turns is caught by the re-check (ERL_RECHECK_FRAMES).
         floor = self.noise_floor_dbfs
         gated = voiced and not echo and level >= floor + c.gate_margin_db
         events: list[DetectorEvent] = []
