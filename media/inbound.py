@@ -165,6 +165,11 @@ class InboundAudio:
                 pending.add_done_callback(_drop_outcome)
                 pending.cancel()
 
+    def close(self) -> None:
+        """The stream is over: free what the detector borrowed (its Silero
+        model goes back to the pool). Idempotent."""
+        self.detector.close()
+
     def _analyse(self, pcm: bytes, at: float, filled: bool = False) -> InboundFrame:
         verdict, events = self.detector.feed(pcm, at, received=not filled)
         return InboundFrame(

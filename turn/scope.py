@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -116,7 +117,16 @@ class Child:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-_current_child: contextvars.ContextVar[Child | None] = contextvars.ContextVar("turnkeeper_child", default=None)
+#: the child whose task is running (a weak reference: every timer a child
+#: starts, e.g. an ``asyncio.sleep`` or its own time limit, copies the
+#: context it was started in into its ``TimerHandle``, and asyncio keeps a
+#: cancelled handle, context and all, until its time would have come; a
+#: strong reference there kept each child, its task, its exception and every
+#: frame of its turn (the whole voice session) alive for the turn's deadline,
+#: 300 s by default)
+_current_child: contextvars.ContextVar[weakref.ref[Child] | None] = contextvars.ContextVar(
+    "turnkeeper_child", default=None
+)
 
 
 class TurnScope:
@@ -288,7 +298,7 @@ class TurnScope:
         return child.result
 
     async def _run_child(self, child: Child, coro: Coroutine[Any, Any, Any], limit: float | None, bound: bool) -> None:
-        token = _current_child.set(child)
+        token = _current_child.set(weakref.ref(child))
         time_limit = timeout_after(self.clock, limit)
         try:
             async with time_limit:
@@ -345,7 +355,8 @@ class TurnScope:
                 finished; the child reports ``committing``).
             Exception: what ``work`` raised.
         """
-        child = _current_child.get()
+        ref = _current_child.get()
+        child = ref() if ref is not None else None
         inner = asyncio.ensure_future(work)
         if child is not None and effect:
             child.committing = True

@@ -389,5 +389,12 @@ class PeerSession:
                 log.exception("session %s: error while closing the peer connection", self.id)
             self.outbound.stop()
         finally:
+            # Free the session's big buffers now, not whenever the cyclic GC
+            # reaches the session: the reply audio still queued (MBs for a
+            # story cut by a hang-up) and the detector's Silero model (to
+            # the pool, for the next session).
+            self.playout.clear()
+            if self.inbound is not None:
+                self.inbound.close()
             self.closed.set()
             self._on_closed(self)

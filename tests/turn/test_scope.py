@@ -5,10 +5,12 @@ come from the turn's remaining time."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 import pytest
 
-from turn.clock import VirtualClock, timeout_after
+from turn.clock import SystemClock, VirtualClock, timeout_after
 from turn.models import ChildOutcome, StopReason, StopReasonKind, TurnStatus
 from turn.scope import NotStarted, TurnScope, TurnStopped, terminal_status
 
@@ -275,3 +277,32 @@ async def test_finish_anyway_completes_the_work_and_then_raises_the_cancel() -> 
         await task
     assert finished.is_set()
     assert await finish_anyway(record()) == "written"  # uncancelled: its result
+
+
+async def test_a_stopped_turn_is_not_kept_alive_by_the_timers_its_children_started() -> None:
+    """asyncio keeps a cancelled timer (an ``asyncio.sleep``, a child's own
+    time limit) in its heap, with the context it was started in, until its
+    time would have come; that context must not hold the child (and so its
+    task, its exception, every frame of its turn) for the turn's deadline."""
+    clock = SystemClock()  # real asyncio timers: the virtual clock makes none
+
+    class Session:  # stands in for what a turn's frames hold (a voice session)
+        pass
+
+    session = Session()
+    kept = weakref.ref(session)
+
+    async def speak(owner: Session) -> None:
+        await asyncio.sleep(300)
+
+    async with TurnScope("t1", clock, deadline=clock.monotonic() + 300) as scope:
+        scope.spawn("tts", speak(session))  # limited by the deadline: a 300 s alarm too
+        await asyncio.sleep(0.01)
+        scope.stop(StopReason(kind=StopReasonKind.BARGE_IN, initiator="test", at=clock.now()))
+        report = await scope.settle()
+    assert report.children[0].outcome is ChildOutcome.STOPPED
+    loop = asyncio.get_running_loop()
+    assert sum(1 for h in loop._scheduled if h.cancelled() and h.when() > loop.time() + 200) >= 2  # type: ignore[attr-defined]
+    del session, scope, report
+    gc.collect()
+    assert kept() is None
