@@ -41,25 +41,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-import aiohttp
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import corpus as C  # noqa: E402  (the tests' labelled corpus)
 import listening as L  # noqa: E402  (the inserted-gap measure)
-from conftest import GRAMMAR  # noqa: E402  (the tests' grammar: test phrases and backchannels)
+from local_server import server  # noqa: E402  (its own process, the tests' grammar)
 from media.frames import PLAYOUT_RATE, VAD_RATE  # noqa: E402
 from web.call import BargeInMeasure, CallClient, CallResult, Utterance  # noqa: E402
 
@@ -68,30 +63,8 @@ REFERENCE_S = 44.0  # the reference reception hears this much of the story (s af
 WEATHER = "what is the weather like today"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def up(pcm16: bytes) -> bytes:
     return C.resample(pcm16, VAD_RATE, PLAYOUT_RATE)
-
-
-async def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as http:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}")
-            try:
-                async with http.get(f"{url}/healthz") as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    raise RuntimeError("server did not become healthy")
 
 
 def stats(values: list[float]) -> dict[str, float | int | None]:
@@ -138,73 +111,51 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     humans = human_items()[: 2 if args.quick else None]
     weather, _ = C.embed(C.espeak(WEATHER, "en-us", 140), 0, 300)
     story, _ = C.embed(C.espeak(STORY, "en-us", 140), 0, 300)
-    with tempfile.TemporaryDirectory(prefix="tk-bench-") as tmp:
-        d = Path(tmp)
-        (d / "bench.gram").write_text(GRAMMAR)
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "TURNKEEPER_STORE": f"sqlite:///{d}/bench.db",
-            "TURNKEEPER_STT__GRAMMAR": str(d / "bench.gram"),
-            "TURNKEEPER_LOG_LEVEL": "WARNING",
-        }
-        proc = subprocess.Popen(  # its stdout would spoil --json's one object
-            [sys.executable, "-m", "web.cli", "serve", "--port", str(port)], env=env, cwd=d, stdout=subprocess.DEVNULL
+    measures: list[BargeInMeasure] = []
+    echo_calls: list[CallResult] = []
+    echo_gap_ms: list[float] = []
+    async with server("tk-bench-") as (url, _proc):
+        # The story heard with no clip: what the inserted gaps are measured against.
+        ref_call = await CallClient(url).run(
+            Utterance(up(story), label="story"), [Utterance(bytes(9600), at_s=REFERENCE_S, label="reference", kind="none")],
+            timeout_s=REFERENCE_S + 20, settle_s=0.2, hangup_after_s=0.3,
         )
-        measures: list[BargeInMeasure] = []
-        echo_calls: list[CallResult] = []
-        echo_gap_ms: list[float] = []
-        try:
-            await wait_healthy(url, proc)
-            # The story heard with no clip: what the inserted gaps are measured against.
-            ref_call = await CallClient(url).run(
-                Utterance(up(story), label="story"), [Utterance(bytes(9600), at_s=REFERENCE_S, label="reference", kind="none")],
-                timeout_s=REFERENCE_S + 20, settle_s=0.2, hangup_after_s=0.3,
+        reference = ref_call.received
+        # Calls of K corpus items; each ends with a human recording (or the
+        # weather question) so it does not wait out a whole story.
+        chunks = [items[i : i + args.per_call] for i in range(0, len(items), args.per_call)]
+        for n, chunk in enumerate(chunks):
+            last = humans[n] if n < len(humans) else Utterance(up(weather), label="weather", kind="speech")
+            script = [*chunk, last]
+            for u in script:
+                u.at_s = round(rng.uniform(args.min_at, args.max_at), 2)
+            result = await CallClient(url).run(
+                Utterance(up(story), label="story"), script, timeout_s=60 + 15 * len(script), settle_s=0.3,
+                revive=Utterance(up(story), label="story again"),  # the recogniser misheard: ask again
             )
-            reference = ref_call.received
-            # Calls of K corpus items; each ends with a human recording (or the
-            # weather question) so it does not wait out a whole story.
-            chunks = [items[i : i + args.per_call] for i in range(0, len(items), args.per_call)]
-            for n, chunk in enumerate(chunks):
-                last = humans[n] if n < len(humans) else Utterance(up(weather), label="weather", kind="speech")
-                script = [*chunk, last]
-                for u in script:
-                    u.at_s = round(rng.uniform(args.min_at, args.max_at), 2)
-                result = await CallClient(url).run(
-                    Utterance(up(story), label="story"), script, timeout_s=60 + 15 * len(script), settle_s=0.3,
-                    revive=Utterance(up(story), label="story again"),  # the recogniser misheard: ask again
-                )
-                L.judge_call(result, reference)
-                measures.extend(result.barge_ins)
-                if not args.json:
-                    print(f"  call {n + 1}/{len(chunks)} {result.session_id[:8]}: {len(script)} clips", file=sys.stderr)
-            for n in range(args.echo_calls):
-                client = CallClient(url, echo_gain_db=-6, echo_delay_ms=60)
-                result = await client.run(
-                    Utterance(up(story), label="story"),
-                    [Utterance(up(weather), at_s=8.0, label="weather over echo", kind="speech")],
-                    timeout_s=60,
-                    settle_s=0.3,
-                )
-                echo_calls.append(result)
-                # the echo is there from the start: judged from the reply's first sound to the user's question
-                until = result.barge_ins[0].sent_from
-                cut = L.newer_turn_at(result.event_times)  # a false barge-in on the echo
-                if cut is not None and (until is None or cut < until):
-                    until = cut
-                echo_gaps = L.listen(result.received, reference, until=until)
-                echo_gap_ms.append(round(echo_gaps.max_gap_ms, 1))
-                measures.extend(result.barge_ins)
-                if not args.json:
-                    print(f"  speakerphone call {n + 1}/{args.echo_calls} {result.session_id[:8]}", file=sys.stderr)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            L.judge_call(result, reference)
+            measures.extend(result.barge_ins)
+            if not args.json:
+                print(f"  call {n + 1}/{len(chunks)} {result.session_id[:8]}: {len(script)} clips", file=sys.stderr)
+        for n in range(args.echo_calls):
+            client = CallClient(url, echo_gain_db=-6, echo_delay_ms=60)
+            result = await client.run(
+                Utterance(up(story), label="story"),
+                [Utterance(up(weather), at_s=8.0, label="weather over echo", kind="speech")],
+                timeout_s=60,
+                settle_s=0.3,
+            )
+            echo_calls.append(result)
+            # the echo is there from the start: judged from the reply's first sound to the user's question
+            until = result.barge_ins[0].sent_from
+            cut = L.newer_turn_at(result.event_times)  # a false barge-in on the echo
+            if cut is not None and (until is None or cut < until):
+                until = cut
+            echo_gaps = L.listen(result.received, reference, until=until)
+            echo_gap_ms.append(round(echo_gaps.max_gap_ms, 1))
+            measures.extend(result.barge_ins)
+            if not args.json:
+                print(f"  speakerphone call {n + 1}/{args.echo_calls} {result.session_id[:8]}", file=sys.stderr)
     unsent = [m for m in measures if m.sent_from is None]  # a call that ended early (timeout)
     measures = [m for m in measures if m.sent_from is not None]
     speech = [m for m in measures if m.kind == "speech"]

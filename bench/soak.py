@@ -60,12 +60,8 @@ import asyncio
 import json
 import os
 import random
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,8 +74,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import corpus as C  # noqa: E402  (the tests' labelled corpus)
 import listening as L  # noqa: E402  (the inserted-gap measure)
-from bargein import free_port, stats, up, wait_healthy  # noqa: E402
-from conftest import GRAMMAR  # noqa: E402
+from bargein import stats, up  # noqa: E402
+from local_server import server  # noqa: E402
 from media.frames import VAD_RATE  # noqa: E402
 from web.call import CallClient, CallError, CallResult, Utterance  # noqa: E402
 
@@ -133,41 +129,6 @@ def proc_sample(pid: int, after: int) -> dict[str, Any]:
     return {"after_sessions": after, "rss_kb": rss, "fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
-@asynccontextmanager
-async def server() -> AsyncIterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A turnkeeper server in its own process on a free loopback port, with a
-    temporary SQLite store and the tests' grammar; yields (URL, process).
-
-    Raises:
-        RuntimeError: it exited or was not healthy within 30 s.
-    """
-    with tempfile.TemporaryDirectory(prefix="tk-soak-") as tmp:
-        d = Path(tmp)
-        (d / "soak.gram").write_text(GRAMMAR)
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "TURNKEEPER_STORE": f"sqlite:///{d}/soak.db",
-            "TURNKEEPER_STT__GRAMMAR": str(d / "soak.gram"),
-            "TURNKEEPER_LOG_LEVEL": "WARNING",
-        }
-        proc = subprocess.Popen(  # its stdout would spoil --json's one object
-            [sys.executable, "-m", "web.cli", "serve", "--port", str(port)], env=env, cwd=d, stdout=subprocess.DEVNULL
-        )
-        try:
-            await wait_healthy(url, proc)
-            yield url, proc
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
 def progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -212,7 +173,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     reference: list[L.Frame] | None = None
     first_transcript: str | None = None
     started = time.monotonic()
-    async with server() as (url, proc):
+    async with server("tk-soak-") as (url, proc):
         samples.append(proc_sample(proc.pid, 0))
         plan = [("none", reference_stim, args.max_at + 5.5), *[(c, None, None) for c in order]]
         for n, (cls, stim, at_s) in enumerate(plan, start=1):

@@ -1,0 +1,85 @@
+"""A turnkeeper server for a benchmark: its own process on a free loopback
+port, a temporary SQLite store, the tests' JSGF grammar (tests/conftest.py
+GRAMMAR), logs at WARNING and its stdout discarded (so a bench's ``--json``
+prints one object). Tooling for bench/, not part of the product."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from conftest import GRAMMAR  # noqa: E402  (the tests' grammar: test phrases and backchannels)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    """Poll ``url``/healthz until it answers 200.
+
+    Raises:
+        RuntimeError: the process exited, or no 200 within ``timeout`` s.
+    """
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}")
+            try:
+                async with http.get(f"{url}/healthz") as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError("server did not become healthy")
+
+
+@asynccontextmanager
+async def server(prefix: str = "tk-bench-") -> AsyncIterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Start the server; yield (base URL, process); terminate it on exit
+    (killed if it has not exited 10 s later).
+
+    Raises:
+        RuntimeError: it exited or was not healthy within 30 s.
+    """
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        d = Path(tmp)
+        (d / "bench.gram").write_text(GRAMMAR)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "TURNKEEPER_STORE": f"sqlite:///{d}/bench.db",
+            "TURNKEEPER_STT__GRAMMAR": str(d / "bench.gram"),
+            "TURNKEEPER_LOG_LEVEL": "WARNING",
+        }
+        proc = subprocess.Popen([sys.executable, "-m", "web.cli", "serve", "--port", str(port)], env=env, cwd=d, stdout=subprocess.DEVNULL)
+        try:
+            await wait_healthy(url, proc)
+            yield url, proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
