@@ -113,10 +113,6 @@ ECHO_HYSTERESIS = 0.2
 ECHO_HOLD_MS = 100
 #: a reference hop "carries sound" in a band this far above the silence floor (dB)
 ECHO_SOUNDING_DB = 30.0
-#: a reference window with this many silent hops holds the agent's onset
-ONSET_SILENT_HOPS = 4
-#: hops where both sides sound needed to judge such a window on its sound
-ONSET_JUDGED_HOPS = 4
 #: hops with sound needed in a band before it can claim double talk
 ECHO_MIN_SOUNDING_HOPS = 4
 #: Extra delay slack (ms) searched on both sides of 0..max_delay (clock jitter).
@@ -469,31 +465,6 @@ class EchoReference:
         self._feats[:-k] = self._feats[k:]
         self._feats[-k:] = feats
 
-    def _onset_similarity(self, r: np.ndarray, inb: np.ndarray) -> float:
-        """The similarity of a reference window ``r`` (w, bands) that holds
-        the start of the agent's sound (``ONSET_SILENT_HOPS`` or more silent
-        hops) with the inbound window ``inb``, judged only on the hops where
-        both carry sound: 1 when there are too few of them to judge.
-
-        Silence followed by sound correlates with any other silence followed
-        by sound; a user who starts talking just after the agent started
-        matched the agent's onset at some delay and was taken for echo. The
-        echo repeats the agent's envelope inside the sound too; another
-        voice does not."""
-        ref_sound = (r > self._silent + ECHO_SOUNDING_DB / 10).any(axis=1)
-        if int((~ref_sound).sum()) < ONSET_SILENT_HOPS:
-            return 1.0
-        both = ref_sound & (inb > self._silent + ECHO_SOUNDING_DB / 10).any(axis=1)
-        if int(both.sum()) < ONSET_JUDGED_HOPS:
-            return 1.0
-        a, b = r[both], inb[both]
-        a = a - a.mean(axis=0)
-        b = b - b.mean(axis=0)
-        den = math.sqrt(float(np.sum(a * a)) * float(np.sum(b * b)))
-        if den < ECHO_MIN_VAR:
-            return 1.0
-        return float(np.sum(a * b)) / den
-
     def _excess_share(self, r: np.ndarray, inb: np.ndarray) -> float:
         """Share (0..1, weighted by inbound band energy) of the newest 20 ms
         that lies ``ECHO_EXCESS_DB`` above the echo predicted from the
@@ -617,7 +588,6 @@ class EchoReference:
         sim = float(corr[best])
         if sim <= 0:
             return 0.0
-        sim = min(sim, self._onset_similarity(ref[best].T, inb))
         # Double talk: does the newest 20 ms carry energy the echo cannot explain?
         # Predict it from the best reference window plus the window's median
         # per-band offset (attenuation, coloration).
