@@ -71,7 +71,7 @@ import numpy as np
 from pydantic import BaseModel, Field, model_validator
 
 from media.frames import FRAME_MS, PLAYOUT_RATE, VAD_RATE, frame_bytes
-from media.speech_onset import OnsetScorer, shared_scorer
+from media.speech_onset import OnsetScorer, is_sibilant, shared_scorer
 from media.vad import VadConfig, VoiceActivityDetector
 
 #: Silero VAD's chunk: 512 samples at 16 kHz (32 ms).
@@ -79,6 +79,8 @@ SILERO_CHUNK = 512
 #: Silero chunks of pre-roll (audio from before the first gated frame) fed to
 #: warm the model's state at the start of a run; they earn no credit.
 SILERO_WARM_CHUNKS = 3
+#: gated frames of a run that must sound like /s/ before it pauses on trial
+SIBILANT_FRAMES = 2
 #: Level (dBFS) given to digital silence so the noise floor stays finite.
 SILENCE_DBFS = -100.0
 
@@ -145,8 +147,9 @@ class BargeInConfig(BaseModel):
         pause_speech_threshold: stage 1 also needs the speech-onset score
             (:mod:`media.speech_onset`, 0..1) of a gated frame at least this
             high; 0 pauses on the gate alone. 0.8: on the corpus (speech
-            clean and through a 48 kHz round trip), speech pauses 60-100 ms
-            (p50 80, p95 100) after its first sample; noise, tones, clicks
+            clean and through a 48 kHz round trip), with the trial pauses
+            below, speech pauses 60-100 ms (p50 60, p95 100) after its first
+            sample; noise, tones, clicks
             and coughs peak at 0.57, and a 200-6000 Hz sweep at 0.72 when a
             run starts mid-sweep (0.7 would let it pause and confirm).
         pause_tentative_threshold: a gated frame scoring at least this
@@ -160,6 +163,11 @@ class BargeInConfig(BaseModel):
             heard); noise, clicks and coughs stay under 0.5.
         pause_verify_ms: how long (ms, multiple of 20) a tentative pause
             waits for the onset to score as speech.
+        pause_sibilant_verify_ms: a run whose gated frames sound like /s/
+            (:func:`media.speech_onset.is_sibilant`, ``SIBILANT_FRAMES`` of
+            them) pauses on trial too and waits this long (ms, multiple of
+            20) for its vowel: "stop" at 120 wpm pauses at 60 ms instead of
+            180-200. 0 turns it off.
         confirm_speech_ms: stage 2: ms of audio with Silero probability
             ``>= silero_threshold`` and energy ``>= floor + energy_margin_db``
             (and not echo) before SPEECH_CONFIRMED (multiple of 20).
@@ -198,6 +206,7 @@ class BargeInConfig(BaseModel):
     pause_speech_threshold: float = Field(0.8, ge=0.0, lt=1.0)
     pause_tentative_threshold: float = Field(0.5, ge=0.0, le=1.0)
     pause_verify_ms: int = Field(40, ge=FRAME_MS, le=200)
+    pause_sibilant_verify_ms: int = Field(160, ge=0, le=400)
     confirm_speech_ms: int = Field(160, ge=FRAME_MS, le=2000)
     silero_threshold: float = Field(0.5, gt=0.0, lt=1.0)
     confirm_timeout_ms: int = Field(600, ge=FRAME_MS, le=5000)
@@ -216,7 +225,7 @@ class BargeInConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> BargeInConfig:
-        for name in ("pause_after_ms", "confirm_speech_ms", "confirm_timeout_ms", "rearm_ms", "echo_max_delay_ms", "pause_verify_ms"):
+        for name in ("pause_after_ms", "confirm_speech_ms", "confirm_timeout_ms", "rearm_ms", "echo_max_delay_ms", "pause_verify_ms", "pause_sibilant_verify_ms"):
             if getattr(self, name) % FRAME_MS:
                 raise ValueError(f"{name} must be a multiple of {FRAME_MS} ms")
         if self.confirm_timeout_ms < self.confirm_speech_ms:
@@ -859,6 +868,8 @@ class BargeInDetector:
                 self._reset_run()
                 return
         self._silero_feed(pcm, countable=not echo_like)
+        if gated and c.pause_sibilant_verify_ms and is_sibilant(pcm):
+            self._sibilant += 1
         if self._gated < c.pause_frames:
             return
         score = 0.0
@@ -868,12 +879,16 @@ class BargeInDetector:
             score = self._onset.score(b"".join(self._recent))
             self._onset_max = max(self._onset_max, score)
         verified = self._onset_max >= c.pause_speech_threshold
-        tentative = not self._tentative_tried and c.pause_tentative_threshold < c.pause_speech_threshold and score >= c.pause_tentative_threshold
-        if gated and (verified or tentative):
+        trial = not self._tentative_tried and c.pause_tentative_threshold < c.pause_speech_threshold
+        tentative = trial and score >= c.pause_tentative_threshold
+        # /s/ ("stop", "so"): noise to Silero until the vowel comes
+        sibilant = trial and not tentative and self._sibilant >= SIBILANT_FRAMES
+        if gated and (verified or tentative or sibilant):
             self._candidate = False
             self.pending = True
             self._started_at = at
-            self._verify_left = 0 if verified else c.pause_verify_ms // FRAME_MS
+            verify_ms = c.pause_sibilant_verify_ms if sibilant else c.pause_verify_ms
+            self._verify_left = 0 if verified else verify_ms // FRAME_MS
             self._tentative_tried = self._tentative_tried or not verified
             events.append(self._event(DetectorEventKind.SPEECH_STARTED, at))
             if verified:
@@ -953,6 +968,7 @@ class BargeInDetector:
         self._onset_max = 0.0
         self._verify_left = 0
         self._tentative_tried = False
+        self._sibilant = 0
         self._sbuf = bytearray()
         self._scredit = bytearray()  # per sample: 1 = counts towards confirmation
         if not keep_closed:

@@ -121,3 +121,34 @@ def test_short_and_malformed_windows() -> None:
     assert 0.0 <= scorer.score(bytes(640)) < 0.5
     with pytest.raises(ValueError, match="even number of bytes"):
         scorer.score(b"\x00" * 641)
+
+
+@pytest.mark.parametrize("word", ["stop", "so", "sorry", "stop it now"])
+def test_a_word_that_starts_with_s_pauses_on_its_s(word: str) -> None:
+    """/s/ is noise to Silero until the vowel (80-150 ms later at 120 wpm):
+    a sibilant run pauses on trial and is confirmed once the vowel scores.
+    Without the sibilant rule "stop" at 120 wpm paused 180-200 ms in."""
+    for voice in C.VOICES:
+        for wpm in (120, 175):
+            pcm, _ = C.embed(C.espeak(word, voice, wpm), 500, 300)
+            clip = C.Clip(word, "speech", pcm)
+            extent = C.sound_extent(pcm)
+            assert extent is not None
+            run = run_clip(clip)
+            assert run.kinds()[:2] == [K.SPEECH_STARTED, K.SPEECH_CONFIRMED], (voice, wpm, run.events)
+            started = run.first(K.SPEECH_STARTED)
+            assert started is not None and (started.at + 0.02 - extent[0]) * 1000 <= 80 + 1e-6
+            slow = run_clip(clip, BargeInConfig(pause_sibilant_verify_ms=0)).first(K.SPEECH_STARTED)
+            assert slow is not None and slow.at >= started.at
+
+
+def test_what_sounds_like_s() -> None:
+    from media.speech_onset import is_sibilant
+
+    s_frames = [f for f in C.frames16(C.espeak("sss so", "en-us", 120)) if is_sibilant(f)]
+    assert len(s_frames) >= 3
+    for clip in not_speech():
+        assert not any(is_sibilant(f) for f in C.frames16(clip.pcm)), clip.name
+    assert not any(is_sibilant(f) for f in C.frames16(C.tone((6000.0,), 0.5, -20)))  # a tone up there is no /s/
+    with pytest.raises(ValueError, match="640 bytes"):
+        is_sibilant(bytes(320))
