@@ -122,6 +122,11 @@ def validate_offer(sdp: str) -> None:
         raise OfferRejected("no_audio", "the offer has no audio m-line")
     for index, media in enumerate(description.media):
         _check_transport(index, media)
+    if not any(m.ice_candidates for m in description.media):
+        raise _invalid(
+            "the offer carries no a=candidate: send it once ICE gathering is complete; the server takes "
+            "no trickled candidates (RFC 8829 section 5.2.1, RFC 8839 section 5.1)"
+        )
     first = audio[0]
     _check_audio(first, description.media[first], media_lines[first])
 
@@ -184,7 +189,7 @@ def _check_media_line(media: int, line: str) -> None:
         raise _invalid(f"m-line {media} is not 'm=<media> <port> <proto> <fmt> ...' (RFC 8866 section 5.14): {line[:60]!r}")
     if fields[0] in ("audio", "video"):
         for fmt in fields[3:]:
-            if not fmt.isdigit() or int(fmt) > 127 or int(fmt) in FORBIDDEN_PAYLOAD_TYPES:
+            if not (fmt.isascii() and fmt.isdigit()) or int(fmt) > 127 or int(fmt) in FORBIDDEN_PAYLOAD_TYPES:
                 raise _invalid(
                     f"m-line {media} ({fields[0]}) lists payload type {fmt[:10]!r}; RTP payload types are 0..127 "
                     "except 72..76 (RFC 3550 section 5.1, RFC 5761 section 4)"
@@ -218,7 +223,10 @@ def _check_transport(index: int, media: aiortc_sdp.MediaDescription) -> None:
       (RFC 8829 section 5.2.1, RFC 8858) and aiortc supports nothing else.
     - ``a=ice-ufrag`` (4 to 256 ice-chars) and ``a=ice-pwd`` (22 to 256), at
       session or media level (RFC 8839 section 5.4).
-    - At most :data:`MAX_CANDIDATES_PER_MEDIA` ``a=candidate`` lines.
+    - At most :data:`MAX_CANDIDATES_PER_MEDIA` ``a=candidate`` lines, each
+      with a port 1..65535 (RFC 8839 section 5.1); and the offer as a whole
+      carries at least one (no trickle ICE: an offer sent before gathering
+      finished can never connect).
     - ``a=setup`` with actpass, active or passive (RFC 4145 section 4,
       RFC 8842 section 5).
     - At least one ``a=fingerprint`` (session or media level) whose hash
@@ -250,6 +258,9 @@ def _check_transport(index: int, media: aiortc_sdp.MediaDescription) -> None:
         raise _invalid(
             f"{where} has {len(media.ice_candidates)} ICE candidates; at most {MAX_CANDIDATES_PER_MEDIA} are accepted"
         )
+    for candidate in media.ice_candidates:
+        if not 0 < candidate.port <= 65535:
+            raise _invalid(f"{where} has an a=candidate with port {candidate.port}; a port is 1..65535 (RFC 8839 section 5.1)")
     if media.dtls is None:  # aiortc's parser drops the DTLS parameters without a=setup
         raise _invalid(f"{where} has no a=setup; an offer says a=setup:actpass (RFC 8842 section 5)")
     fingerprints = media.dtls.fingerprints
@@ -284,6 +295,9 @@ def _check_audio(index: int, media: aiortc_sdp.MediaDescription, lines: Sequence
       section 6.7): the server must hear the user. An offer without any
       direction attribute is refused too: aiortc then opens no inbound track
       (JSEP offers always carry one, RFC 8829 section 5.2.1).
+    - Every ``a=rtpmap`` is for a payload type its m-line lists (RFC 8866
+      section 6.6): aiortc would otherwise answer with one the offer never
+      lists.
     - It lists a codec aiortc negotiates and decodes (Opus, G.722, PCMU,
       PCMA, each by its ``a=rtpmap``), found with aiortc's own
       ``find_common_codecs``.
@@ -298,6 +312,13 @@ def _check_audio(index: int, media: aiortc_sdp.MediaDescription, lines: Sequence
             f"{where} is a={media.direction}: the client would send no audio for the server to hear; "
             f"it must be {' or '.join('a=' + d for d in RECEIVABLE_DIRECTIONS)} (RFC 8866 section 6.7)"
         )
+    listed = set(media.fmt)
+    for codec in media.rtp.codecs:
+        if codec.payloadType not in listed:
+            raise _invalid(
+                f"{where} has a=rtpmap:{codec.payloadType} for a payload type its m-line does not list "
+                "(RFC 8866 section 6.6)"
+            )
     if not find_common_codecs(CODECS["audio"], media.rtp.codecs):
         offered = ", ".join(dict.fromkeys(_codec_name(c) for c in media.rtp.codecs)) or "none"
         usable = ", ".join(_codec_name(c) for c in CODECS["audio"])

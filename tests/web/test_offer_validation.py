@@ -154,6 +154,20 @@ BAD_OFFERS: dict[str, tuple[Callable[[str], str], str]] = {
     "not type=value": (after_rtcp_mux("hello"), "is not '<type>=<value>'"),
     "BUNDLE names a missing mid": (replace("a=group:BUNDLE 0 1", "a=group:BUNDLE 0 1 7"), "mid '7'"),
     "duplicate mid": (replace("a=mid:1", "a=mid:0"), "a=mid '0'"),
+    # found by review: a digit that is not ASCII, no candidates at all (sent
+    # before gathering finished), an rtpmap for a payload type the m-line
+    # does not list, a candidate port over 65535
+    "superscript payload type": (audio_formats(["111", "\u00b2"]), "payload type"),
+    "Arabic-Indic payload type": (audio_formats(["\u0661\u0661\u0661"]), "payload type"),
+    "no candidates": (without("a=candidate:"), "no a=candidate"),
+    "rtpmap not on the m-line": (
+        lambda sdp: audio_formats(["0"])(sdp).replace("a=rtpmap:0 PCMU/8000", "a=rtpmap:0 PCMU/8000\r\na=rtpmap:112 opus/48000/2", 1),
+        "does not list",
+    ),
+    "candidate port 999999": (
+        lambda sdp: re.sub(r"^(a=candidate:\S+ \d+ \S+ \d+ \S+ )\d+", r"\g<1>999999", sdp, count=1, flags=re.M),
+        "port 999999",
+    ),
     # aiortc's parser raises on these (ValueError, StopIteration): still 400
     "fingerprint without value": (fingerprints(lambda v: v.split()[0]), "cannot parse the SDP"),
     "fmtp for an unknown payload type": (after_rtcp_mux("a=fmtp:97 minptime=10"), "cannot parse the SDP"),
