@@ -19,9 +19,6 @@ from pathlib import Path
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from conftest import GRAMMAR  # noqa: E402  (the tests' grammar: test phrases and backchannels)
 
 
 def free_port() -> int:
@@ -60,6 +57,9 @@ async def server(prefix: str = "tk-bench-") -> AsyncIterator[tuple[str, subproce
     Raises:
         RuntimeError: it exited or was not healthy within 30 s.
     """
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import GRAMMAR  # the tests' grammar: test phrases and backchannels
+
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         d = Path(tmp)
         (d / "bench.gram").write_text(GRAMMAR)
@@ -77,9 +77,17 @@ async def server(prefix: str = "tk-bench-") -> AsyncIterator[tuple[str, subproce
             await wait_healthy(url, proc)
             yield url, proc
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10) -> None:
+    """Terminate ``proc`` if it still runs; kill it if it has not exited
+    ``timeout_s`` seconds later, and reap it."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -78,6 +78,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from local_server import free_port, stop_process  # noqa: E402  (bench/: the script's own folder)
 from turn.clock import SystemClock
 from turn.manager import TurnManager, TurnStopped
 from turn.models import StopReason, StopReasonKind, TurnStatus
@@ -101,13 +102,6 @@ Store = SqliteStore | RedisStore
 
 
 # -- helpers -------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def latency_stats(seconds: list[float]) -> dict[str, float | int | None]:
@@ -166,13 +160,7 @@ def redis_server() -> Iterator[str]:
                     time.sleep(0.05)
             yield f"redis://127.0.0.1:{port}/0"
         finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_process(proc)
 
 
 # -- backends ------------------------------------------------------------------
