@@ -19,7 +19,8 @@ from typing import Any, Protocol
 from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 from aiortc.mediastreams import MediaStreamError
 
-from media.bargein import BargeInConfig, BargeInDetector, DetectorEvent, EchoReference
+from media.bargein import BargeInConfig, BargeInDetector, DetectorEvent
+from media.echo_guard import EchoReference
 from media.frames import FRAME_MS, VAD_RATE, PcmResampler, Reframer, frame_bytes
 from media.vad import VadConfig
 from turn.clock import Clock

@@ -21,7 +21,7 @@ from typing import Any
 from aiortc import RTCDataChannel, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamTrack
 
-from media.bargein import EchoReference
+from media.echo_guard import EchoReference
 from media.inbound import InboundAudio, set_jitter_prefetch
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer, PlayoutFrame

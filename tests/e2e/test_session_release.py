@@ -21,8 +21,8 @@ import pytest
 from aiohttp import web
 
 import corpus as C
-from media.bargein import SILERO_IDLE_MAX, SILERO_POOL
 from media.frames import PLAYOUT_RATE, VAD_RATE
+from media.silero import SILERO_IDLE_MAX, SILERO_POOL
 from web.app import MANAGER, PEERS, STORE, create_app
 from web.call import CallClient, Utterance
 from web.settings import Settings
@@ -62,7 +62,7 @@ class Tracker:
             if peer.inbound is not None:
                 keep("InboundAudio", peer.inbound)
                 keep("BargeInDetector", peer.inbound.detector)
-                keep("Silero", peer.inbound.detector._silero)
+                keep("Silero", peer.inbound.detector._confirmation.model)
             for i, run in enumerate(list(peer.agent._runs)):
                 keep(f"TurnRun{i}", run)
                 keep(f"TurnScope{i}", run.scope)

@@ -16,17 +16,17 @@ import pytest
 from pydantic import ValidationError
 
 from media.bargein import (
-    SteadyClock,
     BargeInConfig,
     BargeInDetector,
     DetectorEvent,
-    EchoReference,
 )
 from media.bargein import (
     DetectorEventKind as K,
 )
+from media.echo_guard import EchoReference
 from media.frames import PLAYOUT_RATE, VAD_RATE
 from media.speech_onset import shared_scorer
+from media.timeline import SteadyClock
 from media.vad import VadConfig
 
 #: Most a confirmation may lag behind the labelled speech onset (s).

@@ -16,7 +16,8 @@ import pytest
 from av.audio.frame import AudioFrame
 
 import corpus as C
-from media.bargein import BargeInConfig, EchoReference
+from media.bargein import BargeInConfig
+from media.echo_guard import EchoReference
 from media.frames import PLAYOUT_RATE, VAD_RATE
 from media.inbound import InboundAudio
 from turn.models import StopReasonKind, TurnStatus
