@@ -13,7 +13,7 @@ agent's voice comes back in the microphone; the barge-in detector
   not matter), against the reference at every delay
   0..``echo_max_delay_ms``. The envelope survives Opus round trips and
   resampling where a waveform correlation does not (Opus does not preserve
-  phase, RFC 6716). Double talk is kept out in two ways: user speech on top
+  phase). Double talk is kept out in two ways: user speech on top
   of the echo decorrelates the envelope, and the newest 20 ms must not carry
   energy the best-matching echo cannot account for (``ECHO_EXCESS_DB`` in
   enough bands).

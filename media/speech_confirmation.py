@@ -9,10 +9,11 @@ counts as speech when its probability is ``>= threshold`` and its energy is
 counts for the samples in it that earned credit: audio the echo guard took
 for the agent's own voice, and the pre-roll, earn none.
 
-Why streamed, not scored per frame like the onset (:mod:`media.speech_onset`):
-the model's state over a run is what makes it selective (a 200-6000 Hz sweep
-scores 0.5-0.65 chunk after chunk, speech higher), and 32 ms of CPU-cheap
-chunks cost about 2 ms each, only while a run is in progress.
+Cost: about 2 ms of CPU per chunk, too much for every frame of every
+stream; it runs only while a run is in progress. Far more selective than
+webrtcvad, yet not enough alone: a 200-6000 Hz sweep scores 0.5-0.65 chunk
+after chunk and could confirm on it, so a run confirms only after stage 1
+scored its onset as speech (:mod:`media.speech_onset`).
 
 Units: 16 kHz mono s16 PCM; probabilities 0..1; levels dBFS; speech in ms.
 """
