@@ -1147,7 +1147,7 @@ class AgentSession:
         self._send("agent.state", turn_id=run.turn_id, generation=run.generation, phase=phase)
 
     def _output(self, run: TurnRun, type: str, **payload: Any) -> None:
-        """A turn's output (``turn.events.OUTPUT_TYPES``): the delivery gate
+        """A turn's output (``turn.delivery_gate.OUTPUT_TYPES``): the delivery gate
         withholds it once its generation is obsolete (still logged, fenced)."""
         self._send(type, turn_id=run.turn_id, generation=run.generation, **payload)
 
