@@ -27,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from turn.ledger import EffectNotApplied, IntentStatus, effect_key
+from turn.intents import IntentStatus, effect_key
+from turn.ledger import EffectNotApplied
 from turn.manager import TurnManager
 from turn.scope import NotStarted, TurnScope, TurnStopped, finish_anyway
 from turn.store import UnknownIntent
