@@ -40,7 +40,8 @@ from turn.clock import Clock
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
-from turn.scope import TurnScope, TurnStopped
+from turn.scope import TurnScope
+from turn.stopped import TurnStopped
 from turn.store import StoreUnavailable, UnknownTurn
 from voice.providers import LanguageModel, Message, SpeechToText, SttAdaptation, SttStream, TextToSpeech
 from voice.history import earlier_messages, session_history
