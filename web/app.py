@@ -28,7 +28,8 @@ from turn.manager import TurnManager
 from turn.models import StopReason, StopReasonKind
 from turn.redis_store import RedisStore
 from turn.signals import RedisStopSignals, StopSignals
-from turn.sqlite_store import SqliteStore, path_from_url
+from turn.sqlite_connection import path_from_url
+from turn.sqlite_store import SqliteStore
 from turn.store import StoreUnavailable
 from voice.llm import LocalAgent
 from voice.openai_llm import OpenAiChatModel
