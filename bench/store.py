@@ -80,11 +80,12 @@ sys.path.insert(0, str(ROOT))
 
 from local_server import free_port, stop_process  # noqa: E402  (bench/: the script's own folder)
 from turn.clock import SystemClock
-from turn.manager import TurnManager, TurnStopped
+from turn.manager import TurnManager
 from turn.models import StopReason, StopReasonKind, TurnStatus
 from turn.redis_store import RedisStore
 from turn.signals import RedisStopSignals, StopSignals
 from turn.sqlite_store import SqliteStore
+from turn.stopped import TurnStopped
 from turn.store import StopAnswer
 
 #: checkpoints per turn in the lifecycle figure

@@ -31,7 +31,7 @@ from turn.clock import Clock
 from turn.intents import AuditRow, IntentStatus
 from turn.ledger import EffectNotApplied, Ledger
 from turn.models import Turn, TurnStatus
-from turn.scope import finish_anyway
+from turn.shield import finish_anyway
 from turn.stop_policy import policy_for
 from turn.store import TurnStore, UnknownTurn
 

@@ -7,96 +7,33 @@ WebRTC data channel, an SSE stream). So each event is persisted before it is
 sent, a reconnecting client can replay exactly what it missed, and events
 written by any instance (a stop accepted elsewhere) reach every follower.
 
-The delivery gate: a turn's output (``OUTPUT_TYPES``) whose generation is no
-longer active is logged marked ``fenced`` (audit evidence) and never
-delivered. The gate is checked when the event is made, again once it is
-persisted, and by a follower that holds the session's fence, however late
-the event arrives.
-
-A stopped turn's gate closes in the same step that records its stop
-(:class:`StoppedTurns`): once a "turn" event saying CANCEL_REQUESTED (or a
-later stop state) passes through a writer or a follower, no output of that
-turn is delivered after it; the writer also closes it on a stop signal from
-another instance (:meth:`SessionEventLog.close_turn`). Such output is logged
-fenced, as evidence of waste, never delivered.
+The delivery gate (:mod:`turn.delivery_gate`) is applied to a turn's
+output when the event is made, again once it is persisted, and by a
+follower that holds the session's fence, however late the event arrives:
+output it withholds is logged marked ``fenced`` (audit evidence) and never
+delivered. A stopped turn's gate closes in the same step that records its
+stop: a writer and a follower see its "turn" event pass
+(:class:`turn.delivery_gate.StoppedTurns`), and the writer also closes it on
+a stop signal from another instance (:meth:`SessionEventLog.close_turn`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, wait_exponential
 
 from turn.clock import Clock
+from turn.delivery_gate import OUTPUT_TYPES, Gate, OpenGate, StoppedTurns
 from turn.models import EventRecord
 from turn.store import StoreUnavailable, TurnStore
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: event types that are a turn's output (gated by generation)
-OUTPUT_TYPES = frozenset({"transcript", "agent.delta", "agent.done", "audio.start", "audio.end", "tool.output"})
-
-
-#: "turn" event statuses after which a turn delivers no more output
-STOPPED_STATUSES = frozenset({"CANCEL_REQUESTED", "CANCELLED", "RECONCILE_REQUIRED", "FAILED"})
-
-
-class StoppedTurns:
-    """Which turns of a session have stopped, as seen in the order of its
-    log: a "turn" event with a stopped status (``STOPPED_STATUSES``) closes
-    the turn's output, COMPLETED reopens it (a stop that came after the final
-    step changed nothing, and the final answer follows its COMPLETED).
-
-    Args:
-        keep: how many stopped turns are remembered at most (oldest first
-            forgotten; a session's late output comes from its last few).
-    """
-
-    def __init__(self, keep: int = 256) -> None:
-        self.keep = keep
-        self._stopped: OrderedDict[str, None] = OrderedDict()
-
-    def close(self, turn_id: str) -> None:
-        """No output of ``turn_id`` is delivered from now on."""
-        self._stopped[turn_id] = None
-        self._stopped.move_to_end(turn_id)
-        while len(self._stopped) > self.keep:
-            self._stopped.popitem(last=False)
-
-    def see(self, type: str, turn_id: str | None, payload: dict[str, Any]) -> None:
-        """Note an event in log order (only "turn" events matter)."""
-        if type != "turn" or turn_id is None:
-            return
-        status = payload.get("status")
-        if status in STOPPED_STATUSES:
-            self.close(turn_id)
-        elif status == "COMPLETED":
-            self._stopped.pop(turn_id, None)
-
-    def withholds(self, type: str, turn_id: str | None) -> bool:
-        """True if an event of ``type`` of ``turn_id`` is output of a
-        stopped turn (never to be delivered)."""
-        return turn_id is not None and type in OUTPUT_TYPES and turn_id in self._stopped
-
-
-class Gate(Protocol):
-    """The delivery gate's rule (e.g. :class:`turn.generation.GenerationFence`)."""
-
-    def passes(self, generation: int) -> bool: ...
-
-
-class OpenGate:
-    """A gate that passes everything (a session nobody fences here)."""
-
-    def passes(self, generation: int) -> bool:
-        return True
-
 
 Retry = Callable[[Callable[[], Awaitable[T]]], Awaitable[T]]
 

@@ -21,8 +21,8 @@ declared effect and the effect's stage at the stop (:mod:`turn.stop_policy`):
   compensation that finds nothing to reverse leaves it abandoned. The
   ledger records what the external system confirms;
 - a write that was sent but whose outcome is unknown: ``effect_unknown``,
-  for the reconciliation worker, which asks the external system by key
-  (``lookup``) and never retries blindly.
+  for the reconciliation worker (:mod:`turn.reconciliation`), which asks
+  the external system by key (``lookup``) and never retries blindly.
 
 A turn whose stop leaves no effect behind after the stop request is
 CANCELLED; one with an effect confirmed after the stop request, or still
@@ -36,12 +36,11 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from turn.clock import timeout_after
+from turn.clock import Clock, timeout_after
 from turn.intents import (
     OPEN,
-    RESOLVED,
     AuditRow,
     Intent,
     IntentKind,
@@ -51,19 +50,8 @@ from turn.intents import (
     effect_key,
 )
 from turn.models import StopReasonKind
-from turn.stop_policy import EffectPolicy, effect_remains, policy_for
-
-#: re-exported: the ledger's rows and policy are used through this module too
-__all__ = [
-    "OPEN", "RESOLVED", "AuditRow", "EffectHandler", "EffectNotApplied", "EffectPolicy", "Intent", "IntentKind",
-    "IntentStatus", "Ledger", "LookupAnswer", "compensation_key", "effect_key",
-    "effect_remains", "policy_for",
-]
-
-
-if TYPE_CHECKING:
-    from turn.clock import Clock
-    from turn.store import TurnStore
+from turn.stop_policy import effect_remains, policy_for
+from turn.store import TurnStore
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +290,7 @@ class Ledger:
         limit = timeout_after(self.clock, COMPENSATE_NOW_S)
         try:
             async with limit:
-                answer = await self._lookup(effect)
+                answer = await self.lookup(effect)
         except TimeoutError:
             if not limit.expired:
                 raise
@@ -321,9 +309,10 @@ class Ledger:
             cur = await self._call(lambda: self.store.ledger_get(effect.key))
         return cur
 
-    async def _lookup(self, intent: Intent) -> LookupAnswer:
+    async def lookup(self, intent: Intent) -> LookupAnswer:
         """Ask the external system about ``intent``'s key (UNKNOWN if there
-        is no handler or the lookup fails); leaves an audit row."""
+        is no handler or the lookup fails, never raises but for
+        cancellation); leaves an audit row."""
         handler = self.handlers(intent.tool)
         answer = LookupAnswer.UNKNOWN
         if handler is not None:
@@ -356,7 +345,7 @@ class Ledger:
             except TimeoutError:
                 if not limit.expired:
                     raise
-                job = await self._retry_later(job, "compensation took too long; retried later")
+                job = await self.retry_later(job, "compensation took too long; retried later")
         return job
 
     async def run_compensation(self, job: Intent) -> Intent:
@@ -368,13 +357,13 @@ class Ledger:
         handler = self.handlers(job.tool)
         effect_k = job.key.removesuffix(":compensate")
         if handler is None:
-            return await self._give_up(job, f"no tool {job.tool!r} here to compensate with")
+            return await self.give_up(job, f"no tool {job.tool!r} here to compensate with")
         try:
             reversed_ = await handler.compensate_effect(effect_k, job.args)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            return await self._retry_later(job, f"compensation failed: {type(exc).__name__}: {exc}")
+            return await self.retry_later(job, f"compensation failed: {type(exc).__name__}: {exc}")
         if reversed_ is False:  # the external system never applied it
             done = await self.move(job.key, IntentStatus.DONE, expect=OPEN, detail="nothing to reverse", attempts=job.attempts + 1) or job
             await self.move(
@@ -390,52 +379,28 @@ class Ledger:
         )
         return done
 
-    async def _retry_later(self, row: Intent, why: str) -> Intent:
+    async def retry_later(self, row: Intent, why: str) -> Intent:
+        """Count a failed attempt of ``row`` (a compensation job, or an
+        effect being reconciled) and schedule the next one after
+        :func:`backoff_s` (a job becomes ``retrying``); after
+        ``MAX_ATTEMPTS`` a person must decide (:meth:`give_up`). Returns the
+        row as stored afterwards."""
         attempts = row.attempts + 1
         if attempts >= MAX_ATTEMPTS:
-            return await self._give_up(row.model_copy(update={"attempts": attempts}), f"{why}; gave up after {attempts} attempts")
+            return await self.give_up(row.model_copy(update={"attempts": attempts}), f"{why}; gave up after {attempts} attempts")
         nxt = self.clock.now() + timedelta(seconds=backoff_s(attempts))
         status = IntentStatus.RETRYING if row.kind is IntentKind.COMPENSATION else row.status
         moved = await self.move(row.key, status, expect=OPEN, detail=why, attempts=attempts, next_attempt_at=nxt, error=why)
         return moved or row
 
-    async def _give_up(self, row: Intent, why: str) -> Intent:
+    async def give_up(self, row: Intent, why: str) -> Intent:
+        """Move an open ``row`` to ``human_required`` (``why`` recorded as
+        its error), telling the session when it is a compensation job.
+        Returns the row as stored afterwards."""
         moved = await self.move(row.key, IntentStatus.HUMAN_REQUIRED, expect=OPEN, detail=why, error=why, attempts=row.attempts, next_attempt_at=None)
         if moved is not None and moved.kind is IntentKind.COMPENSATION:
             await self._tell(moved.turn_id, "tool.human_required", _payload(moved))
         return moved or row
-
-    # -- reconciliation ----------------------------------------------------------------
-
-    async def reconcile(self, intent: Intent, kind: StopReasonKind | None) -> Intent:
-        """One reconciliation attempt of an effect_unknown intent: ask the
-        external system by key (never a blind retry) and act on the answer
-        under the policy of the turn's stop reason ``kind``. An
-        effect_unknown found present was in flight at the stop: it is
-        reversed if the policy reverses effects in flight."""
-        policy = policy_for(kind)
-        handler = self.handlers(intent.tool)
-        if handler is None:
-            return await self._give_up(intent, f"no tool {intent.tool!r} here to look the effect up")
-        answer = await self._lookup(intent)
-        if answer is LookupAnswer.PRESENT:
-            done = await self.move(intent.key, IntentStatus.DONE, expect=frozenset({IntentStatus.EFFECT_UNKNOWN}), detail="confirmed present by lookup")
-            if done is not None and done.effect == "compensate" and policy.compensate_in_flight:
-                await self.compensate(done, now=True)
-            return done or intent
-        if answer is LookupAnswer.ABSENT:
-            if policy.retry_absent and policy.new_effects:
-                try:
-                    result = await handler.retry_effect(intent.key, intent.args)
-                except asyncio.CancelledError:
-                    raise
-                except EffectNotApplied as exc:
-                    return await self.move(intent.key, IntentStatus.ABANDONED, expect=OPEN, detail=f"retry refused: {exc}") or intent
-                except Exception as exc:
-                    return await self._retry_later(intent, f"retry failed: {type(exc).__name__}: {exc}")
-                return await self.move(intent.key, IntentStatus.DONE, expect=OPEN, detail="confirmed absent, retried with the same key", result=str(result)) or intent
-            return await self.move(intent.key, IntentStatus.ABANDONED, expect=OPEN, detail="confirmed absent; the policy allows no retry") or intent
-        return await self._retry_later(intent, "the external system could not say")
 
 
 def json_args(args: dict[str, Any]) -> str:

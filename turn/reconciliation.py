@@ -1,10 +1,10 @@
 """The reconciliation worker (DESIGN.md "reconciliation"): in the
 background, it settles what stops and crashes left open in the ledger, by
 asking the external system by idempotency key, never by a blind retry.
-The rules for one row are the :class:`turn.ledger.Ledger`'s
-(:meth:`~turn.ledger.Ledger.reconcile`,
-:meth:`~turn.ledger.Ledger.run_compensation`), under the turn's stop policy
-(:mod:`turn.stop_policy`).
+A compensation job is run by the :class:`turn.ledger.Ledger`
+(:meth:`~turn.ledger.Ledger.run_compensation`); an effect_unknown row is
+reconciled here (:meth:`ReconciliationWorker.reconcile`), under the turn's
+stop policy (:mod:`turn.stop_policy`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from turn.intents import IntentKind, IntentStatus
-from turn.ledger import Ledger
+from turn.intents import OPEN, Intent, IntentKind, IntentStatus, LookupAnswer
+from turn.ledger import EffectNotApplied, Ledger
 from turn.models import StopReasonKind
+from turn.stop_policy import policy_for
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class ReconciliationWorker:
                 if row.kind is IntentKind.COMPENSATION:
                     await ledger.run_compensation(row)
                 elif row.status is IntentStatus.EFFECT_UNKNOWN:
-                    await ledger.reconcile(row, kind)
+                    await self.reconcile(row, kind)
                 elif (
                     row.status is IntentStatus.PENDING
                     and terminal
@@ -76,6 +77,41 @@ class ReconciliationWorker:
             except Exception:
                 log.exception("could not settle ledger row %s", row.key)
         return acted
+
+    async def reconcile(self, intent: Intent, kind: StopReasonKind | None) -> Intent:
+        """One reconciliation attempt of an effect_unknown intent: ask the
+        external system by key (never a blind retry) and act on the answer
+        under the policy of the turn's stop reason ``kind``. An
+        effect_unknown found present was in flight at the stop: it is
+        reversed if the policy reverses effects in flight. One found absent
+        is applied again with the same key only if the policy allows new
+        effects and retries; a failed retry or an answer nobody can give is
+        retried with backoff, up to ``turn.ledger.MAX_ATTEMPTS``. Returns
+        the row as stored afterwards."""
+        ledger = self.ledger
+        policy = policy_for(kind)
+        handler = ledger.handlers(intent.tool)
+        if handler is None:
+            return await ledger.give_up(intent, f"no tool {intent.tool!r} here to look the effect up")
+        answer = await ledger.lookup(intent)
+        if answer is LookupAnswer.PRESENT:
+            done = await ledger.move(intent.key, IntentStatus.DONE, expect=frozenset({IntentStatus.EFFECT_UNKNOWN}), detail="confirmed present by lookup")
+            if done is not None and done.effect == "compensate" and policy.compensate_in_flight:
+                await ledger.compensate(done, now=True)
+            return done or intent
+        if answer is LookupAnswer.ABSENT:
+            if policy.retry_absent and policy.new_effects:
+                try:
+                    result = await handler.retry_effect(intent.key, intent.args)
+                except asyncio.CancelledError:
+                    raise
+                except EffectNotApplied as exc:
+                    return await ledger.move(intent.key, IntentStatus.ABANDONED, expect=OPEN, detail=f"retry refused: {exc}") or intent
+                except Exception as exc:
+                    return await ledger.retry_later(intent, f"retry failed: {type(exc).__name__}: {exc}")
+                return await ledger.move(intent.key, IntentStatus.DONE, expect=OPEN, detail="confirmed absent, retried with the same key", result=str(result)) or intent
+            return await ledger.move(intent.key, IntentStatus.ABANDONED, expect=OPEN, detail="confirmed absent; the policy allows no retry") or intent
+        return await ledger.retry_later(intent, "the external system could not say")
 
     async def run(self) -> None:
         """Run passes forever, ``interval_s`` apart."""

@@ -4,11 +4,12 @@ A turn's work (STT finalization, retrieval, the model stream, tools, TTS,
 playout) runs as *children* of the turn's :class:`TurnScope`, on an
 ``asyncio.TaskGroup``. A stop carries one structured reason to every child;
 each child reports how it ended (:class:`turn.models.ChildOutcome`) within a
-bounded grace, and the turn's terminal state is written from those reports
-(:func:`terminal_status`). The scope never exits before its last child has
-ended, so no child outlives its turn; a child that ignores its cancellation
-is reported ``ignored_cancel`` when the grace runs out, cancelled again, and
-still awaited.
+bounded grace, and the turn's terminal state is written from those
+reports (:func:`turn.stop_path.terminal_status`). The scope never exits
+before its last child has ended, so no child outlives its turn; a child
+that ignores its cancellation is reported ``ignored_cancel`` when the grace
+runs out, cancelled again, and still awaited. What a child raises to stop
+the turn is :class:`turn.stopped.TurnStopped`.
 
 Time limits: each child gets ``min(its own maximum, the turn's remaining
 time minus a shutdown reserve)``; the turn's deadline cutting a child short
@@ -28,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from turn.clock import Clock, timeout_after
-from turn.models import ChildOutcome, ChildReport, StopReason, StopReasonKind, StopReport, TurnStatus
+from turn.models import ChildOutcome, ChildReport, StopReason, StopReasonKind, StopReport
+from turn.stopped import TurnStopped
 
 log = logging.getLogger(__name__)
 
@@ -38,40 +40,6 @@ T = TypeVar("T")
 STOP_GRACE_S = 0.25
 #: how long (s) a stop waits for the turn's own final write already under way
 FINAL_WRITE_WAIT_S = 5.0
-
-#: stops the turn decides for itself; they end it FAILED, not CANCELLED
-LIMIT_KINDS = frozenset(
-    {
-        StopReasonKind.DEADLINE_EXCEEDED,
-        StopReasonKind.BUDGET_EXCEEDED,
-        StopReasonKind.MAX_STEPS,
-        StopReasonKind.LOOP_DETECTED,
-    }
-)
-
-
-class TurnStopped(Exception):
-    """The turn must not go on: raised by checkpoints (never a returned
-    flag), by a child cut short by the turn's deadline, and by a
-    must-complete section that finished after a stop.
-
-    Attributes:
-        turn_id: the turn.
-        phase: where it was noticed (e.g. "before_model").
-        kind: the stop's kind when the turn decided it itself (a limit:
-            deadline, budget, steps, loop); None when it was asked from
-            outside (the reason is in the store).
-        detail: for humans.
-    """
-
-    def __init__(self, turn_id: str, phase: str, kind: StopReasonKind | None = None, detail: str | None = None) -> None:
-        what = f"{kind.value}" if kind else "asked to stop"
-        super().__init__(f"turn {turn_id} {what} (at {phase})" + (f": {detail}" if detail else ""))
-        self.turn_id = turn_id
-        self.phase = phase
-        self.kind = kind
-        self.detail = detail
-
 
 class NotStarted(TurnStopped):
     """A child was not started: the time left is shorter than the duration
@@ -489,46 +457,3 @@ class TurnScope:
 
 def _detail(error: BaseException | None) -> str | None:
     return None if error is None else f"{type(error).__name__}: {error}"
-
-
-def terminal_status(report: StopReport, *, limit: bool, effect_remains: bool = False) -> TurnStatus:
-    """The terminal state a stopped turn is written with, from its
-    children's reports (DESIGN.md "Turn states"):
-
-    - a child that committed an effect after the stop request (or is still
-      committing), or an effect the ledger shows remaining after the stop
-      (``effect_remains``): RECONCILE_REQUIRED, never CANCELLED;
-    - otherwise FAILED for a stop the turn decided itself (``limit``:
-      deadline, budget, steps, loop), else CANCELLED.
-
-    A turn whose final step committed before the stop is completed by its
-    worker instead (CANCEL_REQUESTED -> COMPLETED, a no-op, not a rollback).
-    """
-    if effect_remains or any(r.outcome is ChildOutcome.COMMITTING for r in report.children):
-        return TurnStatus.RECONCILE_REQUIRED
-    return TurnStatus.FAILED if limit else TurnStatus.CANCELLED
-
-
-async def finish_anyway(work: Awaitable[T]) -> T:
-    """Await ``work`` to its end even if the caller is cancelled meanwhile
-    (a record of something that already happened must not be lost to a
-    stop); the cancellation is re-raised once ``work`` has finished, never
-    swallowed.
-
-    Raises:
-        asyncio.CancelledError: the caller was cancelled while waiting.
-        Exception: what ``work`` raised.
-    """
-    task = asyncio.ensure_future(work)
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(task)
-            break
-        except asyncio.CancelledError:
-            if task.done():
-                raise
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return result

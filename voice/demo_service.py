@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from turn.clock import Clock
-from turn.ledger import EffectNotApplied, LookupAnswer
+from turn.intents import LookupAnswer
+from turn.ledger import EffectNotApplied
 
 
 class ServiceError(Exception):

@@ -26,7 +26,8 @@ from pydantic import Field
 
 from turn.clock import Clock
 from turn.downstream import DownstreamWorker
-from turn.ledger import EffectHandler, LookupAnswer
+from turn.intents import LookupAnswer
+from turn.ledger import EffectHandler
 from turn.store import TurnStore
 from voice.demo_service import DemoService
 from voice.tools import Toolbox, embedded_tools, tool

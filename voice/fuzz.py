@@ -60,9 +60,9 @@ from turn.downstream import turn_stopped
 from turn.intents import RESOLVED, IntentKind, IntentStatus, compensation_key
 from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
-from turn.scope import LIMIT_KINDS
 from turn.sqlite_store import SqliteStore
 from turn.stop_policy import Stage, policy_for, stage_at_stop
+from turn.stopped import LIMIT_KINDS
 from turn.usage import Pricing, RequestMeter
 from voice.demo_service import DemoService
 from voice.demo_tools import MESSAGES_QUEUE, demo_handlers, demo_tools, message_sender

@@ -23,7 +23,7 @@ downstream work) are not tool calls the model made, and are left out too.
 
 from __future__ import annotations
 
-from turn.ledger import OPEN, Intent, IntentKind, IntentStatus, compensation_key, effect_key
+from turn.intents import OPEN, Intent, IntentKind, IntentStatus, compensation_key, effect_key
 from turn.manager import TurnManager
 from turn.models import Turn, TurnStatus
 from voice.providers import Message, ToolCall

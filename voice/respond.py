@@ -8,7 +8,7 @@ checkpoints (``before_model`` / ``after_model``, ``before_tool`` /
 too, which costs no store round trip unless the cached stop flag is older
 than the manager's staleness bound. A stop, a passed deadline, a spent
 budget, too many steps or a tool loop raises
-:class:`turn.scope.TurnStopped`; nothing after it starts a model request.
+:class:`turn.stopped.TurnStopped`; nothing after it starts a model request.
 
 The delivery gate: a token that arrives once the stop is recorded (the
 manager's flag is set in the same step as the stop's compare-and-set, or as
@@ -27,9 +27,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from turn.ledger import EffectNotApplied, IntentStatus, effect_key
+from turn.intents import IntentStatus, effect_key
+from turn.ledger import EffectNotApplied
 from turn.manager import TurnManager
-from turn.scope import NotStarted, TurnScope, TurnStopped, finish_anyway
+from turn.scope import NotStarted, TurnScope
+from turn.shield import finish_anyway
+from turn.stopped import TurnStopped
 from turn.store import UnknownIntent
 from turn.usage import RequestMeter, UsageMeter, estimate_tokens
 from voice.providers import LanguageModel, Message, ToolCall
@@ -90,7 +93,7 @@ async def run_agent(
             remaining time may cut it shorter).
 
     Raises:
-        turn.scope.TurnStopped: the turn must not go on (see module doc).
+        turn.stopped.TurnStopped: the turn must not go on (see module doc).
         Exception: what a provider raised.
     """
     rt = manager.runtime(turn_id)

@@ -40,7 +40,8 @@ from turn.clock import Clock
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
-from turn.scope import TurnScope, TurnStopped
+from turn.scope import TurnScope
+from turn.stopped import TurnStopped
 from turn.store import StoreUnavailable, UnknownTurn
 from voice.providers import LanguageModel, Message, SpeechToText, SttAdaptation, SttStream, TextToSpeech
 from voice.history import earlier_messages, session_history
@@ -1147,7 +1148,7 @@ class AgentSession:
         self._send("agent.state", turn_id=run.turn_id, generation=run.generation, phase=phase)
 
     def _output(self, run: TurnRun, type: str, **payload: Any) -> None:
-        """A turn's output (``turn.events.OUTPUT_TYPES``): the delivery gate
+        """A turn's output (``turn.delivery_gate.OUTPUT_TYPES``): the delivery gate
         withholds it once its generation is obsolete (still logged, fenced)."""
         self._send(type, turn_id=run.turn_id, generation=run.generation, **payload)
 

@@ -23,7 +23,8 @@ from turn.events import SessionEventLog
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import Budget, Plan, StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
-from turn.scope import Child, TurnScope, TurnStopped
+from turn.scope import Child, TurnScope
+from turn.stopped import TurnStopped
 from voice.history import session_history, tool_outcome_text
 from voice.providers import LanguageModel
 from voice.respond import run_agent, sink_to

@@ -37,7 +37,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from turn.clock import Clock
-from turn.ledger import LookupAnswer
+from turn.intents import LookupAnswer
 from voice.llm import WEATHER_REPLY
 from voice.providers import ToolSpec
 

@@ -28,7 +28,8 @@ from turn.manager import TurnManager
 from turn.models import StopReason, StopReasonKind
 from turn.redis_store import RedisStore
 from turn.signals import RedisStopSignals, StopSignals
-from turn.sqlite_store import SqliteStore, path_from_url
+from turn.sqlite_connection import path_from_url
+from turn.sqlite_store import SqliteStore
 from turn.store import StoreUnavailable
 from voice.llm import LocalAgent
 from voice.openai_llm import OpenAiChatModel
@@ -261,30 +262,12 @@ async def _startup(app: web.Application) -> None:
     provs = app[PROVIDERS]
     app[WORKERS] = [
         asyncio.get_running_loop().create_task(manager.reconciliation_worker().run(), name="reconciliation"),
-        asyncio.get_running_loop().create_task(_sweep_abandoned(manager, app[CLOCK]), name="lease-sweeper"),
+        asyncio.get_running_loop().create_task(manager.sweep_abandoned(), name="lease-sweeper"),
         asyncio.get_running_loop().create_task(
             message_sender(provs.service, store, app[CLOCK], consumer=manager.owner).run(), name="message-sender"
         ),
     ]
     await provs.start()
-
-
-async def _sweep_abandoned(manager: TurnManager, clock: Clock) -> None:
-    """Every lease TTL, stop the turns whose worker stopped heartbeating
-    (another instance crashed, or this one was restarted within the TTL):
-    a turn never stays open because its owner died."""
-    while True:
-        await clock.sleep(manager.lease_ttl_s)
-        reason = StopReason(
-            kind=StopReasonKind.WORKER_SHUTDOWN, initiator="server", at=clock.now(),
-            detail="its worker stopped renewing its lease",
-        )
-        try:
-            await manager.recover_abandoned(reason, all_open=False)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("lease sweep failed")
 
 
 async def _shutdown(app: web.Application) -> None:

@@ -11,20 +11,11 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from turn.clock import VirtualClock
-from turn.ledger import (
-    MAX_ATTEMPTS,
-    Intent,
-    IntentKind,
-    IntentStatus,
-    Ledger,
-    LookupAnswer,
-    compensation_key,
-    effect_key,
-    effect_remains,
-    policy_for,
-)
+from turn.intents import Intent, IntentKind, IntentStatus, LookupAnswer, compensation_key, effect_key
+from turn.ledger import MAX_ATTEMPTS, Ledger
 from turn.models import StopReasonKind
 from turn.reconciliation import ReconciliationWorker
+from turn.stop_policy import effect_remains, policy_for
 from turn.store import UnknownIntent
 from voice.demo_service import DemoService
 from voice.demo_tools import demo_tools
@@ -82,7 +73,7 @@ async def test_list_due_and_open_count(any_store) -> None:  # type: ignore[no-un
 
 
 async def test_audit_rows(any_store) -> None:  # type: ignore[no-untyped-def]
-    from turn.ledger import AuditRow
+    from turn.intents import AuditRow
 
     await any_store.audit_add(AuditRow(key="t1:1", at=T0, action="intent", detail="x"))
     await any_store.audit_add(AuditRow(key="t1:1", at=T0, action="done"))

@@ -8,9 +8,10 @@ from datetime import timedelta
 import pytest
 
 from turn.clock import SystemClock, VirtualClock
-from turn.manager import TurnManager, TurnStopped
+from turn.manager import TurnManager
 from turn.models import StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
 from turn.sqlite_store import SqliteStore
+from turn.stopped import TurnStopped
 from turn.store import IdempotencyConflict, StopAnswer, StoreUnavailable, UnknownSession, UnknownTurn
 
 

@@ -12,7 +12,9 @@ import pytest
 
 from turn.clock import SystemClock, VirtualClock, timeout_after
 from turn.models import ChildOutcome, StopReason, StopReasonKind, TurnStatus
-from turn.scope import NotStarted, TurnScope, TurnStopped, terminal_status
+from turn.scope import NotStarted, TurnScope
+from turn.stop_path import terminal_status
+from turn.stopped import TurnStopped
 
 
 def reason(clock: VirtualClock, kind: StopReasonKind = StopReasonKind.USER_CANCEL) -> StopReason:
@@ -259,7 +261,7 @@ async def test_timeout_after_converts_only_its_own_cancel(clock: VirtualClock) -
 
 
 async def test_finish_anyway_completes_the_work_and_then_raises_the_cancel() -> None:
-    from turn.scope import finish_anyway
+    from turn.shield import finish_anyway
 
     finished = asyncio.Event()
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from turn.models import StopReason, StopReasonKind, Turn, TurnStatus
-from turn.sqlite_store import SqliteStore, path_from_url
+from turn.sqlite_connection import path_from_url
+from turn.sqlite_store import SqliteStore
 from turn.store import StoreUnavailable
 
 NOW = datetime(2026, 5, 1, 12, 0, tzinfo=timezone.utc)
@@ -97,7 +98,7 @@ def test_path_from_url() -> None:
 async def test_one_process_per_file(tmp_path: Path) -> None:
     """A second server on the same file would stop the first one's turns as
     'abandoned' at its startup: it is refused instead."""
-    from turn.sqlite_store import StoreInUse
+    from turn.sqlite_connection import StoreInUse
 
     path = tmp_path / "var" / "shared.db"
     first = SqliteStore(path)

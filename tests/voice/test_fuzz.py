@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-import turn.manager
+import turn.stop_path
 import voice.history
 from voice.text_turns import TextTurns
 from voice.fuzz import fuzz
@@ -32,7 +32,7 @@ async def test_a_thousand_iterations_keep_every_invariant() -> None:
 
 
 async def test_a_ledger_that_says_nothing_remains_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(turn.manager, "terminal_status", lambda report, *, limit, effect_remains=False: turn.manager.TurnStatus.CANCELLED)
+    monkeypatch.setattr(turn.stop_path, "terminal_status", lambda report, *, limit, effect_remains=False: turn.stop_path.TurnStatus.CANCELLED)
     report = await fuzz(80, seed=5)
     assert not report.ok
     assert report.invariants()["one_terminal_state_consistent_with_ledger"] > 0

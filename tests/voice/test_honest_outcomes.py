@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from turn.ledger import IntentKind, IntentStatus
+from turn.intents import IntentKind, IntentStatus
 from turn.models import StopReasonKind, TurnStatus
 from turn.sqlite_store import SqliteStore
 from voice.demo_service import DemoService

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from turn.clock import VirtualClock
-from turn.ledger import IntentKind, IntentStatus
+from turn.intents import IntentKind, IntentStatus
 from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
 from turn.sqlite_store import SqliteStore

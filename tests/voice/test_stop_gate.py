@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from turn.clock import SystemClock
-from turn.events import OUTPUT_TYPES, EventFollower
+from turn.delivery_gate import OUTPUT_TYPES
+from turn.events import EventFollower
 from turn.manager import TurnManager
 from turn.models import EventRecord, StopReason, StopReasonKind
 from turn.redis_store import RedisStore

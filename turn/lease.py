@@ -1,0 +1,131 @@
+"""Leases and the sweeper (DESIGN.md "Authority and scale").
+
+Every running turn is leased to the process that runs it (``lease_owner``)
+and carries that process's heartbeat (``heartbeat_at``), written by its
+checkpoints' store round trips (:meth:`turn.checkpoint.Checkpoints.sync`,
+whenever the cached stop flag is older than ``flag_staleness_s``) and every
+third of the lease TTL (:meth:`Leases.keep_leases`). A turn whose
+heartbeat is older than the TTL has lost its owner; the sweeper
+(:meth:`Leases.sweep_abandoned`, and once at startup
+:meth:`Leases.recover_abandoned`) stops such turns with a clear reason, so
+none stays open forever.
+
+:class:`Leases` is a part of :class:`turn.manager.TurnManager`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+
+from turn.clock import Clock
+from turn.ledger import Ledger
+from turn.models import StopReason, StopReasonKind, Turn
+from turn.store import StopAnswer, StopResult, TurnStore
+
+log = logging.getLogger(__name__)
+
+
+def default_owner() -> str:
+    """This process's lease-owner id: host, pid and a random part (a
+    restarted process never reuses one)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class Leases:
+    """The leases of :class:`turn.manager.TurnManager` and its sweeper.
+
+    It uses the manager's ``store_call``, its stop path's ``request_stop``
+    (:class:`turn.stop_path.StopPath`) and its transitions
+    (``confirm_stopped``, ``reconcile_required``).
+
+    Attributes:
+        store / clock / ledger: the manager's.
+        owner: this process's lease-owner id (:func:`default_owner`).
+        lease_ttl_s: a turn whose heartbeat is older than this (s) has lost
+            its owner.
+        _owned: the turns leased to this process.
+    """
+
+    store: TurnStore
+    clock: Clock
+    ledger: Ledger
+    owner: str
+    lease_ttl_s: float
+    _owned: set[str]
+
+    async def renew_leases(self) -> int:
+        """Heartbeat every turn this process runs; returns how many."""
+        owned = sorted(self._owned)
+        if not owned:
+            return 0
+        return await self.store_call(lambda: self.store.heartbeat(self.owner, owned, at=self.clock.now()))
+
+    async def keep_leases(self) -> None:
+        """Run forever: renew this process's leases every third of the TTL, so
+        a live worker never looks dead however long a turn runs."""
+        while True:
+            await self.clock.sleep(self.lease_ttl_s / 3)
+            try:
+                await self.renew_leases()
+            except Exception:
+                log.exception("lease renewal failed")
+
+    def lease_expired(self, turn: Turn) -> bool:
+        """True if ``turn`` is open and nobody has shown it is alive for
+        ``lease_ttl_s``: its owner's last heartbeat, or for a turn never
+        leased, its last update."""
+        if turn.is_terminal:
+            return False
+        last = turn.heartbeat_at or turn.updated_at
+        return (self.clock.now() - last).total_seconds() > self.lease_ttl_s
+
+    async def recover_abandoned(self, reason: StopReason, *, all_open: bool) -> list[Turn]:
+        """Stop the turns whose worker is gone (killed mid-turn), so none
+        stays open forever: QUEUED ones are cancelled at once, the others go
+        through CANCEL_REQUESTED to CANCELLED with ``reason`` (or to
+        RECONCILE_REQUIRED when the ledger shows an effect remaining).
+
+        Args:
+            all_open: every open turn not run by this process is abandoned
+                (true when one process serves the store, e.g. SQLite);
+                otherwise only those whose lease expired.
+
+        Returns:
+            The turns as stopped.
+        """
+        stopped = []
+        for turn in await self.store_call(self.store.list_open):
+            if turn.id in self._owned or not (all_open or self.lease_expired(turn)):
+                continue
+            res = await self.request_stop(turn.id, reason, request_id=f"recover:{turn.id}")
+            if res.answer in (StopAnswer.ACCEPTED, StopAnswer.ALREADY_STOPPING) and not res.turn.is_terminal:
+                stop = res.turn.stop_reason or reason
+                remains = await self.ledger.resolve_on_stop(turn.id, stop.kind, stop.at)
+                moved = await (self.reconcile_required(turn.id) if remains else self.confirm_stopped(turn.id))
+                res = StopResult(answer=res.answer, first=res.first, repeat=res.repeat, turn=moved.turn)
+            stopped.append(res.turn)
+            log.warning("recovered turn %s left %s by %s", turn.id, turn.status, turn.lease_owner or "nobody")
+        return stopped
+
+    async def sweep_abandoned(self) -> None:
+        """Run forever: every ``lease_ttl_s``, stop the turns whose worker
+        stopped heartbeating (another instance crashed, or this one was
+        restarted within the TTL), with reason ``worker_shutdown``: a turn
+        never stays open because its owner died. A failed sweep is logged
+        and the next one runs on time."""
+        while True:
+            await self.clock.sleep(self.lease_ttl_s)
+            reason = StopReason(
+                kind=StopReasonKind.WORKER_SHUTDOWN, initiator="server", at=self.clock.now(),
+                detail="its worker stopped renewing its lease",
+            )
+            try:
+                await self.recover_abandoned(reason, all_open=False)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("lease sweep failed")
