@@ -17,9 +17,10 @@ from pathlib import Path
 
 from aiohttp import web
 
+from client.call import CallClient
+from client.results import CallError, CallResult, Utterance
 from media.frames import PLAYOUT_RATE, load_pcm
 from web.app import create_app
-from web.call import CallClient, CallError, CallResult, Utterance
 from web.settings import Settings, load_settings
 
 
