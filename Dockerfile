@@ -12,6 +12,9 @@ COPY turn ./turn
 COPY media ./media
 COPY voice ./voice
 COPY web ./web
+COPY client ./client
+COPY demo_shop ./demo_shop
+COPY testkit ./testkit
 RUN pip install --no-cache-dir .
 
 ENV TURNKEEPER_HOST=0.0.0.0

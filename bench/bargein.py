@@ -2,7 +2,7 @@
 """Barge-in benchmark over a labelled corpus: fast, and right.
 
 Starts a turnkeeper server in its own process on loopback and makes calls
-with the headless aiortc client (web/call.py). Each call asks for a story;
+with the headless aiortc client (client/call.py). Each call asks for a story;
 while the agent talks, the client plays corpus clips into its microphone at
 random offsets (0.3 to 2 s after the agent's audio starts again):
 
@@ -56,7 +56,8 @@ import corpus as C  # noqa: E402  (the tests' labelled corpus)
 import listening as L  # noqa: E402  (the inserted-gap measure)
 from local_server import server  # noqa: E402  (its own process, the tests' grammar)
 from media.frames import PLAYOUT_RATE, VAD_RATE  # noqa: E402
-from web.call import BargeInMeasure, CallClient, CallResult, Utterance  # noqa: E402
+from client.call import CallClient  # noqa: E402
+from client.results import BargeInMeasure, CallResult, Utterance  # noqa: E402
 
 STORY = "tell me a story"
 REFERENCE_S = 44.0  # the reference reception hears this much of the story (s after it starts)

@@ -9,11 +9,11 @@ a temporary folder, on the real ``SystemClock``, once per model:
 - ``local``: the embedded local agent (voice/llm.py) at ``--tps`` tokens/s;
 - ``sse``: the OpenAI-compatible client (voice/openai_llm.py) streaming over
   a real loopback HTTP connection from the local Chat Completions server
-  (voice/openai_server.py, in this process) at ``--tps`` tokens/s;
+  (testkit/openai_server.py, in this process) at ``--tps`` tokens/s;
 - ``sse_ignoring``: the same server acting as a provider that ignores the
   hang-up and generates (and bills) its whole completion anyway;
 - ``ignoring``: a provider that ignores cancellation and keeps streaming
-  (voice/faults.py), to show the bound the stop grace puts on the terminal
+  (testkit/faults.py), to show the bound the stop grace puts on the terminal
   write and the waste such a provider causes.
 
 Each of ``--stops`` rounds starts a turn ("tell me a story", a reply of about
@@ -60,10 +60,10 @@ from turn.clock import SystemClock  # noqa: E402
 from turn.manager import TurnManager  # noqa: E402
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus  # noqa: E402
 from turn.sqlite_store import SqliteStore  # noqa: E402
-from voice.faults import CancellationIgnoringModel  # noqa: E402
+from testkit.faults import CancellationIgnoringModel  # noqa: E402
 from voice.llm import LlmConfig, LocalAgent  # noqa: E402
 from voice.openai_llm import OpenAiChatModel  # noqa: E402
-from voice.openai_server import ChatCompletionsServer, ServerOptions  # noqa: E402
+from testkit.openai_server import ChatCompletionsServer, ServerOptions  # noqa: E402
 from voice.providers import LanguageModel  # noqa: E402
 from voice.text_turns import TextTurns  # noqa: E402
 

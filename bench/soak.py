@@ -9,7 +9,7 @@ hears it (issue 11.6).
 Starts one turnkeeper server in its own process on loopback (embedded
 defaults: SQLite store in a temporary directory, pocketsphinx, espeak-ng,
 the local agent) and makes N sequential calls with the headless aiortc
-client (web/call.py). Recognition uses the tests' JSGF grammar (tests/
+client (client/call.py). Recognition uses the tests' JSGF grammar (tests/
 conftest.py GRAMMAR), as bench/bargein.py does: the embedded free-form
 language model does not hear espeak-ng's "tell me a story" as anything with
 "story" in it (through WebRTC it hears "do you still really"), so the agent
@@ -38,7 +38,7 @@ not counted as gaps:
   longest inserted silence of each such call);
 - stopped: the agent went silent and did not resume (or a newer turn
   superseded the reply); for speech, the audible stop is the client's
-  measure (web/call.py): from the stimulus's first sample handed to the RTP
+  measure (client/call.py): from the stimulus's first sample handed to the RTP
   sender to where the agent's sound ends at RTP arrival.
 
 Also reported: the request's transcript stability (share of calls whose
@@ -77,7 +77,8 @@ import listening as L  # noqa: E402  (the inserted-gap measure)
 from bargein import stats, up  # noqa: E402
 from local_server import server  # noqa: E402
 from media.frames import VAD_RATE  # noqa: E402
-from web.call import CallClient, CallError, CallResult, Utterance  # noqa: E402
+from client.call import CallClient  # noqa: E402
+from client.results import CallError, CallResult, Utterance  # noqa: E402
 
 STORY = "tell me a story"
 INTERRUPT = "hey wait stop I have a question"

@@ -2,7 +2,7 @@
 inserted into the agent's speech, told apart from the reply's own pauses.
 
 A reception is the client's list of received 20 ms frames, in order, each
-``(arrival, dBFS, sound_end_ms)`` (see ``web.call.CallResult.received``):
+``(arrival, dBFS, sound_end_ms)`` (see ``client.results.CallResult.received``):
 RTP arrival in client-clock seconds, the frame's RMS level in dBFS, and where
 in the frame its sound ends (ms from the frame's start, 0 when silent).
 
@@ -39,10 +39,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-SILENCE_DBFS = -50.0  # as web/call.py: a received frame quieter than this is silence
+SILENCE_DBFS = -50.0  # as client/call.py: a received frame quieter than this is silence
 FRAME_MS = 20.0
 TOLERANCE_MS = 60.0
-STOP_MS = 500.0  # as web/call.py's SILENT_RUN_MS
+STOP_MS = 500.0  # as client/call.py's SILENT_RUN_MS
 GAP_MS = 100.0  # an inserted silence this long or longer is audible
 
 KEPT = "kept talking"
@@ -319,7 +319,7 @@ def judge_call(
     and fill its ``gap_ms`` and ``outcome``.
 
     Args:
-        result: a ``web.call.CallResult`` (its ``received``, ``event_times``,
+        result: a ``client.results.CallResult`` (its ``received``, ``event_times``,
             ``turns`` and ``barge_ins`` are read; each ``BargeInMeasure``'s
             ``gap_ms`` (ms, the longest inserted silence) and ``outcome`` are
             set).

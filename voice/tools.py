@@ -36,9 +36,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
-from turn.clock import Clock
 from turn.intents import LookupAnswer
-from voice.llm import WEATHER_REPLY
 from voice.providers import ToolSpec
 
 Effect = Literal["none", "complete", "compensate"]
@@ -214,18 +212,3 @@ class Toolbox:
     def __len__(self) -> int:
         return len(self._tools)
 
-
-def embedded_tools(clock: Clock, *, weather_latency_ms: float = 50.0) -> Toolbox:
-    """The embedded agent's demo tools, on ``clock``:
-
-    - ``lookup_weather(city)``: effect "none"; answers after
-      ``weather_latency_ms`` (a network read).
-    """
-
-    @tool(expected_duration_ms=weather_latency_ms, max_duration_ms=5000)
-    async def lookup_weather(city: str = "here") -> str:
-        """Look up the current weather and tomorrow's forecast for a city."""
-        await clock.sleep(weather_latency_ms / 1000)
-        return WEATHER_REPLY
-
-    return Toolbox([lookup_weather])

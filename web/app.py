@@ -16,14 +16,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Literal
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal
 
 import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, Field, ValidationError
 
 from turn.clock import Clock, SystemClock
+from turn.ledger import EffectHandler
 from turn.manager import TurnManager
 from turn.models import StopReason, StopReasonKind
 from turn.redis_store import RedisStore
@@ -35,9 +37,7 @@ from voice.llm import LocalAgent
 from voice.openai_llm import OpenAiChatModel
 from voice.providers import LanguageModel
 from turn.store import TurnStore
-from voice.demo_service import DemoService
-from voice.demo_tools import demo_handlers, demo_tools, message_sender
-from voice.tools import Toolbox, embedded_tools
+from voice.tools import Toolbox
 from voice.session import Providers
 from voice.stt import PocketsphinxSTT
 from voice.tts import EspeakTTS
@@ -49,6 +49,9 @@ from web.offer_validation import OfferRejected, validate_offer
 from web.peer import PeerSession
 from web.settings import Settings
 from web.state import AUTH, CLOCK, LEASES, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE, STREAMS, TEXT_TURNS, WORKERS
+
+if TYPE_CHECKING:
+    from demo_shop.shop import DemoShop
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +73,8 @@ class OfferRequest(BaseModel):
 
 class EmbeddedProviders:
     """The embedded providers: one pocketsphinx decoder pool shared by all
-    sessions, and per session the local agent and espeak-ng.
+    sessions, and per session the local agent and espeak-ng; and the demo
+    shop's tools when ``settings.demo_shop`` is on.
 
     Args:
         settings: provider settings.
@@ -82,9 +86,8 @@ class EmbeddedProviders:
         self.clock = clock
         self.stt = PocketsphinxSTT(settings.stt)
         self._http: aiohttp.ClientSession | None = None
-        #: the demo tools' external system (in-process; see voice/demo_service.py)
-        self.service = DemoService(clock, demo_service_path(settings))
-        self._toolbox: Toolbox | None = None
+        #: the demo shop (tools and their in-process external system), or None
+        self.shop = demo_shop_for(settings, clock)
         self._store: TurnStore | None = None
 
     def bind(self, store: TurnStore) -> None:
@@ -123,21 +126,43 @@ class EmbeddedProviders:
         return LocalAgent(self.settings.llm, self.clock)
 
     def tools(self) -> Toolbox:
-        """The tools the agent may call: the demo tools on the in-process
-        service (one toolbox for the whole process)."""
-        if self._toolbox is None:
-            if self._store is None:
-                return embedded_tools(self.clock)
-            self._toolbox = demo_tools(self.clock, self.service, self._store)
-        return self._toolbox
+        """The tools the agent may call: the demo shop's (one toolbox for the
+        whole process), or none when it is off."""
+        if self.shop is None:
+            return Toolbox()
+        return self.shop.tools(self._store)
+
+    def effect_handlers(self) -> Callable[[str], EffectHandler | None]:
+        """What the ledger's ``handlers`` should be: the demo shop's (its
+        tools and its queued messages), or the tools of the toolbox."""
+        if self.shop is not None:
+            return self.shop.handlers(self.tools)
+        return lambda name: self.tools().get(name)
+
+    def workers(self, store: TurnStore, consumer: str) -> dict[str, Coroutine[Any, Any, None]]:
+        """Background work the providers need for the server's life, by
+        task name: the demo shop's message sender (none when it is off)."""
+        if self.shop is None:
+            return {}
+        return {"message-sender": self.shop.message_sender(store, consumer).run()}
 
     async def aclose(self) -> None:
         await self.stt.aclose()
         if self._http is not None:
             await self._http.close()
-        self.service.close()
+        if self.shop is not None:
+            await self.shop.aclose()
 
 
+def demo_shop_for(settings: Settings, clock: Clock) -> DemoShop | None:
+    """The demo shop when ``settings.demo_shop`` is on, else None. This is
+    the one place the product reaches the example: it is imported only when
+    it is on (``tests/test_product_imports.py`` holds it to that)."""
+    if not settings.demo_shop:
+        return None
+    from demo_shop.shop import DemoShop
+
+    return DemoShop(clock, demo_service_path(settings))
 
 
 def demo_service_path(settings: Settings) -> Path:
@@ -215,7 +240,7 @@ def create_app(
     app[STREAMS] = set()
     app[PROVIDERS] = provs = providers or EmbeddedProviders(settings, app[CLOCK])
     provs.bind(store)
-    app[MANAGER].ledger.handlers = demo_handlers(provs.tools, provs.service)
+    app[MANAGER].ledger.handlers = provs.effect_handlers()
     app[TEXT_TURNS] = TextTurns(
         app[MANAGER],
         provs.llm_for_session,
@@ -263,9 +288,10 @@ async def _startup(app: web.Application) -> None:
     app[WORKERS] = [
         asyncio.get_running_loop().create_task(manager.reconciliation_worker().run(), name="reconciliation"),
         asyncio.get_running_loop().create_task(manager.sweep_abandoned(), name="lease-sweeper"),
-        asyncio.get_running_loop().create_task(
-            message_sender(provs.service, store, app[CLOCK], consumer=manager.owner).run(), name="message-sender"
-        ),
+    ]
+    app[WORKERS] += [
+        asyncio.get_running_loop().create_task(work, name=name)
+        for name, work in provs.workers(store, manager.owner).items()
     ]
     await provs.start()
 

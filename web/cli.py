@@ -17,10 +17,10 @@ from pathlib import Path
 
 from aiohttp import web
 
+from client.call import CallClient
+from client.results import CallError, CallResult, Utterance
 from media.frames import PLAYOUT_RATE, load_pcm
-from voice.fuzz import fuzz, print_report
 from web.app import create_app
-from web.call import CallClient, CallError, CallResult, Utterance
 from web.settings import Settings, load_settings
 
 
@@ -49,23 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     call.add_argument("--timeout", type=float, default=90.0, help="give up after this many seconds (default 90)")
     call.add_argument("--json", action="store_true", help="print one JSON object instead of the timeline")
 
-    fz = sub.add_parser("fuzz", help="cancel scripted turns at random checkpoints and check the ledger's invariants")
-    fz.add_argument("--iterations", type=int, default=1000, help="scripted turns to run (default 1000)")
-    fz.add_argument("--seed", type=int, default=1, help="random seed (default 1): fixes scripts, stops and faults")
-    fz.add_argument("--json", action="store_true", help="print one JSON object of the counts")
-
     args = parser.parse_args(argv)
     try:
-        if args.command == "fuzz":
-            if args.iterations < 1:
-                raise ValueError("--iterations must be at least 1")
-            logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
-            report = asyncio.run(fuzz(args.iterations, args.seed))
-            if args.json:
-                print(json.dumps(report.as_dict()))
-            else:
-                print_report(report)
-            return 0 if report.ok else 1
         if args.command == "serve":
             settings = load_settings(args.config, host=args.host, port=args.port)
             _logging(settings)

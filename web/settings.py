@@ -72,6 +72,10 @@ class Settings(BaseSettings):
         api_tokens: bearer tokens of the REST API, ``tenant:token`` pairs
             separated by commas; empty disables the REST turn API.
         resume_token_ttl_s: lifetime of an event-stream resume token, s.
+        demo_shop: run the demo shop (package ``demo_shop``): its tools
+            for the agent, their in-process external system and the worker
+            sending its queued messages. False: the agent has no tools and
+            no demo worker runs.
         demo_service_db: the SQLite file of the demo tools' external system
             (empty: next to the SQLite store's file, or
             ``var/demo-service.db`` with Redis).
@@ -112,6 +116,7 @@ class Settings(BaseSettings):
     stop_flag_staleness_ms: int = Field(100, ge=0, le=60_000)
     api_tokens: str = Field("", repr=False)
     resume_token_ttl_s: int = Field(3600, ge=10, le=7 * 24 * 3600)
+    demo_shop: bool = True
     demo_service_db: str = ""
 
     @field_validator("api_tokens")

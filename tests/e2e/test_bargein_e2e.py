@@ -12,7 +12,8 @@ import pytest
 
 import corpus as C
 from media.frames import PLAYOUT_RATE, VAD_RATE
-from web.call import CallClient, Utterance
+from client.call import CallClient
+from client.results import Utterance
 
 from conftest import requires_espeak
 from test_call_e2e import Server, server  # noqa: F401  (fixture)

@@ -17,7 +17,8 @@ from aiohttp import web
 from media.frames import PLAYOUT_RATE, load_pcm
 from turn.models import StopReasonKind, TurnStatus
 from web.app import MANAGER, PEERS, create_app
-from web.call import CallClient, Utterance
+from client.call import CallClient
+from client.results import Utterance
 from web.peer import PeerSession
 from web.settings import Settings
 

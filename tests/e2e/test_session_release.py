@@ -24,7 +24,8 @@ import corpus as C
 from media.frames import PLAYOUT_RATE, VAD_RATE
 from media.silero import SILERO_IDLE_MAX, SILERO_POOL
 from web.app import MANAGER, PEERS, STORE, create_app
-from web.call import CallClient, Utterance
+from client.call import CallClient
+from client.results import Utterance
 from web.settings import Settings
 
 from conftest import requires_espeak, start_app

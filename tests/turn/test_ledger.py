@@ -6,6 +6,7 @@ system."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -17,8 +18,8 @@ from turn.models import StopReasonKind
 from turn.reconciliation import ReconciliationWorker
 from turn.stop_policy import effect_remains, policy_for
 from turn.store import UnknownIntent
-from voice.demo_service import DemoService
-from voice.demo_tools import demo_tools
+from demo_shop.service import DemoService
+from demo_shop.tools import demo_tools
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -98,10 +99,10 @@ async def test_work_queue_hands_each_item_out_once(any_store) -> None:  # type: 
 
 
 @pytest.fixture
-def service(clock: VirtualClock) -> DemoService:
+async def service(clock: VirtualClock) -> AsyncIterator[DemoService]:
     s = DemoService(clock, latency_s=0.0)
     yield s
-    s.close()
+    await s.aclose()
 
 
 @pytest.fixture
@@ -139,7 +140,7 @@ async def test_a_safety_abort_compensates_a_done_order(ledger: Ledger, service: 
     rows = {i.key: i for i in await ledger.store.ledger_list("t1")}
     assert rows[row.key].status is IntentStatus.COMPENSATED
     assert rows[compensation_key(row.key)].status is IntentStatus.DONE
-    assert service.applied()[row.key]["reversed"]
+    assert (await service.applied())[row.key]["reversed"]
     actions = [a.action for a in await ledger.store.audit_list(row.key)]
     assert actions[0] == "intent" and "compensated" in actions
 
@@ -202,7 +203,7 @@ async def test_reconciliation_by_lookup(
     await run(clock, worker.run_once())
     after = await ledger.store.ledger_get(row.key)
     assert after.status is expected
-    assert service.times_applied(row.key) <= 1
+    assert await service.times_applied(row.key) <= 1
     if expected is IntentStatus.EFFECT_UNKNOWN:
         assert after.attempts == 1 and after.next_attempt_at is not None
 

@@ -7,7 +7,7 @@ RECONCILE_REQUIRED (an effect remains after the stop)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -17,8 +17,8 @@ from turn.ledger import Ledger
 from turn.models import StopReasonKind
 from turn.reconciliation import ReconciliationWorker
 from turn.stop_policy import POLICIES, Stage, policy_for, stage_at_stop
-from voice.demo_service import DemoService
-from voice.demo_tools import demo_handlers, demo_tools
+from demo_shop.service import DemoService
+from demo_shop.tools import demo_handlers, demo_tools
 from voice.text_turns import tool_outcome_text
 
 from test_ledger import run
@@ -62,10 +62,10 @@ def expected(kind: StopReasonKind, effect: str, variant: str) -> tuple[IntentSta
 
 
 @pytest.fixture
-def service(clock: VirtualClock) -> Iterator[DemoService]:
+async def service(clock: VirtualClock) -> AsyncIterator[DemoService]:
     s = DemoService(clock, latency_s=0.0)
     yield s
-    s.close()
+    await s.aclose()
 
 
 def test_every_stop_kind_has_a_policy() -> None:
@@ -121,11 +121,11 @@ async def test_the_policy_table(any_store, clock: VirtualClock, service: DemoSer
     status, stands, remain = expected(kind, effect, variant)
     final = await any_store.ledger_get(row.key)
     assert (final.status, remains) == (status, remain), await any_store.audit_list(row.key)
-    applied = service.applied(row.key)
+    applied = await service.applied(row.key)
     assert bool(applied) and not applied.get(row.key, {}).get("reversed", False) if stands else not any(
         not e["reversed"] for e in applied.values()
     )
-    assert service.repeats(row.key) == 0  # never a blind retry
+    assert await service.repeats(row.key) == 0  # never a blind retry
     rows = await any_store.ledger_list("t1")
     jobs = [r for r in rows if r.kind is IntentKind.COMPENSATION]
     if status is IntentStatus.COMPENSATED:
@@ -171,4 +171,4 @@ async def test_a_compensation_that_finds_nothing_abandons_the_effect(store, cloc
     final = await store.ledger_get(row.key)
     assert final.status is IntentStatus.ABANDONED and "nothing to reverse" in [a.detail for a in await store.audit_list(row.key)][-1]
     assert (await store.ledger_get(compensation_key(row.key))).status is IntentStatus.DONE
-    assert service.applied("t1") == {}
+    assert await service.applied("t1") == {}

@@ -24,9 +24,8 @@ from turn.manager import TurnManager
 from turn.models import ChildOutcome, StopReasonKind, TurnStatus
 from turn.sqlite_store import SqliteStore
 from voice.llm import LocalAgent, LocalLlmConfig
-from voice.demo_service import DemoService
-from voice.demo_tools import demo_tools
-from voice.tools import embedded_tools
+from demo_shop.service import DemoService
+from demo_shop.tools import demo_tools, weather_tools
 from voice.session import AgentSession, Providers
 from voice.stt import PocketsphinxConfig, PocketsphinxSTT
 from voice.tts import EspeakConfig, EspeakTTS
@@ -91,7 +90,7 @@ class Harness:
                 stt=PocketsphinxSTT(PocketsphinxConfig(grammar=grammar)),
                 llm=LocalAgent(LocalLlmConfig(tokens_per_second=20), self.clock),
                 tts=self.tts,
-                tools=embedded_tools(self.clock),
+                tools=weather_tools(self.clock),
             ),
             playout=self.playout,
             fence=self.fence,
@@ -455,7 +454,7 @@ async def test_barge_in_during_a_tool_call_follows_the_ledger_rules(
         rows = {i.kind.value: i for i in await store.ledger_list(old.id)}
         assert rows["effect"].tool == "create_order" and rows["effect"].status.value == "abandoned"
         assert "compensation" not in rows  # looked up first: absent, nothing to reverse
-        assert service.applied(old.id) == {}  # the shop never wrote it
+        assert await service.applied(old.id) == {}  # the shop never wrote it
         assert "confirmed absent by lookup" in (await store.audit_list(rows["effect"].key))[-1].detail
         assert new.status is TurnStatus.COMPLETED and new.transcript == "hello there"
         assert any(e["type"] == "tool.abandoned" for e in h.events)
@@ -466,4 +465,4 @@ async def test_barge_in_during_a_tool_call_follows_the_ledger_rules(
         assert history[2] == ("tool", "cancelled: it was not done") and history[3] == ("user", "hello there")
     finally:
         await h.stop()
-        service.close()
+        await service.aclose()

@@ -22,8 +22,8 @@ from media.frames import PLAYOUT_RATE, VAD_RATE
 from media.inbound import InboundAudio
 from turn.models import StopReasonKind, TurnStatus
 from turn.sqlite_store import SqliteStore
-from voice.demo_service import DemoService
-from voice.demo_tools import demo_tools
+from demo_shop.service import DemoService
+from demo_shop.tools import demo_tools
 from voice.llm import LocalAgent, LocalLlmConfig
 from voice.session import BackchannelConfig, EndpointConfig, heard_text
 
@@ -413,7 +413,7 @@ async def test_a_barge_in_during_a_payment_silences_at_once_and_stops_after_the_
         old, new = await store.list_session("sess-1")
         [row] = await store.ledger_list(old.id)
         assert row.tool == "charge_payment" and row.status.value == "done"
-        assert service.times_applied(row.key) == 1
+        assert await service.times_applied(row.key) == 1
         # stopped only after the commit: the payment is not an effect after the stop
         assert old.stop_reason is not None and old.stop_reason.kind is StopReasonKind.BARGE_IN
         assert row.done_at is not None and row.done_at <= old.stop_reason.at
@@ -425,7 +425,7 @@ async def test_a_barge_in_during_a_payment_silences_at_once_and_stops_after_the_
         assert order.index((old.id, "CANCELLED")) < order.index((new.id, "RUNNING"))
     finally:
         await h.stop()
-        service.close()
+        await service.aclose()
 
 
 # -- echo guard --------------------------------------------------------------------
@@ -501,9 +501,9 @@ async def test_a_disconnect_during_a_deferred_stop_leaves_no_turn_open(
         paying, held = turns
         assert held.stop_reason is not None and held.stop_reason.kind is StopReasonKind.TRANSPORT_DISCONNECTED
         [row] = await store.ledger_list(paying.id)
-        assert service.times_applied(row.key) == 1
+        assert await service.times_applied(row.key) == 1
     finally:
-        service.close()
+        await service.aclose()
 
 
 async def test_push_to_talk_held_too_long_ends_the_utterance(

@@ -11,16 +11,17 @@ from dataclasses import dataclass
 
 import pytest
 
+from demo_shop.tools import weather_tools
+from testkit.faults import CancellationIgnoringModel
 from turn.clock import VirtualClock
 from turn.manager import TurnManager
 from turn.scope import Child
 from turn.models import ChildOutcome, EventRecord, Plan, StopReason, StopReasonKind, Turn, TurnStatus
 from turn.sqlite_store import SqliteStore
 from turn.store import StopAnswer
-from voice.faults import CancellationIgnoringModel
 from voice.llm import COUNT_REPLY, STORY_REPLY, WEATHER_REPLY, LlmConfig, LocalAgent, tokenize
 from voice.text_turns import TextTurns
-from voice.tools import Toolbox, embedded_tools, tool
+from voice.tools import Toolbox, tool
 
 
 @dataclass
@@ -56,7 +57,7 @@ class Rig:
 
 
 def make_tools(clock: VirtualClock, effects: list[str]) -> Toolbox:
-    box = embedded_tools(clock)
+    box = weather_tools(clock)
 
     @tool(effect="complete", expected_duration_ms=500, max_duration_ms=5000)
     async def charge_card() -> str:

@@ -11,8 +11,7 @@ import pytest
 import turn.stop_path
 import voice.history
 from voice.text_turns import TextTurns
-from voice.fuzz import fuzz
-from web.cli import main
+from testkit.fuzz import fuzz, main
 
 
 async def test_a_thousand_iterations_keep_every_invariant() -> None:
@@ -76,10 +75,10 @@ async def test_a_history_that_says_reversed_for_nothing_is_caught(monkeypatch: p
 
 
 def test_cli_exit_status_and_json(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    assert main(["fuzz", "--iterations", "15", "--seed", "2", "--json"]) == 0
+    assert main(["--iterations", "15", "--seed", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] and out["iterations"] == 15 and set(out["invariants"].values()) == {0}
-    assert main(["fuzz", "--iterations", "0"]) == 2
+    assert main(["--iterations", "0"]) == 2
     monkeypatch.setattr("turn.downstream.turn_stopped", lambda _turn: False)
-    assert main(["fuzz", "--iterations", "60", "--seed", "5"]) == 1
+    assert main(["--iterations", "60", "--seed", "5"]) == 1
     assert "BROKEN" in capsys.readouterr().out

@@ -18,11 +18,11 @@ import pytest
 from turn.intents import IntentKind, IntentStatus
 from turn.models import StopReasonKind, TurnStatus
 from turn.sqlite_store import SqliteStore
-from voice.demo_service import DemoService
-from voice.demo_tools import demo_tools
+from demo_shop.service import DemoService
+from demo_shop.tools import demo_tools, weather_tools
 from voice.providers import LanguageModel, Message, ToolSpec
 from voice.text_turns import TextTurns
-from voice.tools import Toolbox, embedded_tools
+from voice.tools import Toolbox
 
 from conftest import requires_espeak
 from test_agent_session import Harness, pcm48
@@ -77,7 +77,7 @@ async def shop_session(
         yield h, service, model
     finally:
         await h.stop()
-        service.close()
+        await service.aclose()
 
 
 @pytest.fixture
@@ -112,7 +112,7 @@ async def test_barge_in_keeps_a_placed_order_and_tells_the_model(
     [effect] = [i for i in await store.ledger_list(old.id) if i.kind is IntentKind.EFFECT]
     assert effect.tool == "create_order" and effect.status is IntentStatus.DONE
     assert [i for i in await store.ledger_list(old.id) if i.kind is IntentKind.COMPENSATION] == []
-    assert {k: v["reversed"] for k, v in service.applied(old.id).items()} == {effect.key: False}
+    assert {k: v["reversed"] for k, v in (await service.applied(old.id)).items()} == {effect.key: False}
     assert not any(e["type"] == "tool.compensated" for e in h.events)
     # the store keeps only the heard words, the rest apart
     assert old.reply and "Your order".startswith(old.reply.split()[0])
@@ -175,7 +175,7 @@ async def slow_weather(store: SqliteStore, grammar_file: Path) -> AsyncIterator[
     """The embedded tools with a weather lookup slow enough (1.5 s) that a
     continuation always finds it in flight."""
     h = Harness(store, grammar_file)
-    tools = embedded_tools(h.clock, weather_latency_ms=1500)
+    tools = weather_tools(h.clock, weather_latency_ms=1500)
     h.manager.ledger.handlers = tools.get
     h.session.providers.tools = tools
     model = RecordingModel(h.session.providers.llm)
@@ -227,7 +227,7 @@ async def test_a_pause_after_a_placed_order_keeps_it_and_shows_it(
     assert order.merged_into is None and more.transcript == "make it a large one"
     [effect] = [i for i in await store.ledger_list(order.id) if i.kind is IntentKind.EFFECT]
     assert effect.status is IntentStatus.DONE
-    assert not any(v["reversed"] for v in service.applied(order.id).values())
+    assert not any(v["reversed"] for v in (await service.applied(order.id)).values())
     [request, *_] = model.requests_for("make it a large one")
     history = shape(request)
     assert history[:3] == [
@@ -273,7 +273,7 @@ async def test_barge_ins_at_random_moments_of_an_order_keep_what_was_done_and_te
                 old = turns[0]
                 stop = old.stop_reason
                 rows = await store.ledger_list(old.id)
-                applied = service.applied(old.id)
+                applied = await service.applied(old.id)
                 for row in rows:
                     if row.kind is IntentKind.EFFECT and stop is not None and row.done_at is not None and row.done_at <= stop.at:
                         assert row.status is IntentStatus.DONE, (trial, row)

@@ -6,6 +6,7 @@ events a client sees, and the tool history the next model call gets."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -16,9 +17,9 @@ from turn.intents import IntentKind, IntentStatus
 from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
 from turn.sqlite_store import SqliteStore
-from voice.demo_service import DemoService
+from demo_shop.service import DemoService
 from turn.downstream import DownstreamWorker
-from voice.demo_tools import MESSAGES_QUEUE, demo_tools, message_sender
+from demo_shop.tools import MESSAGES_QUEUE, demo_tools, message_sender
 from voice.llm import LlmConfig, LocalAgent
 from voice.providers import Message
 from voice.text_turns import TextTurns
@@ -44,8 +45,9 @@ class Flow:
     service: DemoService
 
     async def until(self, pred, limit_s: float = 300) -> None:  # type: ignore[no-untyped-def]
+        """Advance the clock until ``pred()`` (a bool, or an awaitable of one) holds."""
         waited = 0.0
-        while not pred():
+        while not await _holds(pred()):
             assert waited < limit_s, "condition not reached"
             await self.clock.advance(0.01)
             await asyncio.sleep(0.001)
@@ -66,6 +68,16 @@ class Flow:
         return [e.type for e in await self.store.read_events(session_id)]
 
 
+async def _holds(value: object) -> bool:
+    return bool(await value) if inspect.isawaitable(value) else bool(value)
+
+
+async def sent_after_tool(flow: Flow, turn_id: str, name: str) -> bool:
+    """The tool ``name`` of ``turn_id`` has returned and the shop applied
+    something of the turn."""
+    return not in_tool(flow, turn_id, name) and bool(await flow.service.applied(f"{turn_id}:"))
+
+
 @pytest.fixture
 async def flow(store: SqliteStore, clock: VirtualClock) -> AsyncIterator[Flow]:
     service = DemoService(clock, latency_s=0.3)
@@ -79,7 +91,7 @@ async def flow(store: SqliteStore, clock: VirtualClock) -> AsyncIterator[Flow]:
     )
     yield Flow(clock, manager, turns, store, service)
     await turns.aclose()
-    service.close()
+    await service.aclose()
 
 
 def in_tool(flow: Flow, turn_id: str, name: str) -> bool:
@@ -93,7 +105,7 @@ async def test_an_order_completes_and_the_ledger_shows_it(flow: Flow) -> None:
     assert done.status is TurnStatus.COMPLETED and "order for a coffee is placed" in (done.reply or "")
     [intent] = await flow.store.ledger_list(turn.id)
     assert intent.key == f"{turn.id}:2" and intent.status is IntentStatus.DONE and intent.effect == "compensate"
-    applied = flow.service.applied(turn.id)
+    applied = await flow.service.applied(turn.id)
     assert list(applied) == [intent.key]  # applied once, under the intent's own key
     assert applied[intent.key]["payload"] == {"item": "a coffee"} and not applied[intent.key]["reversed"]
     types = await flow.event_types(turn.session_id)
@@ -116,7 +128,7 @@ async def test_a_stop_before_the_order_was_sent_abandons_it(flow: Flow, monkeypa
     assert done.status is TurnStatus.CANCELLED
     rows = await flow.store.ledger_list(turn.id)
     assert all(i.status is IntentStatus.ABANDONED for i in rows)
-    assert flow.service.applied(turn.id) == {}
+    assert await flow.service.applied(turn.id) == {}
 
 
 async def test_a_stop_mid_order_the_shop_never_wrote_is_not_done(flow: Flow) -> None:
@@ -132,7 +144,7 @@ async def test_a_stop_mid_order_the_shop_never_wrote_is_not_done(flow: Flow) -> 
     [row] = await flow.store.ledger_list(turn.id)
     assert row.kind is IntentKind.EFFECT and row.status is IntentStatus.ABANDONED  # no compensation job either
     assert [a.detail for a in await flow.store.audit_list(row.key)][-2:] == ["absent", "not done: confirmed absent by lookup"]
-    assert flow.service.applied(turn.id) == {}
+    assert await flow.service.applied(turn.id) == {}
     types = await flow.event_types(turn.session_id)
     assert "tool.effect_unknown" in types and "tool.abandoned" in types and "tool.compensated" not in types
 
@@ -143,12 +155,12 @@ async def test_a_stop_after_the_order_keeps_it_and_a_safety_abort_reverses_it(fl
     safety abort at the same moment reverses it."""
     for kind, reversed_ in ((StopReasonKind.USER_CANCEL, False), (StopReasonKind.SAFETY_ABORT, True)):
         turn = await flow.start("please order a coffee")
-        await flow.until(lambda t=turn.id: bool(flow.service.applied(t)))
+        await flow.until(lambda t=turn.id: flow.service.applied(t))
         await flow.until(lambda t=turn.id: not in_tool(flow, t, "create_order"))
         await flow.stop(turn.id, kind)
         done = await flow.settled(turn.id)
         assert done.status is TurnStatus.CANCELLED  # nothing happened after the stop
-        [(key, effect)] = flow.service.applied(turn.id).items()
+        [(key, effect)] = (await flow.service.applied(turn.id)).items()
         assert effect["reversed"] is reversed_
         status = (await flow.store.ledger_get(key)).status
         assert status is (IntentStatus.COMPENSATED if reversed_ else IntentStatus.DONE)
@@ -163,20 +175,20 @@ async def test_a_safety_abort_during_a_payment_lets_it_finish_and_needs_reconcil
     done = await flow.settled(turn.id)
     assert done.status is TurnStatus.RECONCILE_REQUIRED
     [intent] = await flow.store.ledger_list(turn.id)
-    assert intent.status is IntentStatus.DONE and flow.service.times_applied(intent.key) == 1
+    assert intent.status is IntentStatus.DONE and await flow.service.times_applied(intent.key) == 1
     assert done.usage.model_requests == 1  # no model call after the stop
 
 
 async def test_queued_messages_of_a_stopped_turn_are_skipped(flow: Flow) -> None:
     sender = message_sender(flow.service, flow.store, flow.clock, consumer="t")
     turn = await flow.start("please send five messages")
-    await flow.until(lambda: not in_tool(flow, turn.id, "send_messages") and bool(flow.service.applied(f"{turn.id}:")))
+    await flow.until(lambda: sent_after_tool(flow, turn.id, "send_messages"))
     await flow.stop(turn.id)  # the batch is queued; none is sent yet
     stopped = await flow.settled(turn.id)
     assert stopped.status is TurnStatus.CANCELLED  # the batch was recorded before the stop, and nothing went out after it
     await _run(flow, sender.run_once(10))
     assert sender.skipped == 5 and sender.done == 0
-    assert [e["op"] for e in flow.service.applied(turn.id).values()] == ["batch"]
+    assert [e["op"] for e in (await flow.service.applied(turn.id)).values()] == ["batch"]
     # a turn that completes has all its messages sent
     other = await flow.start("please send three messages")
     assert (await flow.settled(other.id)).status is TurnStatus.COMPLETED
@@ -221,7 +233,7 @@ async def test_a_shutdown_during_a_payment_records_the_stop_first_and_resolves_t
     [row] = await flow.store.ledger_list(turn.id)
     assert row.status is IntentStatus.DONE and row.done_at is not None and row.done_at > done.stop_reason.at
     assert done.status is TurnStatus.RECONCILE_REQUIRED  # the payment committed after the stop
-    assert flow.service.times_applied(row.key) == 1 and done.stop_report is not None
+    assert await flow.service.times_applied(row.key) == 1 and done.stop_report is not None
 
 
 async def test_a_message_on_its_way_when_the_stop_lands_is_recorded_and_the_turn_is_honest(flow: Flow) -> None:
@@ -250,7 +262,7 @@ async def test_a_message_on_its_way_when_the_stop_lands_is_recorded_and_the_turn
         sending.cancel()
         await asyncio.wait([sending])
     assert stopped.status is TurnStatus.RECONCILE_REQUIRED
-    messages = {k: v for k, v in flow.service.applied(turn.id).items() if v["op"] == "message"}
+    messages = {k: v for k, v in (await flow.service.applied(turn.id)).items() if v["op"] == "message"}
     assert sorted(k.rsplit(":", 1)[1] for k in messages) == ["0", "1"] and sender.skipped == 3
     rows = {i.key: i for i in await flow.store.ledger_list(turn.id)}
     late = rows[next(k for k in messages if k.endswith(":1"))]
@@ -265,7 +277,7 @@ async def test_a_stop_between_the_intent_and_the_send_skips_the_message(flow: Fl
     CANCELLED, the ledger says "not sent"."""
     sender = message_sender(flow.service, flow.store, flow.clock, consumer="t")
     turn = await flow.start("please send five messages")
-    await flow.until(lambda: not in_tool(flow, turn.id, "send_messages") and bool(flow.service.applied(f"{turn.id}:")))
+    await flow.until(lambda: sent_after_tool(flow, turn.id, "send_messages"))
     original = sender.ledger.intent
 
     async def intent_then_stop(*args, **kw):  # type: ignore[no-untyped-def]
@@ -277,7 +289,7 @@ async def test_a_stop_between_the_intent_and_the_send_skips_the_message(flow: Fl
     await _run(flow, sender.run_once(1))
     stopped = await flow.settled(turn.id)
     assert sender.done == 0 and sender.skipped == 1
-    assert [e["op"] for e in flow.service.applied(turn.id).values()] == ["batch"]
+    assert [e["op"] for e in (await flow.service.applied(turn.id)).values()] == ["batch"]
     [row] = [i for i in await flow.store.ledger_list(turn.id) if i.tool == MESSAGES_QUEUE]
     assert row.status is IntentStatus.ABANDONED
     assert stopped.status is TurnStatus.CANCELLED
@@ -307,7 +319,7 @@ async def test_an_order_answered_before_the_stop_is_kept_however_late_its_record
     [row] = await flow.store.ledger_list(turn.id)
     assert row.status is IntentStatus.DONE and row.done_at == answered[0]  # when the shop answered
     assert done.stop_reason is not None and row.done_at < done.stop_reason.at
-    assert not any(e["reversed"] for e in flow.service.applied(turn.id).values())
+    assert not any(e["reversed"] for e in (await flow.service.applied(turn.id)).values())
     assert done.status is TurnStatus.CANCELLED  # nothing happened after the stop
 
 

@@ -13,6 +13,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from demo_shop.tools import weather_tools
+from testkit.openai_server import ChatCompletionsServer, ServerOptions
 from turn.clock import SystemClock
 from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, TurnStatus
@@ -20,10 +22,8 @@ from turn.sqlite_store import SqliteStore
 from turn.usage import UsageMeter
 from voice.llm import COUNT_REPLY, STORY_REPLY, WEATHER_REPLY, LlmConfig, tokenize
 from voice.openai_llm import ModelApiError, OpenAiChatModel, sse_data
-from voice.openai_server import ChatCompletionsServer, ServerOptions
 from voice.providers import Message, ToolCall
 from voice.text_turns import TextTurns
-from voice.tools import embedded_tools
 
 Start = Callable[..., Awaitable[tuple[ChatCompletionsServer, OpenAiChatModel]]]
 
@@ -71,7 +71,7 @@ async def test_streams_text_with_usage_from_the_usage_chunk(start: Start) -> Non
 
 async def test_tool_calls_are_assembled_from_their_pieces(start: Start) -> None:
     _, model = await start(tokens_per_second=500)
-    tools = embedded_tools(SystemClock()).specs()
+    tools = weather_tools(SystemClock()).specs()
     out = [item async for item in model.stream(ask("what is the weather"), tools=tools)]
     assert out == [ToolCall(id="call_1", name="lookup_weather", arguments={"city": "here"})]
     history = [
@@ -214,7 +214,7 @@ async def test_a_text_turn_on_a_real_model_stream_stops_at_the_socket(start: Sta
     await store.open()
     clock = SystemClock()
     manager = TurnManager(store, clock, owner="me")
-    turns = TextTurns(manager, lambda: model, clock, plans=lambda _t: Plan(), tools=lambda: embedded_tools(clock))
+    turns = TextTurns(manager, lambda: model, clock, plans=lambda _t: Plan(), tools=lambda: weather_tools(clock))
     try:
         turn = await turns.start(tenant_id="t", text="tell me a story")
         while not server.requests or server.requests[0].generated < 10:

@@ -24,7 +24,7 @@ from turn.sqlite_store import SqliteStore
 from turn.usage import UsageMeter
 from voice.llm import STORY_REPLY, LlmConfig, LocalAgent, tokenize
 from voice.openai_llm import OpenAiChatModel
-from voice.openai_server import ChatCompletionsServer, ServerOptions
+from testkit.openai_server import ChatCompletionsServer, ServerOptions
 from voice.providers import LanguageModel, Message
 from voice.text_turns import TextTurns
 

@@ -24,7 +24,7 @@ from turn.models import EventRecord, StopReason, StopReasonKind
 from turn.redis_store import RedisStore
 from turn.signals import RedisStopSignals
 from turn.sqlite_store import SqliteStore
-from voice.faults import CancellationIgnoringModel
+from testkit.faults import CancellationIgnoringModel
 from voice.llm import LlmConfig, LocalAgent, LocalLlmConfig
 from voice.providers import LanguageModel
 from voice.text_turns import TextTurns

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from web.call import BargeInMeasure, CallClient, sound_end_ms
+from client.call import CallClient, sound_end_ms
+from client.results import BargeInMeasure
 
 
 def test_sound_end_ms() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import listening as L
-from web.call import BargeInMeasure
+from client.results import BargeInMeasure
 
 T0 = 10.0
 

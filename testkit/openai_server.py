@@ -17,7 +17,7 @@ reading, without closing its connection, would show up as a server that
 keeps generating. With ``ignore_disconnect`` it behaves like a provider that
 bills the whole completion whatever the client does.
 
-Run it alone: ``python -m voice.openai_server --port 8099``.
+Run it alone: ``python -m testkit.openai_server --port 8099``.
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def _error(status: int, kind: str, message: str) -> web.Response:
 
 
 def main() -> None:
-    """``python -m voice.openai_server [--host H] [--port P] [--tps N]``"""
+    """``python -m testkit.openai_server [--host H] [--port P] [--tps N]``"""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8099)

@@ -1,4 +1,5 @@
 """A headless WebRTC client: the main job's driver and the end-to-end tests'.
+What it says and observes is in :mod:`client.results`.
 
 :class:`CallClient` connects to a turnkeeper server as an aiortc peer, plays
 an utterance (mono s16 PCM) as its microphone, optionally interrupts the
@@ -30,7 +31,6 @@ import json
 import logging
 import wave
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from media.frames import PLAYOUT_RATE, PcmResampler, Reframer, first_sound_sampl
 from media.inbound import set_jitter_prefetch
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer, PlayoutFrame
+from client.results import BargeInMeasure, CallError, CallResult, TurnView, Utterance
 from turn.clock import Clock, SystemClock
 
 log = logging.getLogger(__name__)
@@ -53,144 +54,6 @@ LEAD_SILENCE_MS = 300  # microphone silence before the first utterance
 NO_SPEECH_S = 5.0  # an opening utterance that starts no turn within this is not speech
 VERDICT_WAIT_S = 1.5  # events this long after an utterance ends still count as about it
 REVIVE_AFTER_S = 5.0  # agent silent this long before a scripted barge-in: say the revive utterance
-
-
-class CallError(RuntimeError):
-    """The server refused the call or the connection failed."""
-
-
-@dataclass
-class Utterance:
-    """Something the client says.
-
-    Attributes:
-        pcm: 48 kHz mono s16.
-        at_s: for barge-ins, seconds after the agent starts talking; None for
-            the opening utterance.
-        label: for the timeline (e.g. the file name).
-        kind: what it is, for scoring: ``speech`` (should barge in),
-            ``backchannel`` or ``noise`` (should cancel nothing).
-        ptt: sent with push-to-talk (ptt.start before, ptt.end after).
-    """
-
-    pcm: bytes
-    at_s: float | None = None
-    label: str = ""
-    kind: str = "speech"
-    ptt: bool = False
-
-
-@dataclass
-class BargeInMeasure:
-    """One barge-in as the client measured it (all times in the client clock's seconds)."""
-
-    label: str
-    at_s: float
-    kind: str = "speech"
-    agent_started_at: float | None = None
-    onset_sent_at: float | None = None
-    sent_from: float | None = None
-    sent_until: float | None = None
-    silent_at: float | None = None
-    speaking_at_onset: bool = False
-    server_onset_to_fence_ms: float | None = None
-    #: the server committed a barge-in for it
-    barged_in: bool = False
-    #: it paused the agent, which then resumed (false_interruption / backchannel)
-    resumed: str | None = None
-    #: silence it inserted into the agent's reply, ms, as the caller heard it
-    #: (None: not judged; filled by a listening measure against a reference
-    #: reception, e.g. ``tests/listening.py``)
-    gap_ms: float | None = None
-    #: the caller's verdict from the same measure: ``kept talking``,
-    #: ``paused and resumed`` or ``stopped`` (None: not judged)
-    outcome: str | None = None
-
-    @property
-    def stop_ms(self) -> float | None:
-        """Audible stop time in ms, or None if it could not be measured."""
-        if self.onset_sent_at is None or self.silent_at is None:
-            return None
-        return max(0.0, (self.silent_at - self.onset_sent_at) * 1000)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "label": self.label,
-            "kind": self.kind,
-            "at_s": self.at_s,
-            "barged_in": self.barged_in,
-            "resumed": self.resumed,
-            "stop_ms": None if self.stop_ms is None else round(self.stop_ms, 1),
-            "speaking_at_onset": self.speaking_at_onset,
-            "server_onset_to_fence_ms": self.server_onset_to_fence_ms,
-            "gap_ms": self.gap_ms,
-            "outcome": self.outcome,
-        }
-
-
-@dataclass
-class TurnView:
-    """A turn as the client saw it through events."""
-
-    id: str
-    generation: int
-    status: str = "QUEUED"
-    label: str = "queued"
-    transcript: str | None = None
-    reply: str = ""
-    stop_reason: str | None = None
-    error: str | None = None
-    states: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "transcript": self.transcript,
-            "reply": self.reply,
-            "generation": self.generation,
-            "state": self.status,
-            "stop_reason": self.stop_reason,
-            "error": self.error,
-            "states": self.states,
-        }
-
-
-@dataclass
-class CallResult:
-    """Everything a call observed: turns (by generation), barge-in
-    measurements, raw events, ms of agent audio received, and whether it ended
-    early (timeout, or the server hung up).
-
-    ``received`` is the reception itself, one entry per 20 ms frame of agent
-    audio in order: (RTP arrival, client clock seconds; level, dBFS RMS;
-    where its sound ends, ms into the frame, 0 if silent). ``event_times``
-    pairs each data-channel event with its arrival (client clock seconds).
-    """
-
-    session_id: str
-    turns: list[TurnView]
-    barge_ins: list[BargeInMeasure]
-    events: list[dict[str, Any]]
-    received_audio_ms: int
-    timed_out: bool
-    server_hung_up: bool = False
-    received: list[tuple[float, float, float]] = field(default_factory=list)
-    event_times: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        """The call ran its whole script."""
-        return not (self.timed_out or self.server_hung_up)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "session_id": self.session_id,
-            "turns": [t.as_dict() for t in self.turns],
-            "barge_ins": [b.as_dict() for b in self.barge_ins],
-            "received_audio_ms": self.received_audio_ms,
-            "timed_out": self.timed_out,
-            "server_hung_up": self.server_hung_up,
-        }
 
 
 class _OpenGate:

@@ -2,7 +2,7 @@
 
 Each iteration runs one scripted turn through the real text-turn worker
 (cancel scope, agent loop, checkpoints, ledger, demo tools on the
-in-process :class:`voice.demo_service.DemoService`) on a virtual clock and
+in-process :class:`demo_shop.service.DemoService`) on a virtual clock and
 the SQLite store, with random faults in the external system, and usually
 stops it: at a random checkpoint (the injector requests the stop as that
 checkpoint begins) or at a random moment (mid-call included), with a random
@@ -35,26 +35,32 @@ until nothing is left for them, and the invariants are checked:
    happened), and as the turn's reply exactly the text the client received
    (its ``agent.delta`` events logged deliverable), nothing withheld.
 
-``turnkeeper fuzz --iterations N [--seed S]`` runs it by hand. A seed fixes
+``python -m testkit.fuzz --iterations N [--seed S] [--json]`` runs it by hand
+(exit status 0: every invariant held; 1: one broke; 2: bad arguments). A seed fixes
 the scripts, the stops and the faults; the interleaving with the store's
 thread is real, so two runs of one seed may take slightly different paths.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import random
+import sys
 import tempfile
 import uuid
-from collections import Counter
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from demo_shop.service import DemoService
+from demo_shop.tools import MESSAGES_QUEUE, demo_handlers, demo_tools, message_sender
+from testkit.fuzz_report import FuzzReport, print_report
+from testkit.scripted_model import ScriptedModel
 from turn.clock import VirtualClock
 from turn.downstream import turn_stopped
 from turn.intents import RESOLVED, IntentKind, IntentStatus, compensation_key
@@ -63,12 +69,8 @@ from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
 from turn.sqlite_store import SqliteStore
 from turn.stop_policy import Stage, policy_for, stage_at_stop
 from turn.stopped import LIMIT_KINDS
-from turn.usage import Pricing, RequestMeter
-from voice.demo_service import DemoService
-from voice.demo_tools import MESSAGES_QUEUE, demo_handlers, demo_tools, message_sender
-from voice.llm import prompt_tokens, tokenize
-from voice.providers import Message, ToolCall, ToolSpec
 from voice.history import REVERSING
+from voice.providers import Message, ToolCall
 from voice.text_turns import TextTurns
 
 log = logging.getLogger(__name__)
@@ -83,116 +85,6 @@ REASONS = (
 FAULTS = ("fail_before", "fail_after", "slow")
 #: the words of the turn that follows each fuzzed one in its session
 FOLLOW_UP = "what happened"
-
-
-class ScriptedModel:
-    """A model that calls the tools of its script, one step (a list of
-    calls) per request, then answers ``reply``. Deterministic; honours the
-    usual contract (cancellable stream, usage)."""
-
-    name = "scripted"
-    pricing = Pricing()
-
-    def __init__(
-        self,
-        script: list[list[ToolCall]],
-        clock: VirtualClock,
-        *,
-        reply: str = "All done: every step you asked for was carried out, one by one, in order.",
-        tps: float = 200.0,
-        requests: list[list[Message]] | None = None,
-    ) -> None:
-        self.script = script
-        #: every request's messages, in order (what the model was sent)
-        self.requests = requests if requests is not None else []
-        self.clock = clock
-        self.reply = reply
-        self.interval = 1.0 / tps
-
-    async def stream(
-        self, messages: list[Message], *, tools: list[ToolSpec] | None = None, meter: RequestMeter | None = None
-    ) -> AsyncIterator[str | ToolCall]:
-        """The next step's tool calls, or the reply once the script is done."""
-        self.requests.append([m.model_copy() for m in messages])
-        last_user = max(i for i, m in enumerate(messages) if m.role == "user")
-        steps = sum(1 for m in messages[last_user + 1 :] if m.role == "assistant" and m.tool_calls)
-        finished = False
-        try:
-            if steps < len(self.script):
-                await self.clock.sleep(self.interval)
-                if meter is not None:
-                    meter.chunk(len(self.script[steps]) * 8)
-                for call in self.script[steps]:
-                    yield call
-            else:
-                for token in tokenize(self.reply):
-                    await self.clock.sleep(self.interval)
-                    if meter is not None:
-                        meter.chunk()
-                    yield token
-            finished = True
-            if meter is not None:
-                meter.reported(prompt_tokens(messages, tools), meter.completion_tokens)
-        finally:
-            if meter is not None:
-                meter.finish(partial=not finished, provider_stopped=True)
-
-
-@dataclass
-class FuzzReport:
-    """What a fuzz run did and found.
-
-    Attributes:
-        iterations / seed: as asked.
-        terminal: turns by terminal state.
-        stops: stops injected, by where ("checkpoint", "moment", "none").
-        intents: ledger rows by final status.
-        effects_applied: keys the external system applied.
-        messages_sent / messages_skipped: downstream items.
-        kept_through_stop: effects done before a stop that keeps them (each
-            must be kept: invariant 4 had this many chances to break).
-        histories_checked: follow-up model requests checked (invariant 5).
-        violations: every broken invariant, one line each (empty: all held).
-    """
-
-    iterations: int
-    seed: int
-    terminal: Counter[str] = field(default_factory=Counter)
-    stops: Counter[str] = field(default_factory=Counter)
-    intents: Counter[str] = field(default_factory=Counter)
-    effects_applied: int = 0
-    messages_sent: int = 0
-    messages_skipped: int = 0
-    kept_through_stop: int = 0
-    histories_checked: int = 0
-    violations: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        """All invariants held."""
-        return not self.violations
-
-    def invariants(self) -> dict[str, int]:
-        """Violations per invariant (0 everywhere when all held)."""
-        out = {
-            "no_row_left_pending": 0, "effect_at_most_once": 0, "one_terminal_state_consistent_with_ledger": 0,
-            "stop_keeps_done_effects": 0, "history_matches_ledger_and_heard": 0,
-        }
-        for v in self.violations:
-            out[v.split(":", 1)[0]] = out.get(v.split(":", 1)[0], 0) + 1
-        return out
-
-    def as_dict(self) -> dict[str, Any]:
-        """The report as JSON-ready data (what `turnkeeper fuzz --json` prints)."""
-        return {
-            "iterations": self.iterations, "seed": self.seed, "ok": self.ok,
-            "terminal": dict(self.terminal), "stops": dict(self.stops), "intents": dict(self.intents),
-            "effects_applied": self.effects_applied, "messages_sent": self.messages_sent,
-            "messages_skipped": self.messages_skipped, "kept_through_stop": self.kept_through_stop,
-            "histories_checked": self.histories_checked,
-            "invariants": self.invariants(),
-            "violations": self.violations[:50],
-        }
 
 
 class _Injector:
@@ -252,7 +144,6 @@ async def fuzz(iterations: int, seed: int = 1, *, folder: Path | None = None) ->
         store = SqliteStore(folder / "fuzz.db")
         await store.open()
         service = DemoService(clock, latency_s=0.02)
-        stack.callback(service.close)
         manager = TurnManager(store, clock, owner="fuzz")
         toolbox = demo_tools(clock, service, store)
         manager.ledger.handlers = demo_handlers(lambda: toolbox, service)
@@ -309,13 +200,14 @@ async def fuzz(iterations: int, seed: int = 1, *, folder: Path | None = None) ->
                 await _check_history(manager, store, service, turn.id, requests[sent_before:], report)
             report.messages_sent = sender.done
             report.messages_skipped = len(skipped)
-            report.effects_applied = len(service.applied())
+            report.effects_applied = len(await service.applied())
         finally:
             sending.cancel()
             await asyncio.wait([sending])
             await turns.aclose()
             await manager.events.aclose()
             await store.close()
+            await service.aclose()
     return report
 
 
@@ -385,16 +277,17 @@ async def _check(manager: TurnManager, store: SqliteStore, service: DemoService,
         if i.status not in RESOLVED and i.status is not IntentStatus.HUMAN_REQUIRED:
             bad(f"no_row_left_pending: {i.key} ({i.kind.value}) is {i.status.value}")
     # 2. effects: each under its own key, at most once, none unknown to the ledger
-    applied = service.applied(turn_id)
+    applied = await service.applied(turn_id)
     keys = {i.key for i in intents if i.kind is IntentKind.EFFECT}
     rows = {i.key: i for i in intents}
     for key, eff in applied.items():
         base = key if eff["op"] != "message" else key.rsplit(":", 1)[0]
         if base not in keys or key not in keys:
             bad(f"effect_at_most_once: {key} was applied but the ledger has no intent {key if base in keys else base}")
-        if service.times_applied(key) > 1:
-            bad(f"effect_at_most_once: {key} applied {service.times_applied(key)} times")
-        if service.repeats(key):
+        times = await service.times_applied(key)
+        if times > 1:
+            bad(f"effect_at_most_once: {key} applied {times} times")
+        if await service.repeats(key):
             bad(f"effect_at_most_once: {key} was sent again after it had been applied (a blind retry)")
         if eff["op"] == "message" and turn.stop_reason is not None and turn_stopped(turn):
             row = rows.get(key)
@@ -450,23 +343,6 @@ async def _check(manager: TurnManager, store: SqliteStore, service: DemoService,
                 bad(f"stop_keeps_done_effects: {i.key} was done before the {stop.kind.value} of turn {turn_id} and was reversed ({i.status.value})")
 
 
-def print_report(report: FuzzReport) -> None:
-    """The report as a short table."""
-    print(f"fuzz: {report.iterations} iterations, seed {report.seed}")
-    print(f"  stops injected: {dict(report.stops)}")
-    print(f"  terminal states: {dict(report.terminal)}")
-    print(f"  ledger rows: {dict(report.intents)}")
-    print(f"  effects applied: {report.effects_applied}; messages sent {report.messages_sent}, skipped {report.messages_skipped}")
-    print(f"  effects done before a stop that keeps them: {report.kept_through_stop}")
-    print(f"  follow-up requests checked against the ledger and the heard text: {report.histories_checked}")
-    print("  invariants (violations):")
-    for name, count in report.invariants().items():
-        print(f"    {name:<45} {count}")
-    for v in report.violations[:20]:
-        print(f"  ! {v}")
-    print("OK" if report.ok else f"BROKEN: {len(report.violations)} violations")
-
-
 async def _check_history(
     manager: TurnManager, store: SqliteStore, service: DemoService, turn_id: str,
     sent: list[list[Message]], report: FuzzReport,
@@ -487,7 +363,7 @@ async def _check_history(
         bad(f"{name}: the request after {turn_id} does not start with that turn's words")
         return
     rows = {i.key: i for i in await store.ledger_list(turn_id) if i.kind is IntentKind.EFFECT}
-    applied = service.applied(turn_id)
+    applied = await service.applied(turn_id)
     calls = {c.id: c for m in earlier if m.tool_calls for c in m.tool_calls}
     for m in (m for m in earlier if m.role == "tool"):
         call = calls.get(m.tool_call_id or "")
@@ -523,3 +399,35 @@ async def _check_history(
         bad(f"{name}: the model is told {turn_id} said {said[:60]!r}, the client received {heard[:60]!r}")
     if replies and turn.status is not TurnStatus.COMPLETED and not replies[-1].interrupted:
         bad(f"{name}: {turn_id}'s reply is not marked interrupted though the turn was {turn.status}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m testkit.fuzz [--iterations N] [--seed S] [--json]``:
+    run :func:`fuzz` and print its report (one JSON object with ``--json``).
+
+    Returns:
+        the exit status: 0 every invariant held, 1 one broke, 2 bad
+        arguments.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m testkit.fuzz",
+        description="cancel scripted turns at random checkpoints and check the ledger's invariants",
+    )
+    parser.add_argument("--iterations", type=int, default=1000, help="scripted turns to run (default 1000)")
+    parser.add_argument("--seed", type=int, default=1, help="random seed (default 1): fixes scripts, stops and faults")
+    parser.add_argument("--json", action="store_true", help="print one JSON object of the counts")
+    args = parser.parse_args(argv)
+    if args.iterations < 1:
+        print("testkit.fuzz: --iterations must be at least 1", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+    report = asyncio.run(fuzz(args.iterations, args.seed))
+    if args.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        print_report(report)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

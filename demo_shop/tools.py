@@ -1,7 +1,7 @@
-"""The embedded agent's demo tools with real effects on the in-process
-:class:`voice.demo_service.DemoService`, one per kind of effect:
+"""The demo shop's tools, with real effects on the in-process
+:class:`demo_shop.service.DemoService`, one per kind of effect:
 
-- ``lookup_weather(city)``: effect "none" (a read);
+- ``lookup_weather(city)``: effect "none" (a read; :func:`weather_tools`);
 - ``create_order(item)``: effect "compensate", reversed by ``cancel_order``;
 - ``charge_payment(amount_cents)``: effect "complete" (must finish once
   started);
@@ -29,15 +29,35 @@ from turn.downstream import DownstreamWorker
 from turn.intents import LookupAnswer
 from turn.ledger import EffectHandler
 from turn.store import TurnStore
-from voice.demo_service import DemoService
-from voice.tools import Toolbox, embedded_tools, tool
+from demo_shop.service import DemoService
+from voice.llm import WEATHER_REPLY
+from voice.tools import Toolbox, tool
 
 #: the work queue of outbound messages
 MESSAGES_QUEUE = "outbound_messages"
 
 
+def weather_tools(clock: Clock, *, weather_latency_ms: float = 50.0) -> Toolbox:
+    """The demo's read-only tool, on ``clock``:
+
+    - ``lookup_weather(city)``: effect "none"; answers after
+      ``weather_latency_ms`` (a network read) with the embedded agent's
+      weather report (:data:`voice.llm.WEATHER_REPLY`), so a weather turn
+      says the same whether the agent calls the tool or answers alone.
+    """
+
+    @tool(expected_duration_ms=weather_latency_ms, max_duration_ms=5000)
+    async def lookup_weather(city: str = "here") -> str:
+        """Look up the current weather and tomorrow's forecast for a city."""
+        await clock.sleep(weather_latency_ms / 1000)
+        return WEATHER_REPLY
+
+    return Toolbox([lookup_weather])
+
+
 def demo_tools(clock: Clock, service: DemoService, store: TurnStore) -> Toolbox:
-    """The demo toolbox (see the module doc) on ``service`` and ``store``."""
+    """The demo toolbox (see the module doc) on ``service`` and ``store``:
+    :func:`weather_tools` and the three tools with effects."""
 
     async def lookup(idempotency_key: str) -> LookupAnswer:
         return await service.lookup(idempotency_key)
@@ -65,7 +85,7 @@ def demo_tools(clock: Clock, service: DemoService, store: TurnStore) -> Toolbox:
             await store.queue_push(MESSAGES_QUEUE, {"turn_id": turn_id, "key": f"{idempotency_key}:{i}", "text": f"message {i + 1} of {n}"})
         return f"{n} messages are on their way."
 
-    box = embedded_tools(clock)
+    box = weather_tools(clock)
     for t in (create_order, charge_payment, send_messages):
         box.add(t)
     return box
@@ -114,7 +134,7 @@ class QueuedMessages:
         """Send the message ``key`` again (the service applies a key once).
 
         Raises:
-            turn.ledger.EffectNotApplied / voice.demo_service.ServiceError:
+            turn.ledger.EffectNotApplied / demo_shop.service.ServiceError:
                 as :meth:`DemoService.apply`.
         """
         return await self.service.apply("message", key, {"text": args.get("text", "")})

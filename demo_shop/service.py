@@ -1,4 +1,4 @@
-"""The embedded agent's external system: an in-process service with its own
+"""The demo shop's external system: an in-process service with its own
 SQLite table that applies each idempotency key at most once and counts what
 it applied, so tests, the fuzzer and a person trying the demo tools can see
 exactly which effects happened, and how many times.
@@ -12,20 +12,41 @@ Faults can be injected per operation (:meth:`DemoService.inject`):
 ``fail_after`` (applied, then the answer is lost: the caller cannot know),
 ``lookup_unknown`` (a lookup that cannot answer) and ``slow`` (the answer
 takes ``slow_s``).
+
+Its SQLite calls run in worker threads (:func:`asyncio.to_thread`), never on
+the event loop, which also paces the audio of every session: a slow disk
+must not delay a 20 ms frame. The file is opened on the first call; every
+query method is a coroutine; :meth:`DemoService.aclose` closes the file.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import threading
 from collections import defaultdict, deque
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from turn.clock import Clock
 from turn.intents import LookupAnswer
 from turn.ledger import EffectNotApplied
+
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS effects (
+    key TEXT PRIMARY KEY,
+    op TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    applied INTEGER NOT NULL DEFAULT 1,
+    reversed INTEGER NOT NULL DEFAULT 0,
+    applied_at TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS repeats (key TEXT NOT NULL);
+"""
 
 
 class ServiceError(Exception):
@@ -52,23 +73,10 @@ class DemoService:
         self.slow_s = 5.0
         #: keys of the apply calls that have arrived (answered or not), in order
         self.received: list[str] = []
-        if str(path) != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=5.0)
-        self._lock = threading.Lock()
-        self._db.executescript(
-            """
-            CREATE TABLE IF NOT EXISTS effects (
-                key TEXT PRIMARY KEY,
-                op TEXT NOT NULL,
-                payload TEXT NOT NULL,
-                applied INTEGER NOT NULL DEFAULT 1,
-                reversed INTEGER NOT NULL DEFAULT 0,
-                applied_at TEXT NOT NULL DEFAULT ''
-            );
-            CREATE TABLE IF NOT EXISTS repeats (key TEXT NOT NULL);
-            """
-        )
+        self.path = str(path)
+        self._db: sqlite3.Connection | None = None
+        self._closed = False
+        self._lock = threading.Lock()  # one connection, used from worker threads one call at a time
         self._faults: dict[str, deque[str]] = defaultdict(deque)
 
     def inject(self, op: str, *faults: str) -> None:
@@ -84,9 +92,31 @@ class DemoService:
         q = self._faults.get(op)
         return q.popleft() if q else None
 
-    def _sql(self, sql: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchall()
+    async def _in_thread(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn(connection)`` in a worker thread, one call at a time,
+        opening the file (and its tables) on the first call.
+
+        Raises:
+            RuntimeError: the service was closed.
+            sqlite3.Error: as ``fn``.
+        """
+
+        def call() -> T:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("the demo service is closed")
+                if self._db is None:
+                    if self.path != ":memory:":
+                        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+                    db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=5.0)
+                    db.executescript(_SCHEMA)
+                    self._db = db
+                return fn(self._db)
+
+        return await asyncio.to_thread(call)
+
+    async def _sql(self, sql: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return await self._in_thread(lambda db: db.execute(sql, args).fetchall())
 
     async def _wait(self, fault: str | None) -> None:
         await self.clock.sleep(self.slow_s if fault == "slow" else self.latency_s)
@@ -108,15 +138,19 @@ class DemoService:
         await self._wait(fault)
         if fault == "fail_before":
             raise EffectNotApplied(f"{op} refused before any write")
-        with self._lock:
-            row = self._db.execute("SELECT op, payload FROM effects WHERE key = ?", (key,)).fetchone()
+        applied_at = self.clock.now().isoformat()
+
+        def write(db: sqlite3.Connection) -> None:
+            row = db.execute("SELECT op, payload FROM effects WHERE key = ?", (key,)).fetchone()
             if row is None:
-                self._db.execute(
+                db.execute(
                     "INSERT INTO effects (key, op, payload, applied_at) VALUES (?,?,?,?)",
-                    (key, op, json.dumps(payload), self.clock.now().isoformat()),
+                    (key, op, json.dumps(payload), applied_at),
                 )
             else:
-                self._db.execute("INSERT INTO repeats (key) VALUES (?)", (key,))
+                db.execute("INSERT INTO repeats (key) VALUES (?)", (key,))
+
+        await self._in_thread(write)
         if fault == "fail_after":
             raise ServiceError(f"{op} applied, but the answer was lost")
         return {"key": key, "op": op, **payload}
@@ -132,7 +166,7 @@ class DemoService:
         await self._wait(fault)
         if fault == "fail_before":
             raise ServiceError("reverse refused")
-        rows = self._sql("UPDATE effects SET reversed = 1 WHERE key = ? RETURNING key", (key,))
+        rows = await self._sql("UPDATE effects SET reversed = 1 WHERE key = ? RETURNING key", (key,))
         if fault == "fail_after":
             raise ServiceError("reversed, but the answer was lost")
         return bool(rows)
@@ -143,29 +177,38 @@ class DemoService:
         await self._wait(fault)
         if fault in ("lookup_unknown", "fail_before", "fail_after"):
             return LookupAnswer.UNKNOWN
-        rows = self._sql("SELECT 1 FROM effects WHERE key = ?", (key,))
+        rows = await self._sql("SELECT 1 FROM effects WHERE key = ?", (key,))
         return LookupAnswer.PRESENT if rows else LookupAnswer.ABSENT
 
     # -- what happened ---------------------------------------------------------------
 
-    def applied(self, prefix: str = "") -> dict[str, dict[str, Any]]:
+    async def applied(self, prefix: str = "") -> dict[str, dict[str, Any]]:
         """Every applied key starting with ``prefix``: op, payload, reversed,
         applied_at (ISO time on the service's clock)."""
-        rows = self._sql(
+        rows = await self._sql(
             "SELECT key, op, payload, reversed, applied_at FROM effects WHERE key LIKE ? ORDER BY rowid", (prefix + "%",)
         )
         return {r[0]: {"op": r[1], "payload": json.loads(r[2]), "reversed": bool(r[3]), "applied_at": r[4]} for r in rows}
 
-    def times_applied(self, key: str) -> int:
+    async def times_applied(self, key: str) -> int:
         """How many times ``key`` was applied: 0 or 1 (the table's primary
         key makes a second application impossible; repeats are counted
         apart in :meth:`repeats`)."""
-        return len(self._sql("SELECT 1 FROM effects WHERE key = ?", (key,)))
+        return len(await self._sql("SELECT 1 FROM effects WHERE key = ?", (key,)))
 
-    def repeats(self, key: str) -> int:
+    async def repeats(self, key: str) -> int:
         """How many repeated calls of ``key`` were answered from the first."""
-        return len(self._sql("SELECT 1 FROM repeats WHERE key = ?", (key,)))
+        return len(await self._sql("SELECT 1 FROM repeats WHERE key = ?", (key,)))
 
-    def close(self) -> None:
-        """Close its database."""
-        self._db.close()
+    async def aclose(self) -> None:
+        """Close its database (in a worker thread; a call in progress
+        finishes first). Idempotent; any call after it raises RuntimeError."""
+
+        def close() -> None:
+            with self._lock:
+                self._closed = True
+                if self._db is not None:
+                    self._db.close()
+                    self._db = None
+
+        await asyncio.to_thread(close)
