@@ -1,25 +1,19 @@
 """The event catalogue: every event a client sees and every message it may
 send, declared once (issue 12, item 4).
 
-A server event reaches a client over the WebRTC data channel or an SSE
-stream. Most are logged first (:class:`turn.events.SessionEventLog`) and
-read back, so they carry the log's envelope (:class:`Envelope`: ``seq``,
-``turn_id``, ``generation``, ``at``, as :func:`turn.events.event_json` gives
-them) beside ``type`` and their own fields. A few are sent directly without
-the log and carry no envelope: ``pong`` and the refusals of bad client
-messages (``error``) on the data channel, ``stream.start`` and ``snapshot``
-on an SSE stream.
+Most server events are logged (:class:`turn.events.SessionEventLog`) and read
+back, so they carry the log's :class:`Envelope` (``seq``, ``turn_id``,
+``generation``, ``at``, as :func:`turn.events.event_json` gives them) beside
+``type`` and their own fields. A few are sent directly, with no envelope:
+``pong`` and refusals (``error``) on the data channel, ``stream.start`` and
+``snapshot`` on an SSE stream.
 
-Every model forbids fields it does not declare and is strict (``"3"`` is no
-integer). Fields an emitter sometimes leaves out have defaults; a field that
-is always sent but may be null has no default. :data:`Event` is the
-discriminated union on ``type``; :func:`validate_event` checks one event,
-:func:`catalogue_schema` is the JSON Schema served at
-``/v1/events.schema.json``. What happens when an emitted event does not
-match is :mod:`turn.events`' business (:class:`turn.events.Conformance`).
-
-This module is the domain core's: it imports nothing from media, voice or
-web, so every emitter may use it.
+Every model is strict (``"3"`` is no integer) and forbids undeclared fields;
+a field an emitter sometimes leaves out has a default, one always sent but
+nullable has none. :data:`Event` is the union on ``type``,
+:func:`validate_event` checks one event, :func:`catalogue_schema` is the JSON
+Schema served at ``/v1/events.schema.json``; what a mismatch does is
+:mod:`turn.conformance`'s. Imports nothing from media, voice or web.
 """
 
 from __future__ import annotations
@@ -29,23 +23,19 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-#: https://json-schema.org/draft/2020-12/schema, what pydantic emits
+#: the JSON Schema dialect pydantic writes
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 TurnStatusName = Literal["QUEUED", "RUNNING", "CANCEL_REQUESTED", "CANCELLED", "COMPLETED", "FAILED", "RECONCILE_REQUIRED"]
-StopKindName = Literal[
-    "user_cancel", "barge_in", "deadline_exceeded", "budget_exceeded", "max_steps", "loop_detected",
-    "safety_abort", "worker_shutdown", "transport_disconnected",
-]
+StopKindName = Literal["user_cancel", "barge_in", "deadline_exceeded", "budget_exceeded", "max_steps", "loop_detected",
+                       "safety_abort", "worker_shutdown", "transport_disconnected"]
 #: a tool's declared effect (voice.tools.Effect)
 EffectName = Literal["none", "complete", "compensate"]
 #: every ``error`` code the server sends
 ErrorCode = Literal[
-    # logged by the agent session
-    "ptt_too_long", "store_error", "turn_failed",
-    # sent directly on the data channel (web.peer)
-    "session_failed", "bad_message", "message_too_large", "unknown_type",
-    "ptt_already_active", "ptt_not_active", "session_not_ready",
+    "ptt_too_long", "store_error", "turn_failed",  # logged by the agent session
+    "session_failed", "bad_message", "message_too_large", "unknown_type",  # sent directly (web.peer) ...
+    "ptt_already_active", "ptt_not_active", "session_not_ready",  # ... refusing a push-to-talk message
 ]
 
 
@@ -407,10 +397,9 @@ EVENT_MODELS: tuple[type[_Model], ...] = (
 
 #: every server event: a discriminated union on ``type``
 Event = Annotated[Union[*EVENT_MODELS], Field(discriminator="type")]  # type: ignore[valid-type]
-#: the event types that are logged (carry the envelope)
-LOGGED_TYPES = frozenset(m.model_fields["type"].default for m in EVENT_MODELS if issubclass(m, Envelope))
-#: the model of each event type
+#: the model of each event type; the types that are logged (carry the envelope)
 MODEL_OF: dict[str, type[_Model]] = {m.model_fields["type"].default: m for m in EVENT_MODELS}
+LOGGED_TYPES = frozenset(t for t, m in MODEL_OF.items() if issubclass(m, Envelope))
 
 
 # -- client -> server (data channel) ---------------------------------------------------
@@ -440,9 +429,6 @@ CLIENT_MODELS: tuple[type[_Model], ...] = (PttStart, PttEnd, Ping)
 ClientMessage = Annotated[Union[*CLIENT_MODELS], Field(discriminator="type")]  # type: ignore[valid-type]
 CLIENT_MODEL_OF: dict[str, type[_Model]] = {m.model_fields["type"].default: m for m in CLIENT_MODELS}
 
-_ENVELOPE = frozenset(Envelope.model_fields)
-
-
 def _check(models: dict[str, type[_Model]], what: str, type: str, fields: dict[str, Any]) -> _Model:
     model = models.get(type) if isinstance(type, str) else None
     if model is None:
@@ -471,8 +457,7 @@ def validate_event(type: str, payload: dict[str, Any]) -> _Model:
 
 
 def validate_client_message(message: dict[str, Any]) -> _Model:
-    """The catalogue model of a client -> server message (a JSON object
-    with a string ``type``).
+    """The catalogue model of a client -> server message (a JSON object).
 
     Raises:
         EventMismatch: unknown type or bad fields.
@@ -484,7 +469,7 @@ def payload_of(event: _Model) -> dict[str, Any]:
     """What an emitter logs for ``event`` (``SessionEventLog.emit``'s
     ``**payload``): the fields it was given, in JSON form, without ``type``
     and the envelope."""
-    return event.model_dump(mode="json", exclude_unset=True, exclude=_ENVELOPE | {"type"})
+    return event.model_dump(mode="json", exclude_unset=True, exclude={*Envelope.model_fields, "type"})
 
 
 def wire_of(event: _Model) -> dict[str, Any]:
@@ -506,10 +491,7 @@ def catalogue_schema() -> dict[str, Any]:
     return {
         "$schema": JSON_SCHEMA_DIALECT,
         "title": "turnkeeper events",
-        "description": (
-            "Every event the server sends (data channel, SSE), a union on 'type'; "
-            "$defs.ClientMessage: what a client may send on the data channel."
-        ),
+        "description": "Every event the server sends (data channel, SSE); $defs.ClientMessage: what a client sends.",
         **events,
         "$defs": defs,
     }

@@ -225,11 +225,13 @@ class PeerSession:
         emit = self.log.emit_event
         if current is not None:
             end = self.outbound.audit.per_generation.get(current[0])
-            emit(AudioEnd(generation=current[0], turn_id=self.agent.turn_id_of(current[0]), samples_sent=end.samples if end else 0))
+            emit(AudioEnd(generation=current[0], turn_id=self.agent.turn_id_of(current[0]),
+                          samples_sent=end.samples if end else 0))
             self._segment = None
         if frame is not None:
             self._segment = (frame.generation, frame.sample)
-            emit(AudioStart(generation=frame.generation, turn_id=self.agent.turn_id_of(frame.generation), sample=frame.sample))
+            emit(AudioStart(generation=frame.generation, turn_id=self.agent.turn_id_of(frame.generation),
+                            sample=frame.sample))
 
     async def answer(self, sdp: str) -> str:
         """Apply the client's offer and return our answer SDP. The caller
