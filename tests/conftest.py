@@ -16,6 +16,7 @@ import pytest
 from aiohttp import web
 
 from turn.clock import VirtualClock
+from turn.conformance import CONFORMANCE
 from turn.redis_store import RedisStore
 from turn.sqlite_store import SqliteStore
 
@@ -46,6 +47,21 @@ TEST_PHRASES = [
 ]
 
 GRAMMAR = "#JSGF V1.0;\ngrammar turnkeeper_test;\npublic <utt> = " + " | ".join(TEST_PHRASES) + ";\n"
+
+
+#: Every event emitted in any test must match the event catalogue: the check
+#: raises at the emitter, and the fixture below fails the test even where the
+#: emitter's caller swallowed that (turn.conformance).
+CONFORMANCE.strict = True
+
+
+@pytest.fixture(autouse=True)
+def events_match_the_catalogue() -> Iterator[None]:
+    CONFORMANCE.seen.clear()
+    yield
+    seen, CONFORMANCE.seen[:] = list(CONFORMANCE.seen), []
+    if seen:
+        pytest.fail("events not in the catalogue (turn/event_catalogue.py):\n" + "\n".join(seen[:20]), pytrace=False)
 
 
 def have(cmd: str) -> bool:

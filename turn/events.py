@@ -27,7 +27,9 @@ from typing import Any, TypeVar
 from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, wait_exponential
 
 from turn.clock import Clock
+from turn.conformance import CONFORMANCE
 from turn.delivery_gate import OUTPUT_TYPES, Gate, OpenGate, StoppedTurns
+from turn.event_catalogue import Envelope, payload_of
 from turn.models import EventRecord
 from turn.store import StoreUnavailable, TurnStore
 
@@ -121,7 +123,31 @@ class SessionEventLog:
         their generation is already obsolete or their turn has stopped (its
         stop passed through this log, or :meth:`close_turn`), and so is any
         event passed ``withheld=True`` (output of a turn already stopped, e.g.
-        from a provider that ignored its cancellation)."""
+        from a provider that ignored its cancellation).
+
+        The event is checked against the catalogue first
+        (:mod:`turn.conformance`: logged anyway in production).
+
+        Raises:
+            turn.event_catalogue.EventMismatch: it does not match, and the
+                check is strict (tests).
+        """
+        CONFORMANCE.check(type, {**payload, "generation": generation, "turn_id": turn_id})
+        self._append(type, generation, turn_id, withheld, payload)
+
+    def emit_event(self, event: Envelope, *, withheld: bool = False) -> None:
+        """Queue a catalogue event (:mod:`turn.event_catalogue`), as
+        :meth:`emit` does; its ``generation`` and ``turn_id`` say where it
+        belongs, its other fields are the payload (those it was given).
+
+        Raises:
+            ValueError: ``event`` has no generation.
+        """
+        if event.generation is None:
+            raise ValueError(f"a {event.type} event needs its generation to be logged")
+        self._append(event.type, event.generation, event.turn_id, withheld, payload_of(event))
+
+    def _append(self, type: str, generation: int, turn_id: str | None, withheld: bool, payload: dict[str, Any]) -> None:
         self.stopped.see(type, turn_id, payload)
         withheld = withheld or self.stopped.withholds(type, turn_id)
         event = EventRecord(

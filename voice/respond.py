@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from turn.event_catalogue import ToolCancelled, ToolError, ToolNotStarted, ToolStarted, Usage, payload_of
 from turn.intents import IntentStatus, effect_key
 from turn.ledger import EffectNotApplied
 from turn.manager import TurnManager
@@ -51,9 +52,16 @@ class TokenSink(Protocol):
 
 class EventSink(Protocol):
     """Receives the turn's tool and usage events (``tool.started``,
-    ``tool.done``, ``tool.error``, ``tool.not_started``, ``usage``)."""
+    ``tool.error``, ``tool.not_started``, ``tool.cancelled``, ``usage``:
+    :mod:`turn.event_catalogue`) as a type and its payload."""
 
     def __call__(self, type: str, **payload: Any) -> None: ...
+
+
+def _tell(on_event: EventSink, event: ToolStarted | ToolError | ToolNotStarted | ToolCancelled | Usage) -> None:
+    """Hand a catalogue event to ``on_event`` (which adds the turn and
+    generation)."""
+    on_event(event.type, **payload_of(event))
 
 
 @dataclass
@@ -110,7 +118,7 @@ async def run_agent(
                 "model", _model_call(scope, manager, turn_id, llm, history, specs, req, on_token), max_s=model_max_s
             )
         finally:
-            on_event("usage", **req.record().model_dump())  # an aborted request too: it is billed
+            _tell(on_event, Usage(**req.record().model_dump()))  # an aborted request too: it is billed
         await manager.checkpoint(turn_id, "after_model")
         if not calls:
             return AgentResult(text, added)
@@ -169,12 +177,12 @@ async def _tool_call(
     step = rt.steps if rt is not None else 0
     tool = toolbox.get(call.name) if toolbox else None
     if tool is None:
-        on_event("tool.error", call_id=call.id, name=call.name, error="unknown tool")
+        _tell(on_event, ToolError(call_id=call.id, name=call.name, error="unknown tool"))
         return Message(role="tool", tool_call_id=call.id, status="error", content=f"error: there is no tool {call.name!r}")
     try:
         arguments = tool.validate(call.arguments)
     except ToolArgumentsError as exc:
-        on_event("tool.error", call_id=call.id, name=call.name, error=str(exc))
+        _tell(on_event, ToolError(call_id=call.id, name=call.name, error=str(exc)))
         return Message(role="tool", tool_call_id=call.id, status="error", content=f"error: {exc}")
     expected = tool.expected_duration_ms / 1000 if tool.expected_duration_ms is not None else None
     limit = tool.max_duration_ms / 1000 if tool.max_duration_ms is not None else None
@@ -187,14 +195,14 @@ async def _tool_call(
             expected_s=expected,
         )
     except NotStarted as exc:
-        on_event("tool.not_started", call_id=call.id, name=call.name, reason="no_budget", detail=exc.detail)
+        _tell(on_event, ToolNotStarted(call_id=call.id, name=call.name, reason="no_budget", detail=exc.detail))
         raise
     except (TurnStopped, asyncio.CancelledError):
         if not done and tool.effect != "complete":  # a must-complete call goes on: the ledger tells its end
-            on_event("tool.cancelled", call_id=call.id, name=call.name)
+            _tell(on_event, ToolCancelled(call_id=call.id, name=call.name))
         raise
     except Exception as exc:
-        on_event("tool.error", call_id=call.id, name=call.name, error=f"{type(exc).__name__}: {exc}")
+        _tell(on_event, ToolError(call_id=call.id, name=call.name, error=f"{type(exc).__name__}: {exc}"))
         await manager.checkpoint(turn_id, "after_tool")
         return Message(role="tool", tool_call_id=call.id, status="error", content=f"error: {exc}")
     await manager.checkpoint(turn_id, "after_tool")
@@ -219,7 +227,7 @@ async def _invoke(
     a read abandoned, a write effect_unknown (its compensation, or a lookup,
     settles it). A step already done is never run again."""
     ledger = manager.ledger
-    on_event("tool.started", call_id=call.id, name=call.name, arguments=arguments, effect=tool.effect)
+    _tell(on_event, ToolStarted(call_id=call.id, name=call.name, arguments=arguments, effect=tool.effect))
     key = effect_key(turn_id, step)
     pending = frozenset({IntentStatus.PENDING})
     unsure = IntentStatus.ABANDONED if tool.effect == "none" else IntentStatus.EFFECT_UNKNOWN

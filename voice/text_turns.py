@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turn.clock import Clock
+from turn.event_catalogue import AgentDelta, AgentDone, Transcript
 from turn.events import SessionEventLog
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
@@ -236,16 +237,16 @@ class TextTurns:
 
         def delivered(token: str) -> None:
             parts.append(token)
-            events.emit("agent.delta", generation=turn.generation, turn_id=turn.id, text=token)
+            events.emit_event(AgentDelta(generation=turn.generation, turn_id=turn.id, text=token))
 
         def withheld(token: str) -> None:
             unheard.append(token)
-            events.emit("agent.delta", generation=turn.generation, turn_id=turn.id, withheld=True, text=token)
+            events.emit_event(AgentDelta(generation=turn.generation, turn_id=turn.id, text=token), withheld=True)
 
-        def on_event(type: str, **payload: Any) -> None:
+        def on_event(type: str, **payload: Any) -> None:  # run_agent's tool and usage events, checked by emit
             events.emit(type, generation=turn.generation, turn_id=turn.id, **payload)
 
-        events.emit("transcript", generation=turn.generation, turn_id=turn.id, role="user", text=turn.transcript or "")
+        events.emit_event(Transcript(generation=turn.generation, turn_id=turn.id, role="user", text=turn.transcript or ""))
         final = False
         try:
             if older:
@@ -268,7 +269,7 @@ class TextTurns:
                 reply, rest = await self._heard(events, turn.id, generated)
                 await self.manager.record(turn.id, reply=reply, **({"reply_unheard": rest} if rest else {}))
                 if (await self.manager.complete(turn.id)).applied:
-                    events.emit("agent.done", generation=turn.generation, turn_id=turn.id, text=reply or "")
+                    events.emit_event(AgentDone(generation=turn.generation, turn_id=turn.id, text=reply or ""))
 
             final = True
             await scope.commit(finish(), effect=False)  # the final step commits whole, or not at all

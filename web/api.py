@@ -9,6 +9,8 @@
                                        resumable with Last-Event-ID or
                                        ?after_seq=N&resume_token=T
     GET  /v1/openapi.json              this API described (OpenAPI 3.1)
+    GET  /v1/events.schema.json        every event a client may receive or send
+                                       (JSON Schema of turn.event_catalogue)
 
 A turn or session of another tenant answers 404, exactly like one that does
 not exist: nothing about other tenants leaks. A resume token of another
@@ -27,6 +29,7 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from turn.event_catalogue import Snapshot, SnapshotTurn, StreamStart, catalogue_schema, wire_of
 from turn.events import EventFollower, event_json
 from turn.manager import TurnManager, turn_event
 from turn.models import Budget, Session, StopReason, StopReasonKind, Turn
@@ -209,11 +212,11 @@ async def session_events(request: web.Request) -> web.StreamResponse:
     streams: set[Any] = app[STREAMS]
     streams.add(task)
     try:
-        await _send(resp, {"type": "stream.start", "session_id": session.id, "after_seq": after_seq,
-                           "resume_token": auth.resume_token(tenant, session.id), "expires_in_s": auth.resume_ttl_s})
+        await _send(resp, wire_of(StreamStart(session_id=session.id, after_seq=after_seq,
+                                              resume_token=auth.resume_token(tenant, session.id), expires_in_s=auth.resume_ttl_s)))
         if resumed:
             turns = (await manager.store_call(lambda: manager.store.list_session(session.id)))[-SNAPSHOT_TURNS:]
-            await _send(resp, {"type": "snapshot", "turns": [turn_event(t) | {"owner_lost": manager.lease_expired(t)} for t in turns]})
+            await _send(resp, wire_of(Snapshot(turns=[SnapshotTurn(**turn_event(t), owner_lost=manager.lease_expired(t)) for t in turns])))
         follower = EventFollower(manager.store, session.id, after_seq, poll_s=KEEPALIVE_S)
         async for batch in follower.follow():
             if not batch:
@@ -260,6 +263,12 @@ async def openapi(request: web.Request) -> web.Response:
     return web.json_response(OPENAPI)
 
 
+async def events_schema(request: web.Request) -> web.Response:
+    """The event catalogue's JSON Schema (no credentials needed: it says
+    nothing about any tenant)."""
+    return web.json_response(EVENTS_SCHEMA, content_type="application/schema+json")
+
+
 def add_routes(app: web.Application) -> None:
     """Register the API routes on ``app``."""
     app.router.add_post("/v1/turns", start_turn)
@@ -267,6 +276,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/turns/{turn_id}/stop", stop_turn)
     app.router.add_get("/v1/sessions/{session_id}/events", session_events)
     app.router.add_get("/v1/openapi.json", openapi)
+    app.router.add_get("/v1/events.schema.json", events_schema)
 
 
 def _schemas() -> dict[str, Any]:
@@ -350,5 +360,13 @@ OPENAPI: dict[str, Any] = {
                 "403": _err("resume token of another session or tenant"), "404": _err("unknown session")}}},
         "/v1/openapi.json": {"get": {"summary": "This document", "security": [],
                                      "responses": {"200": {"description": "OpenAPI 3.1"}}}},
+        "/v1/events.schema.json": {"get": {
+            "summary": "The event catalogue: every event a client receives (data channel, SSE) or sends",
+            "security": [],
+            "responses": {"200": {"description": "JSON Schema (draft 2020-12) of one event, a union on 'type'",
+                                  "content": {"application/schema+json": {"schema": {"type": "object"}}}}}}},
     },
 }
+
+#: served at /v1/events.schema.json
+EVENTS_SCHEMA: dict[str, Any] = catalogue_schema()

@@ -26,6 +26,8 @@ from media.inbound import InboundAudio, set_jitter_prefetch
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer, PlayoutFrame
 from turn.clock import Clock
+from turn.conformance import CONFORMANCE
+from turn.event_catalogue import AudioEnd, AudioStart
 from turn.events import EventFollower, event_json
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
@@ -220,16 +222,16 @@ class PeerSession:
         current = self._segment
         if current is not None and current[0] == gen:
             return
-        emit = self.log.emit
+        emit = self.log.emit_event
         if current is not None:
             end = self.outbound.audit.per_generation.get(current[0])
-            emit("audio.end", generation=current[0], turn_id=self.agent.turn_id_of(current[0]),
-                 samples_sent=end.samples if end else 0)
+            emit(AudioEnd(generation=current[0], turn_id=self.agent.turn_id_of(current[0]),
+                          samples_sent=end.samples if end else 0))
             self._segment = None
         if frame is not None:
             self._segment = (frame.generation, frame.sample)
-            emit("audio.start", generation=frame.generation, turn_id=self.agent.turn_id_of(frame.generation),
-                 sample=frame.sample)
+            emit(AudioStart(generation=frame.generation, turn_id=self.agent.turn_id_of(frame.generation),
+                            sample=frame.sample))
 
     async def answer(self, sdp: str) -> str:
         """Apply the client's offer and return our answer SDP. The caller
@@ -285,7 +287,7 @@ class PeerSession:
             raise
         except Exception:
             log.exception("session %s: agent failed", self.id)
-            self.events.send({"type": "error", "code": "session_failed", "message": "the agent stopped working"})
+            self._send_direct("error", code="session_failed", message="the agent stopped working")
         finally:
             # The track ended or the agent failed: nothing more can happen here.
             self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
@@ -321,23 +323,33 @@ class PeerSession:
             self._handle_client_message(message)
         except Exception:
             log.exception("session %s: client message handling failed", self.id)
-            self.events.send({"type": "error", "code": "bad_message", "message": "message could not be handled"})
+            self._send_direct("error", code="bad_message", message="message could not be handled")
+
+    def _send_direct(self, type: str, **fields: Any) -> None:
+        """Send an event that is not logged (a reply to a client message,
+        the agent's failure), checked against the catalogue as logged ones
+        are (:mod:`turn.conformance`).
+
+        Raises:
+            turn.event_catalogue.EventMismatch: it does not match, and the
+                check is strict (tests).
+        """
+        CONFORMANCE.check(type, fields)
+        self.events.send({"type": type, **fields})
 
     def _handle_client_message(self, message: Any) -> None:
         if not isinstance(message, str):
-            self.events.send({"type": "error", "code": "bad_message", "message": "expected a text message (JSON)"})
+            self._send_direct("error", code="bad_message", message="expected a text message (JSON)")
             return
         if len(message) > MAX_CLIENT_MESSAGE:
-            self.events.send(
-                {"type": "error", "code": "message_too_large", "message": f"messages are at most {MAX_CLIENT_MESSAGE} characters"}
-            )
+            self._send_direct("error", code="message_too_large", message=f"messages are at most {MAX_CLIENT_MESSAGE} characters")
             return
         try:
             msg = json.loads(message)
         except (ValueError, RecursionError):
             msg = None
         if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
-            self.events.send({"type": "error", "code": "bad_message", "message": "expected a JSON object with a string type"})
+            self._send_direct("error", code="bad_message", message="expected a JSON object with a string type")
             return
         kind = msg["type"]
         if kind in ("ptt.start", "ptt.end"):
@@ -345,13 +357,13 @@ class PeerSession:
             # user's turn at once (voice.session.AgentSession.ptt_start/_end).
             error = self.agent.ptt_start() if kind == "ptt.start" else self.agent.ptt_end()
             if error is not None:
-                self.events.send({"type": "error", "code": error, "message": PTT_ERRORS.get(error, error)})
+                self._send_direct("error", code=error, message=PTT_ERRORS.get(error, error))
         elif kind == "ping":
             ping_id = msg.get("id")
-            self.events.send({"type": "pong", "id": ping_id if isinstance(ping_id, (int, float, str)) and len(str(ping_id)) <= 64 else None})
+            self._send_direct("pong", id=ping_id if isinstance(ping_id, (int, float, str)) and len(str(ping_id)) <= 64 else None)
         else:
             shown = kind if len(kind) <= 64 else kind[:61] + "..."
-            self.events.send({"type": "error", "code": "unknown_type", "message": f"unknown message type {shown!r}"})
+            self._send_direct("error", code="unknown_type", message=f"unknown message type {shown!r}")
 
     def close(self, reason: StopReasonKind) -> asyncio.Task[None]:
         """Free everything once; later calls return the same closing task."""

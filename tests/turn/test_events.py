@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime, timezone
+from typing import Any
 
 import pytest
 
 from turn.clock import SystemClock
 from turn.events import EventFollower, EventLogs, SessionEventLog, event_json
 from turn.generation import GenerationFence
-from turn.models import EventRecord, Session
+from turn.models import EventRecord, Session, TurnStatus
 from turn.store import StoreUnavailable
 
 NOW = datetime(2026, 5, 1, 12, 0, tzinfo=timezone.utc)
+
+
+def turn_state(status: str) -> dict[str, Any]:
+    """A "turn" event's fields (as turn.manager.turn_event gives them)."""
+    return {"status": status, "label": TurnStatus(status).label, "stop_reason": None, "error": None, "transcript": None, "reply": None}
 
 
 @pytest.fixture
@@ -44,7 +50,7 @@ async def test_obsolete_output_is_logged_fenced_not_delivered(session) -> None:
     await log.flush()  # logged (and deliverable) before the barge-in
     fence.advance()  # barge-in: generation 2
     log.emit("agent.delta", generation=1, turn_id="t1", text="late")  # fenced at once
-    log.emit("turn", generation=1, turn_id="t1", status="CANCELLED")  # state: never fenced
+    log.emit("turn", generation=1, turn_id="t1", **turn_state("CANCELLED"))  # state: never fenced
     log.emit("agent.delta", generation=2, turn_id="t2", text="new")
     await log.flush()
     logged = await session.read_events("s")
@@ -92,7 +98,7 @@ async def test_follower_live_and_from_cursor(session) -> None:
 
     task = asyncio.create_task(follow())
     for i in range(5):
-        logs.log("s").emit("vad", generation=0, event=str(i))
+        logs.log("s").emit("vad", generation=0, event="speech_started")
         await asyncio.sleep(0.02)
     await asyncio.wait_for(task, 5)
     assert got == [1, 2, 3, 4, 5]
@@ -117,12 +123,12 @@ async def test_follower_waits_out_an_outage(session) -> None:
             return await self.inner.wait_events(*a, **k)
 
     log = SessionEventLog(session, "s", SystemClock())
-    log.emit("vad", generation=0, event="a")
+    log.emit("vad", generation=0, event="speech_confirmed")
     await log.flush()
     follower = EventFollower(Outage(session), "s", poll_s=0.1)  # type: ignore[arg-type]
     batches = follower.follow()
     first = await asyncio.wait_for(batches.__anext__(), 5)
-    assert [e.payload["event"] for e in first] == ["a"]
+    assert [e.payload["event"] for e in first] == ["speech_confirmed"]
     await batches.aclose()
 
 
@@ -132,7 +138,7 @@ async def test_unloggable_events_are_not_sent(session) -> None:
             raise StoreUnavailable("sqlite: database is locked")
 
     log = SessionEventLog(Down(), "s", SystemClock())  # type: ignore[arg-type]
-    log.emit("turn", generation=1, status="RUNNING")
+    log.emit("turn", generation=1, **turn_state("RUNNING"))
     await log.flush()
     assert (log.lost, log.persisted) == (1, 0)
 

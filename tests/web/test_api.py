@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import jsonschema
 import pytest
 from aiohttp import web
 
 from turn.clock import VirtualClock
+from turn.event_catalogue import MODEL_OF
 from web.app import MANAGER, create_app
 from web.auth import Auth
 from web.errors import ApiError
@@ -324,10 +326,34 @@ def test_resume_token_expires() -> None:
 async def test_openapi_describes_the_api(api: Api) -> None:
     status, doc = await api.call("GET", "/v1/openapi.json")
     assert status == 200 and doc["openapi"].startswith("3.1")
-    assert {"/v1/turns", "/v1/turns/{turn_id}", "/v1/turns/{turn_id}/stop", "/v1/sessions/{session_id}/events"} <= set(doc["paths"])
+    assert {"/v1/turns", "/v1/turns/{turn_id}", "/v1/turns/{turn_id}/stop", "/v1/sessions/{session_id}/events",
+            "/v1/events.schema.json"} <= set(doc["paths"])
     assert "Turn" in doc["components"]["schemas"] and "StopReason" in doc["components"]["schemas"]
     stop = doc["paths"]["/v1/turns/{turn_id}/stop"]["post"]["responses"]
     assert {"202", "200", "409", "422"} <= set(stop)
+
+
+async def test_events_schema_is_served_and_the_stream_matches_it(api: Api) -> None:
+    """GET /v1/events.schema.json (no credentials) is the catalogue's JSON
+    Schema, and every message of a live and a resumed SSE stream of a turn
+    with a tool call validates against it."""
+    async with api.http.get(api.url + "/v1/events.schema.json") as r:
+        assert r.status == 200 and r.content_type == "application/schema+json"
+        schema = await r.json(content_type=None)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert set(schema["discriminator"]["mapping"]) == set(MODEL_OF)
+    started = await api.start("please order a coffee")
+    sid = started["session_id"]
+    live = await api.sse(f"/v1/sessions/{sid}/events", headers=ACME, until=is_terminal_turn)
+    resumed = await api.sse(f"/v1/sessions/{sid}/events?after_seq=1", headers=ACME, until=is_terminal_turn)
+    validator = jsonschema.Draft202012Validator(schema)
+    messages = [{k: v for k, v in m.items() if k != "_id"} for m in live + resumed]
+    for m in messages:
+        errors = [e.message for e in validator.iter_errors(m)]
+        assert not errors, (m, errors)
+    types = {m["type"] for m in messages}
+    assert {"stream.start", "snapshot", "turn", "transcript", "agent.delta", "usage", "tool.started", "tool.intent", "tool.done"} <= types
+    assert list(validator.iter_errors({**live[0], "after_seq": "0"}))  # and it can say no
 
 
 async def test_api_off_without_tokens(tmp_path: Path) -> None:

@@ -713,7 +713,7 @@ async def test_voice_events_are_rendered(server: Server, playwright, tmp_path: P
         tid = "f" * 32
         emit("agent.delta", generation=gen, turn_id=tid, text="It is sunny and warm. Tomorrow it will rain.")
         emit("false_interruption", generation=gen, paused_ms=420.0)
-        emit("backchannel", generation=gen, text="uh huh", paused_ms=0)
+        emit("backchannel", generation=gen, text="uh huh", syllables=2, paused_ms=0)
         emit("vad", generation=gen, event="speech_rejected")
         emit("barge_in", generation=gen + 1, old_turn_id=tid, old_generation=gen, initiator="vad",
              onset_to_fence_ms=3.2, paused_ms=150.0, cleared_ms=2400)
