@@ -66,7 +66,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -76,9 +75,10 @@ import corpus as C  # noqa: E402  (the tests' labelled corpus)
 import listening as L  # noqa: E402  (the inserted-gap measure)
 from bargein import stats, up  # noqa: E402
 from local_server import server  # noqa: E402
-from media.frames import VAD_RATE  # noqa: E402
+
 from client.call import CallClient  # noqa: E402
 from client.results import CallError, CallResult, Utterance  # noqa: E402
+from media.frames import VAD_RATE  # noqa: E402
 
 STORY = "tell me a story"
 INTERRUPT = "hey wait stop I have a question"

@@ -79,6 +79,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from local_server import free_port, stop_process  # noqa: E402  (bench/: the script's own folder)
+
 from turn.clock import SystemClock
 from turn.manager import TurnManager
 from turn.models import StopReason, StopReasonKind, TurnStatus

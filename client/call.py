@@ -39,11 +39,11 @@ import numpy as np
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
+from client.results import BargeInMeasure, CallError, CallResult, TurnView, Utterance
 from media.frames import PLAYOUT_RATE, PcmResampler, Reframer, first_sound_sample, rms_dbfs
 from media.inbound import set_jitter_prefetch
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer, PlayoutFrame
-from client.results import BargeInMeasure, CallError, CallResult, TurnView, Utterance
 from turn.clock import Clock, SystemClock
 
 log = logging.getLogger(__name__)

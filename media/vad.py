@@ -41,7 +41,7 @@ class VadConfig(BaseModel):
     preroll_ms: int = Field(300, ge=0, le=2000)
 
     @model_validator(mode="after")
-    def _multiples_of_frame(self) -> "VadConfig":
+    def _multiples_of_frame(self) -> VadConfig:
         for name in ("onset_ms", "offset_ms", "preroll_ms"):
             if getattr(self, name) % FRAME_MS:
                 raise ValueError(f"{name} must be a multiple of {FRAME_MS} ms")

@@ -10,7 +10,15 @@ from datetime import datetime
 from typing import Any
 
 from turn.models import (
-    TERMINAL_STATUSES, Budget, Session, Spent, StopReason, StopReport, Turn, TurnStatus, Usage,
+    TERMINAL_STATUSES,
+    Budget,
+    Session,
+    Spent,
+    StopReason,
+    StopReport,
+    Turn,
+    TurnStatus,
+    Usage,
 )
 from turn.redis_connection import RedisConnection
 from turn.states import Outcome, TransitionResult, sources_of

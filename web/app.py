@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 from aiohttp import web
@@ -32,16 +32,15 @@ from turn.redis_store import RedisStore
 from turn.signals import RedisStopSignals, StopSignals
 from turn.sqlite_connection import path_from_url
 from turn.sqlite_store import SqliteStore
-from turn.store import StoreUnavailable
+from turn.store import StoreUnavailable, TurnStore
 from voice.llm import LocalAgent
 from voice.openai_llm import OpenAiChatModel
 from voice.providers import LanguageModel
-from turn.store import TurnStore
-from voice.tools import Toolbox
 from voice.session import Providers
 from voice.stt import PocketsphinxSTT
-from voice.tts import EspeakTTS
 from voice.text_turns import TextTurns
+from voice.tools import Toolbox
+from voice.tts import EspeakTTS
 from web import api
 from web.auth import Auth
 from web.errors import ApiError

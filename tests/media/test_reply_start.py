@@ -14,11 +14,10 @@ from __future__ import annotations
 import corpus as C
 import numpy as np
 import pytest
+from test_bargein import run_clip
 
 from media.bargein import DetectorEventKind as K
 from media.frames import PLAYOUT_RATE, VAD_RATE
-
-from test_bargein import run_clip
 
 pytestmark = pytest.mark.skipif(not C.have_espeak(), reason="espeak-ng is not installed")
 

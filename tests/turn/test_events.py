@@ -4,7 +4,7 @@ output kept as evidence and never delivered."""
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -14,7 +14,7 @@ from turn.generation import GenerationFence
 from turn.models import EventRecord, Session
 from turn.store import StoreUnavailable
 
-NOW = datetime(2026, 5, 1, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ from demo_shop.tools import weather_tools
 from testkit.faults import CancellationIgnoringModel
 from turn.clock import VirtualClock
 from turn.manager import TurnManager
-from turn.scope import Child
 from turn.models import ChildOutcome, EventRecord, Plan, StopReason, StopReasonKind, Turn, TurnStatus
+from turn.scope import Child
 from turn.sqlite_store import SqliteStore
 from turn.store import StopAnswer
 from voice.llm import COUNT_REPLY, STORY_REPLY, WEATHER_REPLY, LlmConfig, LocalAgent, tokenize

@@ -10,8 +10,8 @@ import pytest
 
 import turn.stop_path
 import voice.history
-from voice.text_turns import TextTurns
 from testkit.fuzz import fuzz, main
+from voice.text_turns import TextTurns
 
 
 async def test_a_thousand_iterations_keep_every_invariant() -> None:

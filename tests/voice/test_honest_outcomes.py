@@ -14,18 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import requires_espeak
+from test_agent_session import Harness, pcm48
 
+from demo_shop.service import DemoService
+from demo_shop.tools import demo_tools, weather_tools
 from turn.intents import IntentKind, IntentStatus
 from turn.models import StopReasonKind, TurnStatus
 from turn.sqlite_store import SqliteStore
-from demo_shop.service import DemoService
-from demo_shop.tools import demo_tools, weather_tools
 from voice.providers import LanguageModel, Message, ToolSpec
 from voice.text_turns import TextTurns
 from voice.tools import Toolbox
-
-from conftest import requires_espeak
-from test_agent_session import Harness, pcm48
 
 pytestmark = requires_espeak
 

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import requires_espeak
+from test_agent_session import Harness, pcm48
 
+from testkit.faults import CancellationIgnoringModel
 from turn.clock import SystemClock
 from turn.delivery_gate import OUTPUT_TYPES
 from turn.events import EventFollower
@@ -24,13 +27,9 @@ from turn.models import EventRecord, StopReason, StopReasonKind
 from turn.redis_store import RedisStore
 from turn.signals import RedisStopSignals
 from turn.sqlite_store import SqliteStore
-from testkit.faults import CancellationIgnoringModel
 from voice.llm import LlmConfig, LocalAgent, LocalLlmConfig
 from voice.providers import LanguageModel
 from voice.text_turns import TextTurns
-
-from conftest import requires_espeak
-from test_agent_session import Harness, pcm48
 
 TRIALS = 12
 

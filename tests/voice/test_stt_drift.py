@@ -11,11 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import TEST_PHRASES, requires_espeak
 
 from media.frames import VAD_RATE, load_pcm
 from voice.stt import PocketsphinxConfig, PocketsphinxSTT
-
-from conftest import TEST_PHRASES, requires_espeak
 
 pytestmark = requires_espeak
 

@@ -10,12 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import requires_espeak
 
 from media.frames import VAD_RATE, load_pcm, rms_dbfs
 from voice.stt import PocketsphinxConfig, PocketsphinxSTT, SttError
 from voice.tts import EspeakConfig, EspeakTTS, TtsError, _read_wav_header
-
-from conftest import requires_espeak
 
 
 @requires_espeak

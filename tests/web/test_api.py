@@ -12,14 +12,13 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from conftest import start_app
 
 from turn.clock import VirtualClock
 from web.app import MANAGER, create_app
 from web.auth import Auth
 from web.errors import ApiError
 from web.settings import Settings
-
-from conftest import start_app
 
 TOKENS = "acme:tok-acme-0123456789,globex:tok-globex-0123456789"
 ACME = {"Authorization": "Bearer tok-acme-0123456789"}
