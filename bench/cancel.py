@@ -104,7 +104,7 @@ async def run_model(kind: str, stops: int, tps: float, rng: random.Random, folde
             cancelled = asyncio.Event()
             t_cancelled = 0.0
 
-            def on_change(t: Turn, turn_id: str = turn.id) -> None:
+            def on_change(t: Turn, turn_id: str = turn.id, cancelled: asyncio.Event = cancelled) -> None:
                 nonlocal t_cancelled
                 if t.id == turn_id and t.status is TurnStatus.CANCELLED and not cancelled.is_set():
                     t_cancelled = time.perf_counter()

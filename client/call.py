@@ -307,7 +307,7 @@ class CallClient:
         self._queue(mic, 1, opening.pcm)
         await mic.wait_empty()
         await self._expect_a_turn()
-        for k, (utt, m) in enumerate(zip(barge_ins, measures), start=2):
+        for k, (utt, m) in enumerate(zip(barge_ins, measures, strict=True), start=2):
             m.kind = utt.kind
             sent_at = self.clock.monotonic()
             while True:

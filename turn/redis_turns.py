@@ -287,7 +287,7 @@ def _flat(d: dict[str, str]) -> list[str]:
 
 
 def _pairs(flat: list[str]) -> dict[str, str]:
-    return dict(zip(flat[::2], flat[1::2]))
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _encode(value: Any) -> str:

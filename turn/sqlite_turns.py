@@ -238,7 +238,7 @@ def _turn_to_row(t: Turn) -> tuple[Any, ...]:
 
 def _row_to_turn(row: tuple[Any, ...]) -> Turn:
     data: dict[str, Any] = {}
-    for name, value in zip(COLUMNS, row):
+    for name, value in zip(COLUMNS, row, strict=True):
         if value is None:
             continue
         if name in _MODEL_FIELDS:

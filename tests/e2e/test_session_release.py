@@ -50,7 +50,7 @@ class Tracker:
 
     def grab(self) -> None:
         for peer in list(self.app[PEERS].values()):
-            keep = lambda name, obj: self._keep(peer.id, name, obj)  # noqa: E731
+            keep = lambda name, obj, peer=peer: self._keep(peer.id, name, obj)  # noqa: E731
             keep("PeerSession", peer)
             keep("RTCPeerConnection", peer.pc)
             keep("PacedAudioTrack", peer.outbound)

@@ -265,7 +265,7 @@ async def test_barge_ins_at_random_moments_of_an_order_keep_what_was_done_and_te
                 h.mic.say(pcm48(say("what is the weather like today")))
                 first = h.turn_events()[0]["turn_id"]
                 await h.wait_for(
-                    lambda: any(e.get("status") == "COMPLETED" and e["turn_id"] != first for e in h.turn_events()), timeout=40
+                    lambda first=first: any(e.get("status") == "COMPLETED" and e["turn_id"] != first for e in h.turn_events()), timeout=40
                 )
                 await asyncio.sleep(0.5)  # a reversal the stop might (wrongly) have started
                 turns = await store.list_session("sess-1")

@@ -80,7 +80,9 @@ async def stop_trials(pair: Pair, model: Callable[[], LanguageModel], seed: int)
             logged += len(late_output(events, turn.id))
             follower = EventFollower(pair.runner.store, turn.session_id)
             seen = await follower.read_available()
-            stop_at = next(e.seq for e in events if e.type == "turn" and e.turn_id == turn.id and e.payload.get("status") == "CANCEL_REQUESTED")
+            stop_at = next(
+                e.seq for e in events if e.type == "turn" and e.turn_id == turn.id and e.payload.get("status") == "CANCEL_REQUESTED"
+            )
             delivered += sum(1 for e in seen if e.seq > stop_at and e.turn_id == turn.id and e.type in OUTPUT_TYPES)
     finally:
         await turns.aclose()

@@ -55,7 +55,9 @@ class Api:
             h["Idempotency-Key"] = key
         return await self.call("POST", f"/v1/turns/{turn_id}/stop", headers=h, **kw)
 
-    async def sse(self, path: str, *, headers: dict[str, str] | None = None, until: Any = None, timeout: float = 20) -> list[dict[str, Any]]:
+    async def sse(
+        self, path: str, *, headers: dict[str, str] | None = None, until: Any = None, timeout: float = 20
+    ) -> list[dict[str, Any]]:
         """Read an event stream until ``until(message)`` is true."""
         out: list[dict[str, Any]] = []
         async with self.http.get(self.url + path, headers=headers) as r:
