@@ -32,6 +32,7 @@ unresolved, is RECONCILE_REQUIRED (:func:`effect_remains`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -189,7 +190,7 @@ class Ledger:
             if status is IntentStatus.DONE and cur.kind is IntentKind.EFFECT and "done_at" not in fields:
                 update["done_at"] = now
             new = cur.model_copy(update=update)
-            if await self._call(lambda new=new: self.store.ledger_replace(new)):
+            if await self._call(functools.partial(self.store.ledger_replace, new)):
                 await self._audit(key, status.value, detail)
                 if new.kind is IntentKind.EFFECT:
                     await self._tell(new.turn_id, f"tool.{status.value}", _payload(new))

@@ -9,6 +9,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from pydantic import BaseModel
+
 from turn.models import (
     TERMINAL_STATUSES,
     Budget,
@@ -33,7 +35,7 @@ from turn.store import (
     UnknownTurn,
 )
 
-_MODEL_FIELDS = {
+_MODEL_FIELDS: dict[str, type[BaseModel]] = {
     "stop_reason": StopReason, "budget": Budget, "spent": Spent, "usage": Usage, "stop_report": StopReport,
 }
 #: how long a stop request id is remembered across turns, s (7 days)
