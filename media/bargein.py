@@ -249,6 +249,19 @@ class BargeInDetector:
             confirmed: ended without pausing anything.
     """
 
+    # the current run's state, set by _reset_run and _start_run
+    _candidate: bool
+    _gated: int
+    _dropouts: int
+    _unvoiced: int
+    _onset_at: float
+    _started_at: float
+    _speech_ms: float
+    _onset_max: float
+    _verify_left: int
+    _tentative_tried: bool
+    _sibilant: int
+
     def __init__(self, vad: VadConfig | None = None, config: BargeInConfig | None = None, echo: EchoReference | None = None) -> None:
         self.vad_config = vad or VadConfig()
         self.config = config or BargeInConfig()

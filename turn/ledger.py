@@ -78,8 +78,15 @@ class EffectNotApplied(Exception):
 class EffectHandler(Protocol):
     """What the ledger needs of a tool (``voice.tools.Tool`` is one)."""
 
-    name: str
-    effect: str
+    @property
+    def name(self) -> str:
+        """The tool's name."""
+        ...
+
+    @property
+    def effect(self) -> str:
+        """Its kind of side effect (``voice.tools.Effect``)."""
+        ...
 
     async def compensate_effect(self, key: str, args: dict[str, Any]) -> bool | None:
         """Undo the effect of ``key`` (idempotent; a no-op if it never
