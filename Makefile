@@ -1,4 +1,5 @@
-# turnkeeper: `make run` starts the server, `make test` runs the tests.
+# turnkeeper: `make run` starts the server, `make test` lints, type-checks and runs the tests
+# (`make lint`: ruff and mypy only).
 # Both install what is missing first (as root on Debian: apt packages; always: .venv).
 
 SHELL := /bin/bash
@@ -8,13 +9,23 @@ BIN := $(VENV)/bin
 APT_PACKAGES := espeak-ng sox alsa-utils chromium chromium-driver redis-server
 STAMP := $(VENV)/.installed
 
-.PHONY: run test deps apt venv bench clean
+.PHONY: run test lint deps apt venv bench clean
 
 run: deps
 	$(BIN)/turnkeeper serve
 
+LINT_PATHS := turn media voice web testkit client demo_shop tests bench
+TYPED_PATHS := turn media voice web
+
 test: deps
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/mypy $(TYPED_PATHS)
 	$(BIN)/python -m pytest
+
+# ruff (lint and import order) and mypy only; `make test` runs them first too.
+lint: deps
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/mypy $(TYPED_PATHS)
 
 bench: deps
 	$(BIN)/python bench/bargein.py

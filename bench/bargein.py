@@ -55,9 +55,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 import corpus as C  # noqa: E402  (the tests' labelled corpus)
 import listening as L  # noqa: E402  (the inserted-gap measure)
 from local_server import server  # noqa: E402  (its own process, the tests' grammar)
-from media.frames import PLAYOUT_RATE, VAD_RATE  # noqa: E402
+
 from client.call import CallClient  # noqa: E402
 from client.results import BargeInMeasure, CallResult, Utterance  # noqa: E402
+from media.frames import PLAYOUT_RATE, VAD_RATE  # noqa: E402
 
 STORY = "tell me a story"
 REFERENCE_S = 44.0  # the reference reception hears this much of the story (s after it starts)

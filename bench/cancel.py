@@ -56,14 +56,14 @@ sys.path.insert(0, str(ROOT))
 
 from aiohttp import web  # noqa: E402
 
+from testkit.faults import CancellationIgnoringModel  # noqa: E402
+from testkit.openai_server import ChatCompletionsServer, ServerOptions  # noqa: E402
 from turn.clock import SystemClock  # noqa: E402
 from turn.manager import TurnManager  # noqa: E402
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus  # noqa: E402
 from turn.sqlite_store import SqliteStore  # noqa: E402
-from testkit.faults import CancellationIgnoringModel  # noqa: E402
 from voice.llm import LlmConfig, LocalAgent  # noqa: E402
 from voice.openai_llm import OpenAiChatModel  # noqa: E402
-from testkit.openai_server import ChatCompletionsServer, ServerOptions  # noqa: E402
 from voice.providers import LanguageModel  # noqa: E402
 from voice.text_turns import TextTurns  # noqa: E402
 
@@ -104,7 +104,7 @@ async def run_model(kind: str, stops: int, tps: float, rng: random.Random, folde
             cancelled = asyncio.Event()
             t_cancelled = 0.0
 
-            def on_change(t: Turn, turn_id: str = turn.id) -> None:
+            def on_change(t: Turn, turn_id: str = turn.id, cancelled: asyncio.Event = cancelled) -> None:
                 nonlocal t_cancelled
                 if t.id == turn_id and t.status is TurnStatus.CANCELLED and not cancelled.is_set():
                     t_cancelled = time.perf_counter()

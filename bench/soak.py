@@ -66,7 +66,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -76,9 +75,10 @@ import corpus as C  # noqa: E402  (the tests' labelled corpus)
 import listening as L  # noqa: E402  (the inserted-gap measure)
 from bargein import stats, up  # noqa: E402
 from local_server import server  # noqa: E402
-from media.frames import VAD_RATE  # noqa: E402
+
 from client.call import CallClient  # noqa: E402
 from client.results import CallError, CallResult, Utterance  # noqa: E402
+from media.frames import VAD_RATE  # noqa: E402
 
 STORY = "tell me a story"
 INTERRUPT = "hey wait stop I have a question"
@@ -336,7 +336,10 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--min-at", type=float, default=1.0, help="earliest stimulus, s after the agent's audio starts (default 1)")
     p.add_argument("--max-at", type=float, default=6.0, help="latest stimulus, s (default 6)")
-    p.add_argument("--hangup-after", type=float, default=0.5, help="hang up this long after the stimulus (with its 1 s of trailing silence) was sent, s (default 0.5)")
+    p.add_argument(
+        "--hangup-after", type=float, default=0.5,
+        help="hang up this long after the stimulus (with its 1 s of trailing silence) was sent, s (default 0.5)",
+    )
     p.add_argument("--classes", default=",".join(CLASSES), help=f"comma-separated (default {','.join(CLASSES)}; also: none)")
     p.add_argument("--dump", type=Path, help="write each call's reception (frames, events) to DIR/NNNN-class.json")
     p.add_argument("--json", action="store_true", help="print one JSON object of the figures on stdout")

@@ -79,14 +79,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from local_server import free_port, stop_process  # noqa: E402  (bench/: the script's own folder)
-from turn.clock import SystemClock
-from turn.manager import TurnManager
-from turn.models import StopReason, StopReasonKind, TurnStatus
-from turn.redis_store import RedisStore
-from turn.signals import RedisStopSignals, StopSignals
-from turn.sqlite_store import SqliteStore
-from turn.stopped import TurnStopped
-from turn.store import StopAnswer
+
+from turn.clock import SystemClock  # noqa: E402
+from turn.manager import TurnManager  # noqa: E402
+from turn.models import StopReason, StopReasonKind, TurnStatus  # noqa: E402
+from turn.redis_store import RedisStore  # noqa: E402
+from turn.signals import RedisStopSignals, StopSignals  # noqa: E402
+from turn.sqlite_store import SqliteStore  # noqa: E402
+from turn.stopped import TurnStopped  # noqa: E402
+from turn.store import StopAnswer  # noqa: E402
 
 #: checkpoints per turn in the lifecycle figure
 CHECKPOINTS = 10

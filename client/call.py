@@ -32,18 +32,19 @@ import logging
 import wave
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import numpy as np
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from av.audio.frame import AudioFrame
 
+from client.results import BargeInMeasure, CallError, CallResult, TurnView, Utterance
 from media.frames import PLAYOUT_RATE, PcmResampler, Reframer, first_sound_sample, rms_dbfs
 from media.inbound import set_jitter_prefetch
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer, PlayoutFrame
-from client.results import BargeInMeasure, CallError, CallResult, TurnView, Utterance
 from turn.clock import Clock, SystemClock
 
 log = logging.getLogger(__name__)
@@ -202,8 +203,8 @@ class CallClient:
             try:
                 done, _ = await asyncio.wait({script, hangup}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                for t in (script, hangup):
-                    t.cancel()
+                for task in (script, hangup):
+                    task.cancel()
                 await asyncio.gather(script, hangup, return_exceptions=True)
             if script in done:
                 script.result()  # re-raise a failure of the script itself (e.g. no speech heard)
@@ -307,7 +308,7 @@ class CallClient:
         self._queue(mic, 1, opening.pcm)
         await mic.wait_empty()
         await self._expect_a_turn()
-        for k, (utt, m) in enumerate(zip(barge_ins, measures), start=2):
+        for k, (utt, m) in enumerate(zip(barge_ins, measures, strict=True), start=2):
             m.kind = utt.kind
             sent_at = self.clock.monotonic()
             while True:
@@ -382,7 +383,8 @@ class CallClient:
         reframer = Reframer(PLAYOUT_RATE)
         while True:
             try:
-                frame = await track.recv()
+                # an audio track's recv() gives decoded av.AudioFrames (aiortc types it Frame | Packet)
+                frame = cast(AudioFrame, await track.recv())
             except MediaStreamError:
                 return
             now = self.clock.monotonic()

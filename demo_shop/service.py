@@ -26,8 +26,8 @@ import json
 import sqlite3
 import threading
 from collections import defaultdict, deque
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from turn.clock import Clock

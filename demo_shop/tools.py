@@ -24,12 +24,12 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from demo_shop.service import DemoService
 from turn.clock import Clock
 from turn.downstream import DownstreamWorker
 from turn.intents import LookupAnswer
 from turn.ledger import EffectHandler
 from turn.store import TurnStore
-from demo_shop.service import DemoService
 from voice.llm import WEATHER_REPLY
 from voice.tools import Toolbox, tool
 

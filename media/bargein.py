@@ -152,7 +152,10 @@ class BargeInConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> BargeInConfig:
-        for name in ("pause_after_ms", "confirm_speech_ms", "confirm_timeout_ms", "rearm_ms", "echo_max_delay_ms", "pause_verify_ms", "pause_sibilant_verify_ms"):
+        for name in (
+            "pause_after_ms", "confirm_speech_ms", "confirm_timeout_ms", "rearm_ms", "echo_max_delay_ms",
+            "pause_verify_ms", "pause_sibilant_verify_ms",
+        ):
             if getattr(self, name) % FRAME_MS:
                 raise ValueError(f"{name} must be a multiple of {FRAME_MS} ms")
         if self.confirm_timeout_ms < self.confirm_speech_ms:
@@ -245,6 +248,19 @@ class BargeInDetector:
         ignored_runs: gated runs that never scored as speech and never
             confirmed: ended without pausing anything.
     """
+
+    # the current run's state, set by _reset_run and _start_run
+    _candidate: bool
+    _gated: int
+    _dropouts: int
+    _unvoiced: int
+    _onset_at: float
+    _started_at: float
+    _speech_ms: float
+    _onset_max: float
+    _verify_left: int
+    _tentative_tried: bool
+    _sibilant: int
 
     def __init__(self, vad: VadConfig | None = None, config: BargeInConfig | None = None, echo: EchoReference | None = None) -> None:
         self.vad_config = vad or VadConfig()
@@ -454,7 +470,9 @@ class BargeInDetector:
         return True
 
     def _event(self, kind: DetectorEventKind, at: float, reason: str = "") -> DetectorEvent:
-        return DetectorEvent(kind, at, self._onset_at, round(self._speech_ms), self._confirmation.max_prob, reason, round(self._onset_max, 3))
+        return DetectorEvent(
+            kind, at, self._onset_at, round(self._speech_ms), self._confirmation.max_prob, reason, round(self._onset_max, 3)
+        )
 
     def _reset_run(self, keep_closed: bool = False) -> None:
         self._candidate = False

@@ -25,7 +25,6 @@ from media.frames import FRAME_MS, VAD_RATE, PcmResampler, Reframer, frame_bytes
 from media.vad import VadConfig
 from turn.clock import Clock
 
-
 #: shortest stall (ms) filled with silence: well above the jitter of 20 ms packets
 MIN_STALL_MS = 100
 
@@ -258,4 +257,4 @@ def set_jitter_prefetch(receiver: Any, packets: int) -> None:
 
 def jitter_prefetch(receiver: Any) -> int:
     """The receiver's current jitter-buffer prefetch, in packets."""
-    return getattr(receiver, "_RTCRtpReceiver__jitter_buffer")._prefetch
+    return receiver._RTCRtpReceiver__jitter_buffer._prefetch

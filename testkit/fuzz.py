@@ -184,7 +184,7 @@ async def fuzz(iterations: int, seed: int = 1, *, folder: Path | None = None) ->
                 sent_before = len(requests)
                 if mode == "supersede":  # a newer message in the session: a real barge-in
                     t0, delay = clock.monotonic(), rng.uniform(0, 0.2 + 0.1 * len(script))
-                    await _drive(clock, lambda: clock.monotonic() - t0 >= delay)
+                    await _drive(clock, lambda t0=t0, delay=delay: clock.monotonic() - t0 >= delay)
                     script[:] = []
                     follow = await turns.start(tenant_id="fuzz", text=FOLLOW_UP, session_id=session)
                 await _drive(clock, lambda t=turn.id: t not in turns.scopes and not _running(turns, t))
@@ -340,7 +340,10 @@ async def _check(manager: TurnManager, store: SqliteStore, service: DemoService,
             report.kept_through_stop += 1
             eff = applied.get(i.key)
             if i.status is IntentStatus.COMPENSATED or compensation_key(i.key) in jobs or (eff is not None and eff["reversed"]):
-                bad(f"stop_keeps_done_effects: {i.key} was done before the {stop.kind.value} of turn {turn_id} and was reversed ({i.status.value})")
+                bad(
+                    f"stop_keeps_done_effects: {i.key} was done before the {stop.kind.value} of turn {turn_id}"
+                    f" and was reversed ({i.status.value})"
+                )
 
 
 async def _check_history(

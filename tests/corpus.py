@@ -459,7 +459,9 @@ def echo_clip(delay_ms: int, atten_db: float, phrase: int = 0, voice: str = "en-
     return Clip(f"echo-{voice}-p{phrase}-{delay_ms}ms-{atten_db:g}dB", "echo", echo, None, ref, delay_ms, atten_db)
 
 
-def double_talk(echo: Clip, user_text: str = "wait, stop please", voice: str = "en-gb+f3", at_s: float = 1.0, user_vs_echo_db: float = 0.0) -> Clip:
+def double_talk(
+    echo: Clip, user_text: str = "wait, stop please", voice: str = "en-gb+f3", at_s: float = 1.0, user_vs_echo_db: float = 0.0
+) -> Clip:
     """``echo`` with user speech (a different voice, through one Opus trip)
     added at ``at_s`` seconds, its active level ``user_vs_echo_db`` relative
     to the echo's active level."""

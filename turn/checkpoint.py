@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from turn.clock import Clock
 from turn.events import EventLogs
@@ -32,6 +32,8 @@ from turn.store import TurnStore
 from turn.usage import UsageMeter
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: how long a checkpoint waits for a stop of its turn being written here, s
 #: (a store write takes milliseconds; a store that hangs is not waited out)
@@ -65,6 +67,12 @@ class Checkpoints:
     _flags: dict[str, FlagCache]
     _where: dict[str, tuple[str, int]]
     _stop_hooks: dict[str, list[Callable[[], None]]]
+
+    if TYPE_CHECKING:  # the manager's methods this part calls (turn.manager.TurnManager)
+
+        async def store_call(self, fn: Callable[[], Awaitable[T]]) -> T: ...
+
+        async def get(self, turn_id: str) -> Turn: ...
 
     def stop_event(self, turn_id: str) -> asyncio.Event:
         """An event set when ``turn_id`` is asked to stop (fast path only; see

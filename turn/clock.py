@@ -14,9 +14,8 @@ import asyncio
 import heapq
 import itertools
 import time
-from typing import Any
-from datetime import datetime, timedelta, timezone
-from typing import Protocol
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
 
 
 class Clock(Protocol):
@@ -42,7 +41,7 @@ class SystemClock:
         return time.monotonic()
 
     def now(self) -> datetime:
-        return datetime.now(timezone.utc)
+        return datetime.now(UTC)
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))
@@ -58,7 +57,7 @@ class VirtualClock:
     def __init__(self, start: float = 1000.0, wall: datetime | None = None) -> None:
         self._t = start
         self._origin = start
-        self._wall0 = wall or datetime(2026, 1, 1, tzinfo=timezone.utc)
+        self._wall0 = wall or datetime(2026, 1, 1, tzinfo=UTC)
         self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
         self._seq = itertools.count()
 

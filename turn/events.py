@@ -20,6 +20,7 @@ a stop signal from another instance (:meth:`SessionEventLog.close_turn`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -81,7 +82,7 @@ class SessionEventLog:
         *,
         retry: Retry[Any] = _no_retry,
         max_queue: int = 10_000,
-        on_idle: Callable[["SessionEventLog"], None] | None = None,
+        on_idle: Callable[[SessionEventLog], None] | None = None,
     ) -> None:
         self.store = store
         self.session_id = session_id
@@ -190,7 +191,7 @@ class SessionEventLog:
                 # the gate closed while it waited: it is never stored deliverable
                 event = event.model_copy(update={"fenced": True})
             try:
-                stored = await self.retry(lambda: self.store.append_event(event))
+                stored = await self.retry(functools.partial(self.store.append_event, event))
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -202,7 +203,7 @@ class SessionEventLog:
             self.last_seq = max(self.last_seq, stored.seq)
             if stored.type in OUTPUT_TYPES and not stored.fenced and not self.gate.passes(stored.generation):
                 try:
-                    await self.retry(lambda: self.store.mark_fenced(self.session_id, stored.seq))
+                    await self.retry(functools.partial(self.store.mark_fenced, self.session_id, stored.seq))
                     stored = stored.model_copy(update={"fenced": True})
                 except Exception:
                     log.exception("session %s: could not mark event %d fenced", self.session_id, stored.seq)

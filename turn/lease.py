@@ -20,13 +20,18 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from turn.clock import Clock
 from turn.ledger import Ledger
 from turn.models import StopReason, StopReasonKind, Turn
+from turn.states import TransitionResult
 from turn.store import StopAnswer, StopResult, TurnStore
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def default_owner() -> str:
@@ -56,6 +61,18 @@ class Leases:
     owner: str
     lease_ttl_s: float
     _owned: set[str]
+
+    if TYPE_CHECKING:  # the manager's methods this part calls (turn.manager.TurnManager, turn.stop_path.StopPath)
+
+        async def store_call(self, fn: Callable[[], Awaitable[T]]) -> T: ...
+
+        async def request_stop(
+            self, turn_id: str, reason: StopReason, *, request_id: str | None = None, fingerprint: str = ""
+        ) -> StopResult: ...
+
+        async def confirm_stopped(self, turn_id: str) -> TransitionResult: ...
+
+        async def reconcile_required(self, turn_id: str) -> TransitionResult: ...
 
     async def renew_leases(self) -> int:
         """Heartbeat every turn this process runs; returns how many."""

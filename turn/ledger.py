@@ -32,6 +32,7 @@ unresolved, is RECONCILE_REQUIRED (:func:`effect_remains`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -77,8 +78,15 @@ class EffectNotApplied(Exception):
 class EffectHandler(Protocol):
     """What the ledger needs of a tool (``voice.tools.Tool`` is one)."""
 
-    name: str
-    effect: str
+    @property
+    def name(self) -> str:
+        """The tool's name."""
+        ...
+
+    @property
+    def effect(self) -> str:
+        """Its kind of side effect (``voice.tools.Effect``)."""
+        ...
 
     async def compensate_effect(self, key: str, args: dict[str, Any]) -> bool | None:
         """Undo the effect of ``key`` (idempotent; a no-op if it never
@@ -189,7 +197,7 @@ class Ledger:
             if status is IntentStatus.DONE and cur.kind is IntentKind.EFFECT and "done_at" not in fields:
                 update["done_at"] = now
             new = cur.model_copy(update=update)
-            if await self._call(lambda: self.store.ledger_replace(new)):
+            if await self._call(functools.partial(self.store.ledger_replace, new)):
                 await self._audit(key, status.value, detail)
                 if new.kind is IntentKind.EFFECT:
                     await self._tell(new.turn_id, f"tool.{status.value}", _payload(new))
@@ -228,7 +236,10 @@ class Ledger:
             except Exception as exc:
                 return await self.move(key, IntentStatus.HUMAN_REQUIRED, detail=f"late effect could not be reversed: {exc}", error=str(exc))
             if reversed_ is not False:
-                return await self.move(key, IntentStatus.COMPENSATED, expect=frozenset({IntentStatus.DONE}), detail="the late effect was reversed again") or moved
+                again = await self.move(
+                    key, IntentStatus.COMPENSATED, expect=frozenset({IntentStatus.DONE}), detail="the late effect was reversed again"
+                )
+                return again or moved
         return moved
 
     # -- a stop --------------------------------------------------------------------
@@ -264,9 +275,14 @@ class Ledger:
                 continue
             if intent.status is IntentStatus.PENDING and not work_running:
                 if intent.effect == "none":
-                    intent = await self.move(intent.key, IntentStatus.ABANDONED, expect=frozenset({IntentStatus.PENDING}), detail="stopped before it answered") or intent
+                    intent = await self.move(
+                        intent.key, IntentStatus.ABANDONED, expect=frozenset({IntentStatus.PENDING}), detail="stopped before it answered"
+                    ) or intent
                 else:
-                    intent = await self.move(intent.key, IntentStatus.EFFECT_UNKNOWN, expect=frozenset({IntentStatus.PENDING}), detail="stopped mid-call: it may have been applied") or intent
+                    intent = await self.move(
+                        intent.key, IntentStatus.EFFECT_UNKNOWN, expect=frozenset({IntentStatus.PENDING}),
+                        detail="stopped mid-call: it may have been applied",
+                    ) or intent
             if not policy.compensates(intent, stop_at):
                 continue
             if intent.status is IntentStatus.DONE:
@@ -299,7 +315,8 @@ class Ledger:
             return effect
         expect = frozenset({IntentStatus.EFFECT_UNKNOWN})
         if answer is LookupAnswer.ABSENT:
-            return await self.move(effect.key, IntentStatus.ABANDONED, expect=expect, detail="not done: confirmed absent by lookup") or effect
+            moved = await self.move(effect.key, IntentStatus.ABANDONED, expect=expect, detail="not done: confirmed absent by lookup")
+            return moved or effect
         if answer is LookupAnswer.PRESENT:
             await self.move(effect.key, IntentStatus.DONE, expect=expect, detail="confirmed present by lookup")
         cur: Intent = await self._call(lambda: self.store.ledger_get(effect.key))
@@ -397,7 +414,9 @@ class Ledger:
         """Move an open ``row`` to ``human_required`` (``why`` recorded as
         its error), telling the session when it is a compensation job.
         Returns the row as stored afterwards."""
-        moved = await self.move(row.key, IntentStatus.HUMAN_REQUIRED, expect=OPEN, detail=why, error=why, attempts=row.attempts, next_attempt_at=None)
+        moved = await self.move(
+            row.key, IntentStatus.HUMAN_REQUIRED, expect=OPEN, detail=why, error=why, attempts=row.attempts, next_attempt_at=None
+        )
         if moved is not None and moved.kind is IntentKind.COMPENSATION:
             await self._tell(moved.turn_id, "tool.human_required", _payload(moved))
         return moved or row

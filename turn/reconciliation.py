@@ -95,7 +95,9 @@ class ReconciliationWorker:
             return await ledger.give_up(intent, f"no tool {intent.tool!r} here to look the effect up")
         answer = await ledger.lookup(intent)
         if answer is LookupAnswer.PRESENT:
-            done = await ledger.move(intent.key, IntentStatus.DONE, expect=frozenset({IntentStatus.EFFECT_UNKNOWN}), detail="confirmed present by lookup")
+            done = await ledger.move(
+                intent.key, IntentStatus.DONE, expect=frozenset({IntentStatus.EFFECT_UNKNOWN}), detail="confirmed present by lookup"
+            )
             if done is not None and done.effect == "compensate" and policy.compensate_in_flight:
                 await ledger.compensate(done, now=True)
             return done or intent
@@ -109,8 +111,14 @@ class ReconciliationWorker:
                     return await ledger.move(intent.key, IntentStatus.ABANDONED, expect=OPEN, detail=f"retry refused: {exc}") or intent
                 except Exception as exc:
                     return await ledger.retry_later(intent, f"retry failed: {type(exc).__name__}: {exc}")
-                return await ledger.move(intent.key, IntentStatus.DONE, expect=OPEN, detail="confirmed absent, retried with the same key", result=str(result)) or intent
-            return await ledger.move(intent.key, IntentStatus.ABANDONED, expect=OPEN, detail="confirmed absent; the policy allows no retry") or intent
+                retried = await ledger.move(
+                    intent.key, IntentStatus.DONE, expect=OPEN, detail="confirmed absent, retried with the same key", result=str(result)
+                )
+                return retried or intent
+            given_up = await ledger.move(
+                intent.key, IntentStatus.ABANDONED, expect=OPEN, detail="confirmed absent; the policy allows no retry"
+            )
+            return given_up or intent
         return await ledger.retry_later(intent, "the external system could not say")
 
     async def run(self) -> None:

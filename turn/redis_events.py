@@ -47,7 +47,7 @@ class RedisEventRows(RedisConnection):
         seqs = [int(entry_id.split("-")[1]) for entry_id, _ in entries]
         fenced = await self._call(c.smismember(f"{sk}:fenced", seqs))
         out = []
-        for seq, (_, fields), is_fenced in zip(seqs, entries, fenced):
+        for seq, (_, fields), is_fenced in zip(seqs, entries, fenced, strict=True):
             data = json.loads(fields["d"])
             data["fenced"] = bool(is_fenced) or data.get("fenced", False)
             out.append(EventRecord(session_id=session_id, seq=seq, **data))

@@ -9,8 +9,18 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from pydantic import BaseModel
+
 from turn.models import (
-    TERMINAL_STATUSES, Budget, Session, Spent, StopReason, StopReport, Turn, TurnStatus, Usage,
+    TERMINAL_STATUSES,
+    Budget,
+    Session,
+    Spent,
+    StopReason,
+    StopReport,
+    Turn,
+    TurnStatus,
+    Usage,
 )
 from turn.redis_connection import RedisConnection
 from turn.states import Outcome, TransitionResult, sources_of
@@ -25,7 +35,7 @@ from turn.store import (
     UnknownTurn,
 )
 
-_MODEL_FIELDS = {
+_MODEL_FIELDS: dict[str, type[BaseModel]] = {
     "stop_reason": StopReason, "budget": Budget, "spent": Spent, "usage": Usage, "stop_report": StopReport,
 }
 #: how long a stop request id is remembered across turns, s (7 days)
@@ -279,7 +289,7 @@ def _flat(d: dict[str, str]) -> list[str]:
 
 
 def _pairs(flat: list[str]) -> dict[str, str]:
-    return dict(zip(flat[::2], flat[1::2]))
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _encode(value: Any) -> str:

@@ -149,14 +149,14 @@ class TurnScope:
         self._entered = True
         return self
 
-    async def __aexit__(self, et: Any, exc: Any, tb: Any) -> bool | None:
+    async def __aexit__(self, et: Any, exc: Any, tb: Any) -> None:
         if et is not None:
             # The owner failed or was cancelled: nothing of the turn goes on.
             for child in self.children:
                 if child.task is not None and not child.task.done():
                     child.task.cancel()
         try:
-            return await self._tg.__aexit__(et, exc, tb)
+            await self._tg.__aexit__(et, exc, tb)  # it raises or returns None: never suppresses
         finally:
             self._entered = False
 
@@ -249,7 +249,7 @@ class TurnScope:
                 exc = NotStarted(self.turn_id, name, expected_s, remaining)
                 self.stop_self(exc)
                 raise exc
-        return await self.wait(self.spawn(name, coro, max_s=max_s))  # type: ignore[no-any-return]
+        return await self.wait(self.spawn(name, coro, max_s=max_s))
 
     async def wait(self, child: Child) -> Any:
         """Wait for ``child`` and return its result.

@@ -10,6 +10,8 @@ import sqlite3
 from datetime import datetime
 from typing import Any
 
+from pydantic import BaseModel
+
 from turn.models import (
     TERMINAL_STATUSES,
     Budget,
@@ -41,7 +43,7 @@ COLUMNS = [
     "transcript", "reply", "created_at", "updated_at", "terminal_at", *TURN_COLUMNS_ADDED,
 ]
 _SELECT = f"SELECT {', '.join(COLUMNS)} FROM turns"
-_MODEL_FIELDS = {
+_MODEL_FIELDS: dict[str, type[BaseModel]] = {
     "stop_reason": StopReason, "budget": Budget, "spent": Spent, "usage": Usage, "stop_report": StopReport,
 }
 
@@ -238,7 +240,7 @@ def _turn_to_row(t: Turn) -> tuple[Any, ...]:
 
 def _row_to_turn(row: tuple[Any, ...]) -> Turn:
     data: dict[str, Any] = {}
-    for name, value in zip(COLUMNS, row):
+    for name, value in zip(COLUMNS, row, strict=True):
         if value is None:
             continue
         if name in _MODEL_FIELDS:

@@ -17,6 +17,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from turn.clock import Clock
 from turn.ledger import Ledger
@@ -24,8 +26,11 @@ from turn.models import ChildOutcome, StopReason, StopReasonKind, StopReport, Tu
 from turn.runtime import TurnRuntime
 from turn.scope import TurnScope
 from turn.signals import StopSignals
+from turn.states import TransitionResult
 from turn.stopped import LIMIT_KINDS, TurnStopped
 from turn.store import StopResult, TurnStore
+
+T = TypeVar("T")
 
 
 class StopPath:
@@ -45,6 +50,22 @@ class StopPath:
     signals: StopSignals
     ledger: Ledger
     _runtime: dict[str, TurnRuntime]
+
+    if TYPE_CHECKING:  # the manager's methods this part calls (turn.manager.TurnManager, turn.checkpoint.Checkpoints)
+
+        async def store_call(self, fn: Callable[[], Awaitable[T]]) -> T: ...
+
+        async def get(self, turn_id: str) -> Turn: ...
+
+        def _notify(self, turn: Turn) -> None: ...
+
+        def _mark_stopping(self, turn_id: str) -> None: ...
+
+        async def confirm_stopped(self, turn_id: str) -> TransitionResult: ...
+
+        async def reconcile_required(self, turn_id: str) -> TransitionResult: ...
+
+        async def fail(self, turn_id: str, error: str, reason: StopReason | None = None) -> TransitionResult: ...
 
     async def request_stop(self, turn_id: str, reason: StopReason, *, request_id: str | None = None, fingerprint: str = "") -> StopResult:
         """Ask a turn to stop, idempotently. The first request moves RUNNING to

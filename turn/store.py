@@ -121,7 +121,16 @@ class TurnStore(Protocol):
     """Where turns, sessions and event logs live. All methods are coroutines,
     safe to call concurrently. Unless noted they raise
     :class:`StoreUnavailable` when the backend is busy or unreachable (nothing
-    written) and ``RuntimeError`` when the store is not open."""
+    written) and ``RuntimeError`` when the store is not open.
+
+    Attributes:
+        single_instance: True if one process serves the store (SQLite: a
+            file lock holds it to that), so every open turn found at startup
+            was left by a process that ended; False if many instances may
+            (Redis: only turns whose lease expired were left).
+    """
+
+    single_instance: bool
 
     async def open(self) -> None:
         """Connect, create schema as needed. Idempotent."""

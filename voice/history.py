@@ -23,6 +23,8 @@ downstream work) are not tool calls the model made, and are left out too.
 
 from __future__ import annotations
 
+import functools
+
 from turn.intents import OPEN, Intent, IntentKind, IntentStatus, compensation_key, effect_key
 from turn.manager import TurnManager
 from turn.models import Turn, TurnStatus
@@ -108,7 +110,7 @@ async def earlier_messages(
     for t in reversed(turns):
         if t.merged_into:
             continue
-        intents = await manager.store_call(lambda t=t: store.ledger_list(t.id))
+        intents = await manager.store_call(functools.partial(store.ledger_list, t.id))
         group = turn_messages(t, intents)
         if not group:
             continue

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
-
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr

@@ -202,11 +202,11 @@ class OpenAiChatModel:
                         slot["arguments"] += fn.get("arguments") or ""
                         if meter is not None and not usage:
                             meter.chunk()
-                    text = delta.get("content")
-                    if text:
+                    content = delta.get("content")
+                    if content:
                         if meter is not None and not usage:
                             meter.chunk()
-                        yield text
+                        yield content
             for index in sorted(calls):
                 yield _tool_call(calls[index], index)
             finished = True

@@ -195,7 +195,7 @@ async def _tool_call(
             expected_s=expected,
         )
     except NotStarted as exc:
-        _tell(on_event, ToolNotStarted(call_id=call.id, name=call.name, reason="no_budget", detail=exc.detail))
+        _tell(on_event, ToolNotStarted(call_id=call.id, name=call.name, reason="no_budget", detail=exc.detail or ""))
         raise
     except (TurnStopped, asyncio.CancelledError):
         if not done and tool.effect != "complete":  # a must-complete call goes on: the ledger tells its end

@@ -151,7 +151,7 @@ class PocketsphinxSTT:
             raise RuntimeError(f"speech model failed to load: {errors[0]}") from errors[0]
         self._started = True
 
-    def open_stream(self, adaptation: SttAdaptation | None = None) -> "PocketsphinxStream":
+    def open_stream(self, adaptation: SttAdaptation | None = None) -> PocketsphinxStream:
         """Begin an utterance (never blocks; audio waits if no decoder is
         free), from the session's ``adaptation`` (the cepstral mean its
         last recognised utterance settled at) or from ``cmn_start``; a

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import uuid
 from collections.abc import Callable
@@ -23,10 +24,10 @@ from turn.event_catalogue import AgentDelta, AgentDone, Transcript
 from turn.events import SessionEventLog
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
-from turn.models import Budget, Plan, StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
+from turn.models import Budget, Plan, StopReason, StopReasonKind, Turn, TurnKind
 from turn.scope import Child, TurnScope
 from turn.stopped import TurnStopped
-from voice.history import session_history, tool_outcome_text
+from voice.history import session_history
 from voice.providers import LanguageModel
 from voice.respond import run_agent, sink_to
 from voice.session import describe_error
@@ -46,6 +47,11 @@ class _TextSession:
 #: read, s; a slower stop (a compensation that goes on as a job) is told as
 #: it stands then ("outcome unknown: being checked")
 SUPERSEDED_WAIT_S = 2.0
+
+def _forget(running: dict[str, asyncio.Task[None]], turn_id: str, _task: asyncio.Task[None]) -> None:
+    """Done-callback: a finished text turn leaves its session's running set."""
+    running.pop(turn_id, None)
+
 
 class TextTurns:
     """Runs text turns on this instance.
@@ -135,7 +141,7 @@ class TextTurns:
             bg.add_done_callback(self._background.discard)
         task = asyncio.get_running_loop().create_task(self._run(turn, llm, plan, older), name=f"text-turn-{turn.id}")
         ts.running[turn.id] = task
-        task.add_done_callback(lambda _t, tid=turn.id: ts.running.pop(tid, None))
+        task.add_done_callback(functools.partial(_forget, ts.running, turn.id))
         return turn
 
     async def _supersede(self, turn_id: str) -> None:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 from aiohttp import web
@@ -32,16 +32,15 @@ from turn.redis_store import RedisStore
 from turn.signals import RedisStopSignals, StopSignals
 from turn.sqlite_connection import path_from_url
 from turn.sqlite_store import SqliteStore
-from turn.store import StoreUnavailable
+from turn.store import StoreUnavailable, TurnStore
 from voice.llm import LocalAgent
 from voice.openai_llm import OpenAiChatModel
 from voice.providers import LanguageModel
-from turn.store import TurnStore
-from voice.tools import Toolbox
 from voice.session import Providers
 from voice.stt import PocketsphinxSTT
-from voice.tts import EspeakTTS
 from voice.text_turns import TextTurns
+from voice.tools import Toolbox
+from voice.tts import EspeakTTS
 from web import api
 from web.auth import Auth
 from web.errors import ApiError
@@ -254,16 +253,40 @@ def create_app(
     app.router.add_get("/healthz", _healthz)
     app.router.add_post("/v1/webrtc/offer", _offer)
     api.add_routes(app)
-    app.on_startup.append(_startup)
-    app.on_shutdown.append(_shutdown)
-    app.on_cleanup.append(_cleanup)
+    # Startup enters these in order, cleanup leaves them in reverse: a step
+    # that fails stops the server before it serves, and cleanup then undoes
+    # what the steps before it did (aiohttp runs only the exits of the
+    # contexts it entered). The sessions end in on_shutdown, before aiohttp
+    # waits for its handlers (an SSE stream never ends by itself) and before
+    # any of this is undone.
+    app.cleanup_ctx.extend([_closed_at_cleanup, _store_opened, _background_work, _providers_started])
+    app.on_shutdown.append(_end_sessions)
     return app
 
 
-async def _startup(app: web.Application) -> None:
+async def _closed_at_cleanup(app: web.Application) -> AsyncIterator[None]:
+    """Nothing at startup; at cleanup, after the background work has
+    stopped, close what :func:`create_app` made: the providers (the work
+    used them), the stop signals, the store. Also when startup failed
+    before opening them (closing is idempotent, and a store whose open
+    failed half-way may hold a connection)."""
+    yield
+    await app[PROVIDERS].aclose()
+    await app[MANAGER].signals.aclose()
+    await app[STORE].close()
+
+
+async def _store_opened(app: web.Application) -> AsyncIterator[None]:
+    """Open the store and the stop signals, stop the turns a previous
+    process left open, and make the API's auth (it needs the store's
+    secret). Undone by :func:`_closed_at_cleanup`.
+
+    Raises:
+        RuntimeError: the store cannot be opened.
+    """
     store = app[STORE]
     try:
-        await store.open()  # type: ignore[attr-defined]
+        await store.open()
     except Exception as exc:
         raise RuntimeError(f"cannot open the store {app[SETTINGS].store}: {exc}") from exc
     manager = app[MANAGER]
@@ -277,27 +300,59 @@ async def _startup(app: web.Application) -> None:
         at=app[CLOCK].now(),
         detail="recovered at startup: the process running it ended without recording its end",
     )
-    await manager.recover_abandoned(reason, all_open=store.single_instance)  # type: ignore[attr-defined]
+    await manager.recover_abandoned(reason, all_open=store.single_instance)
     settings = app[SETTINGS]
     app[AUTH] = Auth(
-        settings.tenants_by_token, await manager.store_call(lambda: store.secret("resume-token")),  # type: ignore[attr-defined]
+        settings.tenants_by_token, await manager.store_call(lambda: store.secret("resume-token")),
         app[CLOCK], settings.resume_token_ttl_s,
     )
-    app[LEASES] = asyncio.get_running_loop().create_task(manager.keep_leases(), name="lease-keeper")
-    provs = app[PROVIDERS]
-    app[WORKERS] = [
-        asyncio.get_running_loop().create_task(manager.reconciliation_worker().run(), name="reconciliation"),
-        asyncio.get_running_loop().create_task(manager.sweep_abandoned(), name="lease-sweeper"),
-    ]
-    app[WORKERS] += [
-        asyncio.get_running_loop().create_task(work, name=name)
-        for name, work in provs.workers(store, manager.owner).items()
-    ]
-    await provs.start()
+    yield
 
 
-async def _shutdown(app: web.Application) -> None:
-    for task in list(app[STREAMS]):
+async def _background_work(app: web.Application) -> AsyncIterator[None]:
+    """Start the lease keeper and the background workers (reconciliation,
+    the lease sweeper, the providers' own); at cleanup (or if starting
+    them failed) cancel them, the keeper first, and wait for the workers
+    (at most 5 s)."""
+    manager = app[MANAGER]
+    loop = asyncio.get_running_loop()
+    app[LEASES] = loop.create_task(manager.keep_leases(), name="lease-keeper")
+    try:
+        app[WORKERS] = [
+            loop.create_task(manager.reconciliation_worker().run(), name="reconciliation"),
+            loop.create_task(manager.sweep_abandoned(), name="lease-sweeper"),
+        ]
+        app[WORKERS] += [
+            loop.create_task(work, name=name)
+            for name, work in app[PROVIDERS].workers(app[STORE], manager.owner).items()
+        ]
+        yield
+    finally:
+        app[LEASES].cancel()
+        workers = app.get(WORKERS, [])
+        for task in workers:
+            task.cancel()
+        if workers:
+            await asyncio.wait(workers, timeout=5)
+
+
+async def _providers_started(app: web.Application) -> AsyncIterator[None]:
+    """Check the providers (espeak-ng present, the speech recogniser
+    loaded); they are closed by :func:`_closed_at_cleanup`.
+
+    Raises:
+        RuntimeError: from :meth:`EmbeddedProviders.start`.
+    """
+    await app[PROVIDERS].start()
+    yield
+
+
+async def _end_sessions(app: web.Application) -> None:
+    """Shutdown: end the event streams, close every peer with
+    ``worker_shutdown`` (at most 10 s), stop the text turns, then write the
+    event logs' queues to the store."""
+    streams = app[STREAMS]
+    for task in list(streams):
         task.cancel()  # event streams end; clients resume elsewhere or later
     peers = list(app[PEERS].values())
     closing = [p.close(StopReasonKind.WORKER_SHUTDOWN) for p in peers]
@@ -305,19 +360,6 @@ async def _shutdown(app: web.Application) -> None:
         await asyncio.wait(closing, timeout=10)
     await app[TEXT_TURNS].aclose()
     await app[MANAGER].events.aclose()
-
-
-async def _cleanup(app: web.Application) -> None:
-    if LEASES in app:
-        app[LEASES].cancel()
-    workers = app.get(WORKERS, [])
-    for task in workers:
-        task.cancel()
-    if workers:
-        await asyncio.wait(workers, timeout=5)
-    await app[PROVIDERS].aclose()
-    await app[MANAGER].signals.aclose()
-    await app[STORE].close()  # type: ignore[attr-defined]
 
 
 @web.middleware
@@ -402,7 +444,7 @@ async def _offer(request: web.Request) -> web.Response:
         manager=app[MANAGER],
         providers=app[PROVIDERS].for_session(),
         clock=clock,
-        on_closed=lambda p: peers.pop(p.id, None),
+        on_closed=lambda p: _forget(peers, p),
         client=request.remote or "?",
     )
     peers[peer.id] = peer
@@ -416,3 +458,8 @@ async def _offer(request: web.Request) -> web.Response:
         raise
     log.info("session %s: answered offer", peer.id)
     return web.json_response({"type": "answer", "sdp": sdp, "session_id": peer.id})
+
+
+def _forget(peers: dict[str, PeerSession], peer: PeerSession) -> None:
+    """A closed peer leaves the table (if still there)."""
+    peers.pop(peer.id, None)

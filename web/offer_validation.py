@@ -247,8 +247,8 @@ def _check_transport(index: int, media: aiortc_sdp.MediaDescription) -> None:
             raise _invalid(
                 f"{where} uses protocol {media.profile}; data channels need {' or '.join(DTLS_SCTP_PROFILES)} (RFC 8841)"
             )
-    ice = media.ice
-    if not ice.usernameFragment or not ice.password:
+    ice = media.ice  # aiortc's parser always makes one (typed Optional)
+    if ice is None or not ice.usernameFragment or not ice.password:
         raise _invalid(f"{where} has no a=ice-ufrag or no a=ice-pwd, at session or media level (RFC 8839 section 5.4)")
     if not _ICE_UFRAG.fullmatch(ice.usernameFragment):
         raise _invalid(f"{where}: a=ice-ufrag must be 4 to 256 characters of A-Z a-z 0-9 + / (RFC 8839 section 5.4)")

@@ -147,7 +147,7 @@ class PeerSession:
         manager: TurnManager,
         providers: Providers,
         clock: Clock,
-        on_closed: Callable[["PeerSession"], None],
+        on_closed: Callable[[PeerSession], None],
         client: str = "?",
     ) -> None:
         self.id = uuid.uuid4().hex

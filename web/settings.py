@@ -2,7 +2,7 @@
 
 Precedence, highest first: values passed in code (CLI flags), environment
 variables (``TURNKEEPER_*``; nested with ``__``, e.g.
-``TURNKEEPER_VAD__ONSET_MS=80``), the TOML file named by ``--config`` or
+``TURNKEEPER_VAD__OFFSET_MS=300``), the TOML file named by ``--config`` or
 ``TURNKEEPER_CONFIG`` (tables ``[vad]``, ``[tts]``, ...), then the defaults.
 Every field documents its unit; README.md lists them all.
 """

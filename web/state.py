@@ -1,4 +1,9 @@
-"""Typed keys of the application's shared state (aiohttp ``AppKey``)."""
+"""Typed keys of the application's shared state (aiohttp ``AppKey``).
+
+Each key names the type of its value, so ``app[KEY]`` is typed wherever it
+is read (mypy checks it); the annotations are not evaluated at run time, so
+naming ``web.app``'s and ``web.peer``'s classes here makes no import cycle.
+"""
 
 from __future__ import annotations
 
@@ -7,24 +12,32 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from turn.clock import Clock
-from turn.manager import TurnManager
-from voice.text_turns import TextTurns
-from web.settings import Settings
-
 if TYPE_CHECKING:
-    pass
+    from turn.clock import Clock
+    from turn.manager import TurnManager
+    from turn.store import TurnStore
+    from voice.text_turns import TextTurns
+    from web.app import EmbeddedProviders
+    from web.auth import Auth
+    from web.peer import PeerSession
+    from web.settings import Settings
 
-SETTINGS = web.AppKey("settings", Settings)
-CLOCK = web.AppKey("clock", Clock)  # type: ignore[type-abstract]
-STORE = web.AppKey("store", object)  # SqliteStore | RedisStore
-MANAGER = web.AppKey("manager", TurnManager)
-PEERS = web.AppKey("peers", dict)  # session id -> web.peer.PeerSession
-PROVIDERS = web.AppKey("providers", object)  # web.app.EmbeddedProviders
-TEXT_TURNS = web.AppKey("text_turns", TextTurns)
-AUTH = web.AppKey("auth", object)  # web.auth.Auth
-LEASES = web.AppKey("lease_keeper", asyncio.Task)
-STREAMS = web.AppKey("event_streams", set)  # running SSE handler tasks
-WORKERS = web.AppKey("workers", list)  # background tasks: reconciliation, message sender
+SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
+CLOCK: web.AppKey[Clock] = web.AppKey("clock")
+#: the turn store (turn.sqlite_store.SqliteStore or turn.redis_store.RedisStore)
+STORE: web.AppKey[TurnStore] = web.AppKey("store")
+MANAGER: web.AppKey[TurnManager] = web.AppKey("manager")
+#: session id -> its WebRTC peer
+PEERS: web.AppKey[dict[str, PeerSession]] = web.AppKey("peers")
+PROVIDERS: web.AppKey[EmbeddedProviders] = web.AppKey("providers")
+TEXT_TURNS: web.AppKey[TextTurns] = web.AppKey("text_turns")
+#: made at startup (it needs the store's secret)
+AUTH: web.AppKey[Auth] = web.AppKey("auth")
+#: the lease keeper (turn.lease.Leases.keep_leases), started at startup
+LEASES: web.AppKey[asyncio.Task[None]] = web.AppKey("lease_keeper")
+#: the running SSE handlers' tasks (cancelled at shutdown)
+STREAMS: web.AppKey[set[asyncio.Task[Any]]] = web.AppKey("event_streams")
+#: background tasks started at startup: reconciliation, the lease sweeper, the providers' workers
+WORKERS: web.AppKey[list[asyncio.Task[None]]] = web.AppKey("workers")
 
-__all__ = ["SETTINGS", "CLOCK", "STORE", "MANAGER", "PEERS", "PROVIDERS", "TEXT_TURNS", "AUTH", "LEASES", "STREAMS", "WORKERS", "Any"]
+__all__ = ["SETTINGS", "CLOCK", "STORE", "MANAGER", "PEERS", "PROVIDERS", "TEXT_TURNS", "AUTH", "LEASES", "STREAMS", "WORKERS"]

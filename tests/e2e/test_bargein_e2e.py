@@ -5,18 +5,14 @@ voice from a speakerphone cancel nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
-
-import pytest
-
 import corpus as C
-from media.frames import PLAYOUT_RATE, VAD_RATE
-from client.call import CallClient
-from client.results import Utterance
-
+import pytest
 from conftest import requires_espeak
 from test_call_e2e import Server, server  # noqa: F401  (fixture)
+
+from client.call import CallClient
+from client.results import Utterance
+from media.frames import PLAYOUT_RATE, VAD_RATE
 
 pytestmark = [pytest.mark.e2e, requires_espeak]
 

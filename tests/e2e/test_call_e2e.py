@@ -13,16 +13,15 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from conftest import requires_espeak, start_app
 
+from client.call import CallClient
+from client.results import Utterance
 from media.frames import PLAYOUT_RATE, load_pcm
 from turn.models import StopReasonKind, TurnStatus
 from web.app import MANAGER, PEERS, create_app
-from client.call import CallClient
-from client.results import Utterance
 from web.peer import PeerSession
 from web.settings import Settings
-
-from conftest import requires_espeak, start_app
 
 pytestmark = [pytest.mark.e2e, requires_espeak]
 TOKEN = "tok-default-0123456789"

@@ -18,7 +18,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-
 from conftest import free_port
 
 pytestmark = pytest.mark.e2e

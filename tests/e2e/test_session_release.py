@@ -17,18 +17,17 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import corpus as C
 import pytest
 from aiohttp import web
+from conftest import requires_espeak, start_app
 
-import corpus as C
+from client.call import CallClient
+from client.results import Utterance
 from media.frames import PLAYOUT_RATE, VAD_RATE
 from media.silero import SILERO_IDLE_MAX, SILERO_POOL
 from web.app import MANAGER, PEERS, STORE, create_app
-from client.call import CallClient
-from client.results import Utterance
 from web.settings import Settings
-
-from conftest import requires_espeak, start_app
 
 pytestmark = [pytest.mark.e2e, requires_espeak]
 
@@ -51,7 +50,7 @@ class Tracker:
 
     def grab(self) -> None:
         for peer in list(self.app[PEERS].values()):
-            keep = lambda name, obj: self._keep(peer.id, name, obj)  # noqa: E731
+            keep = lambda name, obj, peer=peer: self._keep(peer.id, name, obj)  # noqa: E731
             keep("PeerSession", peer)
             keep("RTCPeerConnection", peer.pc)
             keep("PacedAudioTrack", peer.outbound)

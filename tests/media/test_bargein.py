@@ -212,7 +212,7 @@ def test_a_loudspeaker_turned_on_mid_reply_is_still_echo() -> None:
     clip = _over_the_agent(b"", echo_from_s=2.0)
     run = run_clip(clip)
     assert K.SPEECH_CONFIRMED not in run.kinds(), run.kinds()
-    for started, rejected in zip(run.events[::2], run.events[1::2]):
+    for started, rejected in zip(run.events[::2], run.events[1::2], strict=False):
         assert (started.kind, rejected.kind) == (K.SPEECH_STARTED, K.SPEECH_REJECTED), run.events
     assert run.detector.echo_return_loss_db < 20  # the echo is back in the estimate
     assert sum(run.echo[int(2.5 / 0.02) :]) > 20

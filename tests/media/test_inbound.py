@@ -13,9 +13,9 @@ from aiortc.mediastreams import MediaStreamError
 from aiortc.rtp import RtpPacket
 from av.audio.frame import AudioFrame
 
+from media.bargein import DetectorEventKind
 from media.frames import PLAYOUT_RATE, load_pcm
 from media.inbound import AudioJitterBuffer, InboundAudio, jitter_prefetch, set_jitter_prefetch
-from media.bargein import DetectorEventKind
 from turn.clock import SystemClock, VirtualClock
 
 
@@ -111,7 +111,7 @@ async def test_prefetch_zero_installs_the_audio_buffer() -> None:
     try:
         t = pc.addTransceiver("audio")
         set_jitter_prefetch(t.receiver, 0)
-        assert isinstance(getattr(t.receiver, "_RTCRtpReceiver__jitter_buffer"), AudioJitterBuffer)
+        assert isinstance(t.receiver._RTCRtpReceiver__jitter_buffer, AudioJitterBuffer)
     finally:
         await pc.close()
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 import corpus as C
 import numpy as np
 import pytest
+from test_bargein import run_clip
 
 from media.bargein import DetectorEventKind as K
 from media.frames import PLAYOUT_RATE, VAD_RATE
-
-from test_bargein import run_clip
 
 pytestmark = pytest.mark.skipif(not C.have_espeak(), reason="espeak-ng is not installed")
 
@@ -44,7 +43,8 @@ def two_replies(user16: bytes, lead_s: float, echo_db: float | None) -> C.Clip:
         u = C.to_array(user16)
         k = int((SECOND_REPLY_S + lead_s) * VAD_RATE)
         mic[k : k + len(u)] += u[: len(mic) - k]
-    return C.Clip("two-replies", "speech", C.to_pcm(mic), (SECOND_REPLY_S + lead_s, SECOND_REPLY_S + lead_s + len(user16) / 2 / VAD_RATE), ref48)
+    onset_s = SECOND_REPLY_S + lead_s
+    return C.Clip("two-replies", "speech", C.to_pcm(mic), (onset_s, onset_s + len(user16) / 2 / VAD_RATE), ref48)
 
 
 @pytest.mark.parametrize("voice", C.VOICES)

@@ -11,13 +11,12 @@ from __future__ import annotations
 import corpus as C
 import numpy as np
 import pytest
+from test_bargein import run_clip
 
 from media.bargein import BargeInConfig
 from media.bargein import DetectorEventKind as K
 from media.frames import PLAYOUT_RATE, VAD_RATE
 from media.speech_onset import WINDOW_BYTES, OnsetScorer, shared_scorer
-
-from test_bargein import run_clip
 
 pytestmark = pytest.mark.skipif(not C.have_espeak(), reason="espeak-ng is not installed")
 

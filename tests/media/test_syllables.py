@@ -6,11 +6,10 @@ from __future__ import annotations
 import corpus as C
 import numpy as np
 import pytest
+from conftest import requires_espeak
 
 from media.frames import VAD_RATE
 from media.syllables import count_syllable_nuclei
-
-from conftest import requires_espeak
 
 pytestmark = requires_espeak
 

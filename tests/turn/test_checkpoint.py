@@ -12,8 +12,8 @@ from turn.clock import VirtualClock
 from turn.manager import TurnManager
 from turn.models import Budget, Plan, StopReason, StopReasonKind, TurnStatus
 from turn.scope import TurnScope
-from turn.stopped import TurnStopped
 from turn.sqlite_store import SqliteStore
+from turn.stopped import TurnStopped
 from turn.usage import Pricing
 
 

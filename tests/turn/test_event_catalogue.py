@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import typing
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import jsonschema
@@ -22,7 +22,7 @@ from turn.intents import IntentStatus
 from turn.models import EventRecord, Session, StopReason, StopReasonKind, TurnStatus, UsageRecord
 from voice.tools import Effect
 
-NOW = datetime(2026, 5, 1, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 REASON = StopReason(kind=StopReasonKind.BARGE_IN, initiator="vad", at=NOW).model_dump(mode="json")
 TURN = {"status": "CANCELLED", "label": "cancelled", "stop_reason": REASON, "error": None, "transcript": "hi", "reply": None}
 CALL = {"call_id": "c1", "name": "get_weather"}

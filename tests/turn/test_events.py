@@ -4,7 +4,7 @@ output kept as evidence and never delivered."""
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -15,7 +15,7 @@ from turn.generation import GenerationFence
 from turn.models import EventRecord, Session, TurnStatus
 from turn.store import StoreUnavailable
 
-NOW = datetime(2026, 5, 1, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 
 
 def turn_state(status: str) -> dict[str, Any]:
@@ -97,7 +97,7 @@ async def test_follower_live_and_from_cursor(session) -> None:
                 return
 
     task = asyncio.create_task(follow())
-    for i in range(5):
+    for _ in range(5):
         logs.log("s").emit("vad", generation=0, event="speech_started")
         await asyncio.sleep(0.02)
     await asyncio.wait_for(task, 5)

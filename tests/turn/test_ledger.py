@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from demo_shop.service import DemoService
+from demo_shop.tools import demo_tools
 from turn.clock import VirtualClock
 from turn.intents import Intent, IntentKind, IntentStatus, LookupAnswer, compensation_key, effect_key
 from turn.ledger import MAX_ATTEMPTS, Ledger
@@ -18,10 +20,8 @@ from turn.models import StopReasonKind
 from turn.reconciliation import ReconciliationWorker
 from turn.stop_policy import effect_remains, policy_for
 from turn.store import UnknownIntent
-from demo_shop.service import DemoService
-from demo_shop.tools import demo_tools
 
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def intent(turn: str = "t1", step: int = 1, **kw) -> Intent:  # type: ignore[no-untyped-def]

@@ -8,20 +8,20 @@ RECONCILE_REQUIRED (an effect remains after the stop)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from datetime import UTC
 
 import pytest
+from test_ledger import run
 
+from demo_shop.service import DemoService
+from demo_shop.tools import demo_handlers, demo_tools
 from turn.clock import VirtualClock
 from turn.intents import Intent, IntentKind, IntentStatus, compensation_key
 from turn.ledger import Ledger
 from turn.models import StopReasonKind
 from turn.reconciliation import ReconciliationWorker
 from turn.stop_policy import POLICIES, Stage, policy_for, stage_at_stop
-from demo_shop.service import DemoService
-from demo_shop.tools import demo_handlers, demo_tools
 from voice.text_turns import tool_outcome_text
-
-from test_ledger import run
 
 K = StopReasonKind
 LIMITS = {K.DEADLINE_EXCEEDED, K.BUDGET_EXCEEDED, K.MAX_STEPS, K.LOOP_DETECTED}
@@ -138,9 +138,9 @@ async def test_the_policy_table(any_store, clock: VirtualClock, service: DemoSer
 
 
 def test_stages() -> None:
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
-    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
 
     def row(status: IntentStatus, done_at: datetime | None = None) -> Intent:
         return Intent(key="t:1", turn_id="t", step=1, tool="x", effect="compensate", status=status,

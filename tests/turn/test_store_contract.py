@@ -4,7 +4,7 @@ the same suite."""
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -20,7 +20,7 @@ from turn.store import (
     UnknownTurn,
 )
 
-NOW = datetime(2026, 5, 1, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 
 
 def new_turn(session: str = "s1", gen: int = 1, **kw: Any) -> Turn:
@@ -194,7 +194,7 @@ async def test_hundred_concurrent_stops_one_effect(any_store) -> None:
     results = await asyncio.gather(*(any_store.request_stop(t.id, rid, reason(rid=rid), at=NOW) for rid in ids))
     assert sum(r.first for r in results) == 1
     by_id: dict[str, set[StopAnswer]] = {}
-    for rid, r in zip(ids, results):
+    for rid, r in zip(ids, results, strict=True):
         by_id.setdefault(rid, set()).add(r.answer)
     assert all(len(a) == 1 for a in by_id.values())  # each id: one answer
     assert sorted(a for s in by_id.values() for a in s).count(StopAnswer.ACCEPTED) == 1
@@ -253,7 +253,10 @@ async def test_event_log_seq_replay_and_fence(any_store) -> None:
     with pytest.raises(UnknownSession):
         await any_store.append_event(EventRecord(session_id="nope", type="x", at=NOW))
     appended = await asyncio.gather(
-        *(any_store.append_event(EventRecord(session_id="s", turn_id="t", generation=1, type="agent.delta", at=NOW, payload={"i": i})) for i in range(30))
+        *(
+            any_store.append_event(EventRecord(session_id="s", turn_id="t", generation=1, type="agent.delta", at=NOW, payload={"i": i}))
+            for i in range(30)
+        )
     )
     assert sorted(e.seq for e in appended) == list(range(1, 31))
     await any_store.mark_fenced("s", 5)

@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 from aiortc.mediastreams import MediaStreamError
 from av.audio.frame import AudioFrame
+from conftest import requires_espeak
 
+from demo_shop.service import DemoService
+from demo_shop.tools import demo_tools, weather_tools
 from media.frames import PLAYOUT_RATE, load_pcm
 from media.inbound import InboundAudio
 from media.outbound import PacedAudioTrack
@@ -24,13 +27,9 @@ from turn.manager import TurnManager
 from turn.models import ChildOutcome, StopReasonKind, TurnStatus
 from turn.sqlite_store import SqliteStore
 from voice.llm import LocalAgent, LocalLlmConfig
-from demo_shop.service import DemoService
-from demo_shop.tools import demo_tools, weather_tools
 from voice.session import AgentSession, Providers
 from voice.stt import PocketsphinxConfig, PocketsphinxSTT
 from voice.tts import EspeakConfig, EspeakTTS
-
-from conftest import requires_espeak
 
 pytestmark = requires_espeak
 

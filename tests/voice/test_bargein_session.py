@@ -11,24 +11,23 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+import corpus as C
 import numpy as np
 import pytest
 from av.audio.frame import AudioFrame
+from conftest import requires_espeak
+from test_agent_session import Harness, Mic, pcm48
 
-import corpus as C
+from demo_shop.service import DemoService
+from demo_shop.tools import demo_tools
 from media.bargein import BargeInConfig
 from media.echo_guard import EchoReference
 from media.frames import PLAYOUT_RATE, VAD_RATE
 from media.inbound import InboundAudio
 from turn.models import StopReasonKind, TurnStatus
 from turn.sqlite_store import SqliteStore
-from demo_shop.service import DemoService
-from demo_shop.tools import demo_tools
 from voice.llm import LocalAgent, LocalLlmConfig
 from voice.session import BackchannelConfig, EndpointConfig, heard_text
-
-from conftest import requires_espeak
-from test_agent_session import Harness, Mic, pcm48
 
 pytestmark = requires_espeak
 

@@ -15,8 +15,8 @@ from demo_shop.tools import weather_tools
 from testkit.faults import CancellationIgnoringModel
 from turn.clock import VirtualClock
 from turn.manager import TurnManager
-from turn.scope import Child
 from turn.models import ChildOutcome, EventRecord, Plan, StopReason, StopReasonKind, Turn, TurnStatus
+from turn.scope import Child
 from turn.sqlite_store import SqliteStore
 from turn.store import StopAnswer
 from voice.llm import COUNT_REPLY, STORY_REPLY, WEATHER_REPLY, LlmConfig, LocalAgent, tokenize
@@ -121,7 +121,11 @@ async def test_stop_before_the_first_model_call_starts_no_request(rig: Rig) -> N
 
 async def test_stop_mid_stream_records_partial_usage_and_nothing_after(rig: Rig) -> None:
     turn = await rig.turns.start(tenant_id="t", text="tell me a story")
-    await rig.until(lambda: (rt := rig.manager.runtime(turn.id)) is not None and rt.meter.requests != [] and rt.meter.requests[0].completion_tokens >= 20)
+    await rig.until(
+        lambda: (rt := rig.manager.runtime(turn.id)) is not None
+        and rt.meter.requests != []
+        and rt.meter.requests[0].completion_tokens >= 20
+    )
     await rig.manager.request_stop(turn.id, rig.stop())
     done = await rig.settled(turn.id)
     assert done.status is TurnStatus.CANCELLED and done.stop_reason.kind is StopReasonKind.USER_CANCEL  # type: ignore[union-attr]
@@ -301,7 +305,9 @@ async def test_a_provider_that_ignores_cancellation(rig: Rig) -> None:
     model = CancellationIgnoringModel(LlmConfig(tokens_per_second=10), rig.clock)
     rig.model = lambda: model  # type: ignore[attr-defined]
     turn = await rig.turns.start(tenant_id="t", text="count to twenty")
-    await rig.until(lambda: (rt := rig.manager.runtime(turn.id)) is not None and rt.meter.requests != [] and rt.meter.requests[0].completion_tokens >= 5)
+    await rig.until(
+        lambda: (rt := rig.manager.runtime(turn.id)) is not None and rt.meter.requests != [] and rt.meter.requests[0].completion_tokens >= 5
+    )
     statuses: list[TurnStatus] = []
     rig.manager.subscribe(turn.session_id, lambda t: statuses.append(t.status))
     stop_at = rig.clock.monotonic()

@@ -10,8 +10,8 @@ import pytest
 
 import turn.stop_path
 import voice.history
-from voice.text_turns import TextTurns
 from testkit.fuzz import fuzz, main
+from voice.text_turns import TextTurns
 
 
 async def test_a_thousand_iterations_keep_every_invariant() -> None:
@@ -31,7 +31,9 @@ async def test_a_thousand_iterations_keep_every_invariant() -> None:
 
 
 async def test_a_ledger_that_says_nothing_remains_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(turn.stop_path, "terminal_status", lambda report, *, limit, effect_remains=False: turn.stop_path.TurnStatus.CANCELLED)
+    monkeypatch.setattr(
+        turn.stop_path, "terminal_status", lambda report, *, limit, effect_remains=False: turn.stop_path.TurnStatus.CANCELLED
+    )
     report = await fuzz(80, seed=5)
     assert not report.ok
     assert report.invariants()["one_terminal_state_consistent_with_ledger"] > 0

@@ -14,18 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import requires_espeak
+from test_agent_session import Harness, pcm48
 
+from demo_shop.service import DemoService
+from demo_shop.tools import demo_tools, weather_tools
 from turn.intents import IntentKind, IntentStatus
 from turn.models import StopReasonKind, TurnStatus
 from turn.sqlite_store import SqliteStore
-from demo_shop.service import DemoService
-from demo_shop.tools import demo_tools, weather_tools
 from voice.providers import LanguageModel, Message, ToolSpec
 from voice.text_turns import TextTurns
 from voice.tools import Toolbox
-
-from conftest import requires_espeak
-from test_agent_session import Harness, pcm48
 
 pytestmark = requires_espeak
 
@@ -266,7 +265,7 @@ async def test_barge_ins_at_random_moments_of_an_order_keep_what_was_done_and_te
                 h.mic.say(pcm48(say("what is the weather like today")))
                 first = h.turn_events()[0]["turn_id"]
                 await h.wait_for(
-                    lambda: any(e.get("status") == "COMPLETED" and e["turn_id"] != first for e in h.turn_events()), timeout=40
+                    lambda first=first: any(e.get("status") == "COMPLETED" and e["turn_id"] != first for e in h.turn_events()), timeout=40
                 )
                 await asyncio.sleep(0.5)  # a reversal the stop might (wrongly) have started
                 turns = await store.list_session("sess-1")

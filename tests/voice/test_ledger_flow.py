@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import pytest
 
+from demo_shop.service import DemoService
+from demo_shop.tools import MESSAGES_QUEUE, demo_tools, message_sender
 from turn.clock import VirtualClock
+from turn.downstream import DownstreamWorker
 from turn.intents import IntentKind, IntentStatus
 from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
 from turn.sqlite_store import SqliteStore
-from demo_shop.service import DemoService
-from turn.downstream import DownstreamWorker
-from demo_shop.tools import MESSAGES_QUEUE, demo_tools, message_sender
 from voice.llm import LlmConfig, LocalAgent
 from voice.providers import Message
 from voice.text_turns import TextTurns

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from testkit.openai_server import ChatCompletionsServer, ServerOptions
 from turn.clock import SystemClock
 from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
@@ -24,7 +25,6 @@ from turn.sqlite_store import SqliteStore
 from turn.usage import UsageMeter
 from voice.llm import STORY_REPLY, LlmConfig, LocalAgent, tokenize
 from voice.openai_llm import OpenAiChatModel
-from testkit.openai_server import ChatCompletionsServer, ServerOptions
 from voice.providers import LanguageModel, Message
 from voice.text_turns import TextTurns
 

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import requires_espeak
+from test_agent_session import Harness, pcm48
 
+from testkit.faults import CancellationIgnoringModel
 from turn.clock import SystemClock
 from turn.delivery_gate import OUTPUT_TYPES
 from turn.events import EventFollower
@@ -24,13 +27,9 @@ from turn.models import EventRecord, StopReason, StopReasonKind
 from turn.redis_store import RedisStore
 from turn.signals import RedisStopSignals
 from turn.sqlite_store import SqliteStore
-from testkit.faults import CancellationIgnoringModel
 from voice.llm import LlmConfig, LocalAgent, LocalLlmConfig
 from voice.providers import LanguageModel
 from voice.text_turns import TextTurns
-
-from conftest import requires_espeak
-from test_agent_session import Harness, pcm48
 
 TRIALS = 12
 
@@ -81,7 +80,9 @@ async def stop_trials(pair: Pair, model: Callable[[], LanguageModel], seed: int)
             logged += len(late_output(events, turn.id))
             follower = EventFollower(pair.runner.store, turn.session_id)
             seen = await follower.read_available()
-            stop_at = next(e.seq for e in events if e.type == "turn" and e.turn_id == turn.id and e.payload.get("status") == "CANCEL_REQUESTED")
+            stop_at = next(
+                e.seq for e in events if e.type == "turn" and e.turn_id == turn.id and e.payload.get("status") == "CANCEL_REQUESTED"
+            )
             delivered += sum(1 for e in seen if e.seq > stop_at and e.turn_id == turn.id and e.type in OUTPUT_TYPES)
     finally:
         await turns.aclose()

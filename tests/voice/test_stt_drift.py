@@ -11,11 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import TEST_PHRASES, requires_espeak
 
 from media.frames import VAD_RATE, load_pcm
 from voice.stt import PocketsphinxConfig, PocketsphinxSTT
-
-from conftest import TEST_PHRASES, requires_espeak
 
 pytestmark = requires_espeak
 
@@ -77,7 +76,7 @@ async def test_the_same_clips_are_heard_the_same_after_200_other_utterances(
         after = [await recognise(stt, p) for p in probes for _ in range(2)]
         assert after == before
         if grammar:  # and what is heard is right, for the phrases the grammar has
-            assert [h for h, p in zip(before[0::2], PROBES) if p in TEST_PHRASES] == [p for p in PROBES if p in TEST_PHRASES]
+            assert [h for h, p in zip(before[0::2], PROBES, strict=True) if p in TEST_PHRASES] == [p for p in PROBES if p in TEST_PHRASES]
     finally:
         await stt.aclose()
 

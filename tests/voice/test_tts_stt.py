@@ -10,12 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import requires_espeak
 
 from media.frames import VAD_RATE, load_pcm, rms_dbfs
 from voice.stt import PocketsphinxConfig, PocketsphinxSTT, SttError
 from voice.tts import EspeakConfig, EspeakTTS, TtsError, _read_wav_header
-
-from conftest import requires_espeak
 
 
 @requires_espeak
@@ -229,7 +228,7 @@ async def test_stt_pool_runs_utterances_side_by_side(say: Callable[..., Path], g
     try:
         phrases = ["tell me a story", "count to twenty"]
         streams = [stt.open_stream() for _ in phrases]
-        for s, p in zip(streams, phrases):
+        for s, p in zip(streams, phrases, strict=True):
             pcm = load_pcm(say(p), VAD_RATE)
             for i in range(0, len(pcm), 640):
                 s.feed(pcm[i : i + 640])

@@ -13,6 +13,7 @@ import aiohttp
 import jsonschema
 import pytest
 from aiohttp import web
+from conftest import start_app
 
 from turn.clock import VirtualClock
 from turn.event_catalogue import MODEL_OF
@@ -20,8 +21,6 @@ from web.app import MANAGER, create_app
 from web.auth import Auth
 from web.errors import ApiError
 from web.settings import Settings
-
-from conftest import start_app
 
 TOKENS = "acme:tok-acme-0123456789,globex:tok-globex-0123456789"
 ACME = {"Authorization": "Bearer tok-acme-0123456789"}
@@ -58,7 +57,9 @@ class Api:
             h["Idempotency-Key"] = key
         return await self.call("POST", f"/v1/turns/{turn_id}/stop", headers=h, **kw)
 
-    async def sse(self, path: str, *, headers: dict[str, str] | None = None, until: Any = None, timeout: float = 20) -> list[dict[str, Any]]:
+    async def sse(
+        self, path: str, *, headers: dict[str, str] | None = None, until: Any = None, timeout: float = 20
+    ) -> list[dict[str, Any]]:
         """Read an event stream until ``until(message)`` is true."""
         out: list[dict[str, Any]] = []
         async with self.http.get(self.url + path, headers=headers) as r:

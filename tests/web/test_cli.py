@@ -47,8 +47,8 @@ def test_call_missing_and_bad_files(tmp_path: Path, say) -> None:
 
 def test_serve_bad_settings(tmp_path: Path) -> None:
     assert_clean_error(run(["serve"], tmp_path, {"TURNKEEPER_PORT": "abc"}), "port")
-    assert_clean_error(run(["serve"], tmp_path, {"TURNKEEPER_VAD__ONSET_MS": "55"}), "onset_ms")
-    assert_clean_error(run(["serve"], tmp_path, {"TURNKEEPER_VAD__ONSETMS": "60"}), "TURNKEEPER_VAD__ONSET_MS?")
+    assert_clean_error(run(["serve"], tmp_path, {"TURNKEEPER_VAD__OFFSET_MS": "55"}), "offset_ms")
+    assert_clean_error(run(["serve"], tmp_path, {"TURNKEEPER_VAD__OFFSETMS": "200"}), "TURNKEEPER_VAD__OFFSET_MS?")
     bad = tmp_path / "bad.toml"
     bad.write_text("port = \n")
     assert_clean_error(run(["serve", "--config", str(bad)], tmp_path), "bad.toml", "not valid TOML")

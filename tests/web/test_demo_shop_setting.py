@@ -10,13 +10,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+from conftest import start_app
 
 from voice.llm import WEATHER_REPLY
 from web.app import PROVIDERS, create_app
 from web.settings import Settings, load_settings
 from web.state import WORKERS
-
-from conftest import start_app
 
 TOKEN = {"Authorization": "Bearer tok-acme-0123456789"}
 

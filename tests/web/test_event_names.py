@@ -84,7 +84,7 @@ def test_client_js_handles_only_catalogue_events_and_reads_their_fields() -> Non
     assert set(handled) <= set(cat.MODEL_OF), set(handled) - set(cat.MODEL_OF)
     assert not set(re.findall(r'(?<!typeof )msg\.type\s*[!=]==?\s*"([^"]+)"', src)) - set(cat.MODEL_OF)
     problems = []
-    for m, nxt in zip(cases, cases[1:] + [None]):
+    for m, nxt in zip(cases, [*cases[1:], None], strict=True):
         block = body[m.end() : nxt.start() if nxt else len(body)]
         read = js_reads(block, "msg", functions, set())
         for field in sorted(read - fields_of(m.group(1))):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import listening as L
+
 from client.results import BargeInMeasure
 
 T0 = 10.0

@@ -10,11 +10,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiortc import RTCPeerConnection
+from conftest import start_app
 
 from web.app import PEERS, create_app
 from web.settings import Settings
-
-from conftest import start_app
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiortc import RTCPeerConnection
+from conftest import start_app
 
 import web.app as web_app
 from web.app import PEERS, create_app
@@ -30,8 +31,6 @@ from web.offer_validation import (
     validate_offer,
 )
 from web.settings import Settings
-
-from conftest import start_app
 
 #: an offer made by Chromium 156 (one sendrecv audio transceiver, the events
 #: data channel, mDNS host candidates, after ICE gathering)

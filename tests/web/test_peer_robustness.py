@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiortc import RTCPeerConnection, RTCSessionDescription
+from conftest import start_app
 
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer
@@ -22,8 +23,6 @@ from turn.models import Turn, TurnStatus
 from turn.sqlite_store import SqliteStore
 from web.app import PEERS, PROVIDERS, create_app
 from web.settings import Settings
-
-from conftest import start_app
 
 
 class RawClient:

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from web.settings import load_settings
+from web.settings import Settings, load_settings
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_defaults() -> None:
     s = load_settings()
     assert (s.host, s.port) == ("127.0.0.1", 8080)
     assert s.store == "sqlite:///var/turnkeeper.db"
-    assert s.vad.onset_ms == 60 and s.vad.offset_ms == 200
+    assert s.vad.preroll_ms == 300 and s.vad.offset_ms == 200
     assert s.bargein.pause_after_ms == 60 and s.bargein.confirm_speech_ms == 160 and s.bargein.confirm_timeout_ms == 600
     assert s.session.endpoint.silence_ms == 500 and s.session.backchannel.enabled
     assert s.llm.tokens_per_second == 20
@@ -22,13 +25,13 @@ def test_defaults() -> None:
 
 def test_env_and_toml_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tmp_path / "tk.toml"
-    cfg.write_text('port = 9000\nhost = "0.0.0.0"\n[vad]\nonset_ms = 80\n[tts]\nvoice = "en-gb"\n')
+    cfg.write_text('port = 9000\nhost = "0.0.0.0"\n[vad]\npreroll_ms = 200\noffset_ms = 300\n[tts]\nvoice = "en-gb"\n')
     monkeypatch.setenv("TURNKEEPER_PORT", "9100")
     monkeypatch.setenv("TURNKEEPER_VAD__OFFSET_MS", "400")
     s = load_settings(cfg)
     assert s.port == 9100  # env beats the file
     assert s.host == "0.0.0.0" and s.tts.voice == "en-gb"
-    assert (s.vad.onset_ms, s.vad.offset_ms) == (80, 400)
+    assert (s.vad.preroll_ms, s.vad.offset_ms) == (200, 400)  # the file's, and env beats the file's 300
     assert load_settings(cfg, port=1234).port == 1234  # flags beat env
     monkeypatch.setenv("TURNKEEPER_CONFIG", str(cfg))
     assert load_settings().tts.voice == "en-gb"
@@ -38,7 +41,7 @@ def test_bad_values_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(FileNotFoundError):
         load_settings(tmp_path / "missing.toml")
     bad = tmp_path / "bad.toml"
-    bad.write_text("[vad]\nonset_ms = 50\n")
+    bad.write_text("[vad]\noffset_ms = 50\n")
     with pytest.raises(ValidationError):
         load_settings(bad)
     unknown = tmp_path / "unknown.toml"
@@ -119,3 +122,37 @@ def test_new_barge_in_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> N
         with pytest.raises(ValueError):
             load_settings()
         monkeypatch.delenv(name)
+
+
+def _setting_names(model: type[BaseModel], prefix: str = "") -> set[str]:
+    """Dotted names of every leaf setting (``session.endpoint.silence_ms``)."""
+    out: set[str] = set()
+    for name, field in model.model_fields.items():
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            out |= _setting_names(kind, f"{prefix}{name}.")
+        else:
+            out.add(prefix + name)
+    return out
+
+
+def _readme_setting_names() -> set[str]:
+    """The names in the first column of README's settings table; a cell may
+    name several (``bargein.energy_margin_db / gate_margin_db``, a later one
+    without its section)."""
+    out: set[str] = set()
+    for line in README.read_text().splitlines():
+        if not (line.startswith("| ") and "`TURNKEEPER_" in line):
+            continue
+        names = [n.strip() for n in re.split(r"[,/]", line.split("|")[1])]
+        section = names[0].rpartition(".")[0]
+        out |= {n if "." in n or not section else f"{section}.{n}" for n in names}
+    return out
+
+
+def test_readme_lists_every_setting_and_only_settings() -> None:
+    """Each setting is documented, and README documents none that does not
+    exist (``vad.onset_ms`` did: nothing read it, and it is gone)."""
+    documented = _readme_setting_names()
+    assert len(documented) > 50  # the table was found
+    assert documented == _setting_names(Settings)
