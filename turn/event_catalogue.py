@@ -290,7 +290,9 @@ class ToolCancelled(_ToolCallEvent):
     type: Literal["tool.cancelled"] = "tool.cancelled"
 
 
-class _LedgerEvent(Envelope):
+class LedgerEvent(Envelope):
+    """A side-effect ledger row changed (DESIGN.md: ledger); one subclass per status."""
+
     key: str = Field(description='the idempotency key, "<turn_id>:<step>" (compensation: "...:compensate")')
     step: int
     name: str = Field(description="the tool's (a queued item: its queue's) name")
@@ -302,7 +304,7 @@ class _LedgerEvent(Envelope):
     error: str | None
 
 
-class ToolIntent(_LedgerEvent):
+class ToolIntent(LedgerEvent):
     """The intent of a tool call was written, before the call."""
 
     type: Literal["tool.intent"] = "tool.intent"
@@ -310,7 +312,7 @@ class ToolIntent(_LedgerEvent):
     kind: Literal["effect"]
 
 
-class ToolDone(_LedgerEvent):
+class ToolDone(LedgerEvent):
     """The effect happened (the call answered, or a lookup confirmed it)."""
 
     type: Literal["tool.done"] = "tool.done"
@@ -318,7 +320,7 @@ class ToolDone(_LedgerEvent):
     kind: Literal["effect"]
 
 
-class ToolCompensated(_LedgerEvent):
+class ToolCompensated(LedgerEvent):
     """The effect was reversed by its compensation."""
 
     type: Literal["tool.compensated"] = "tool.compensated"
@@ -326,7 +328,7 @@ class ToolCompensated(_LedgerEvent):
     kind: Literal["effect"]
 
 
-class ToolAbandoned(_LedgerEvent):
+class ToolAbandoned(LedgerEvent):
     """Never sent, or confirmed not applied."""
 
     type: Literal["tool.abandoned"] = "tool.abandoned"
@@ -334,7 +336,7 @@ class ToolAbandoned(_LedgerEvent):
     kind: Literal["effect"]
 
 
-class ToolEffectUnknown(_LedgerEvent):
+class ToolEffectUnknown(LedgerEvent):
     """Sent, outcome unknown: reconciliation asks the external system."""
 
     type: Literal["tool.effect_unknown"] = "tool.effect_unknown"
@@ -342,7 +344,7 @@ class ToolEffectUnknown(_LedgerEvent):
     kind: Literal["effect"]
 
 
-class ToolHumanRequired(_LedgerEvent):
+class ToolHumanRequired(LedgerEvent):
     """Reconciliation or compensation gave up: a person must decide."""
 
     type: Literal["tool.human_required"] = "tool.human_required"

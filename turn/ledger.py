@@ -40,6 +40,15 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from turn.clock import Clock, timeout_after
+from turn.event_catalogue import (
+    LedgerEvent,
+    ToolAbandoned,
+    ToolCompensated,
+    ToolDone,
+    ToolEffectUnknown,
+    ToolHumanRequired,
+    ToolIntent,
+)
 from turn.intents import (
     OPEN,
     AuditRow,
@@ -106,8 +115,15 @@ class EffectHandler(Protocol):
         ...
 
 
-#: (turn_id, event type, payload) -> None or an awaitable (awaited)
-LedgerEvents = Callable[[str, str, dict[str, Any]], Awaitable[None] | None]
+#: (turn_id, the change as its catalogue event) -> None or an awaitable (awaited)
+LedgerEvents = Callable[[str, LedgerEvent], Awaitable[None] | None]
+
+
+#: a row's event by its new status (a status with none, e.g. retrying, tells nothing)
+LEDGER_EVENTS: dict[str, type[LedgerEvent]] = {
+    "pending": ToolIntent, "done": ToolDone, "compensated": ToolCompensated, "abandoned": ToolAbandoned,
+    "effect_unknown": ToolEffectUnknown, "human_required": ToolHumanRequired,
+}
 
 
 def backoff_s(attempts: int) -> float:
@@ -141,18 +157,24 @@ class Ledger:
         self.store = store
         self.clock = clock
         self.handlers = handlers or (lambda _name: None)
-        self.emit: LedgerEvents = emit or (lambda _t, _e, _p: None)
+        self.emit: LedgerEvents = emit or (lambda _t, _e: None)
         self._call = store_call or (lambda fn: fn())
 
-    async def _tell(self, turn_id: str, type: str, payload: dict[str, Any]) -> None:
+    async def _tell(self, turn_id: str, row: Intent) -> None:
+        """Tell the turn's session about ``row``'s new status (its catalogue
+        event, :data:`LEDGER_EVENTS`); a failure to tell
+        is logged, never raised: the ledger row is what counts."""
+        model = LEDGER_EVENTS.get(row.status.value)
+        if model is None:
+            return  # e.g. a compensation job retrying: nothing a client is told
         try:
-            res = self.emit(turn_id, type, payload)
+            res = self.emit(turn_id, model(**_payload(row)))
             if res is not None:
                 await res
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("could not tell the session about %s", type)
+            log.exception("could not tell the session about %s %s", row.key, row.status.value)
 
     async def _audit(self, key: str, action: str, detail: str = "") -> None:
         await self._call(lambda: self.store.audit_add(AuditRow(key=key, at=self.clock.now(), action=action, detail=detail)))
@@ -172,7 +194,7 @@ class Ledger:
         stored, created = await self._call(lambda: self.store.ledger_add(intent))
         if created:
             await self._audit(stored.key, "intent", f"{tool} {json_args(args)}")
-            await self._tell(turn_id, "tool.intent", _payload(stored))
+            await self._tell(turn_id, stored)
         return stored
 
     async def move(
@@ -200,7 +222,7 @@ class Ledger:
             if await self._call(functools.partial(self.store.ledger_replace, new)):
                 await self._audit(key, status.value, detail)
                 if new.kind is IntentKind.EFFECT:
-                    await self._tell(new.turn_id, f"tool.{status.value}", _payload(new))
+                    await self._tell(new.turn_id, new)
                 return new
 
     async def settle_late(self, key: str, status: IntentStatus, **fields: Any) -> Intent | None:
@@ -418,7 +440,7 @@ class Ledger:
             row.key, IntentStatus.HUMAN_REQUIRED, expect=OPEN, detail=why, error=why, attempts=row.attempts, next_attempt_at=None
         )
         if moved is not None and moved.kind is IntentKind.COMPENSATION:
-            await self._tell(moved.turn_id, "tool.human_required", _payload(moved))
+            await self._tell(moved.turn_id, moved)
         return moved or row
 
 

@@ -18,6 +18,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from turn.checkpoint import Checkpoints
 from turn.clock import Clock
+from turn.event_catalogue import LedgerEvent, StopReasonView, TurnEvent
 from turn.events import EventLogs
 from turn.lease import Leases, default_owner
 from turn.ledger import Ledger
@@ -40,19 +41,22 @@ STORE_ATTEMPTS = 4
 TurnListener = Callable[[Turn], None]
 
 
-def turn_event(turn: Turn) -> dict[str, Any]:
-    """The fields of a "turn" event: a turn's state as clients see it
-    (CANCEL_REQUESTED is labelled "stopping", never "cancelled")."""
+def turn_fields(turn: Turn) -> dict[str, Any]:
+    """A turn's state as clients see it, as :class:`turn.event_catalogue.TurnFields`
+    declares it (CANCEL_REQUESTED is labelled "stopping", never "cancelled")."""
     return {
-        "turn_id": turn.id,
-        "generation": turn.generation,
         "status": turn.status.value,
         "label": turn.status.label,
-        "stop_reason": turn.stop_reason.model_dump(mode="json") if turn.stop_reason else None,
+        "stop_reason": StopReasonView.model_validate(turn.stop_reason.model_dump(mode="json")) if turn.stop_reason else None,
         "error": turn.error,
         "transcript": turn.transcript,
         "reply": turn.reply,
     }
+
+
+def turn_event(turn: Turn) -> TurnEvent:
+    """The "turn" event of a turn's state change (:class:`turn.event_catalogue.TurnEvent`)."""
+    return TurnEvent(turn_id=turn.id, generation=turn.generation, **turn_fields(turn))
 
 
 class TurnManager(Checkpoints, StopPath, Leases):
@@ -152,13 +156,13 @@ class TurnManager(Checkpoints, StopPath, Leases):
 
         return unsubscribe
 
-    async def _ledger_event(self, turn_id: str, type: str, payload: dict[str, Any]) -> None:
-        """A ledger change, logged in the turn's session as an event."""
+    async def _ledger_event(self, turn_id: str, event: LedgerEvent) -> None:
+        """A ledger change, logged in the turn's session as its catalogue event."""
         where = self._where.get(turn_id)
         if where is None:
             turn = await self.get(turn_id)
             where = (turn.session_id, turn.generation)
-        self.events.log(where[0]).emit(type, generation=where[1], turn_id=turn_id, **payload)
+        self.events.log(where[0]).emit_event(event.model_copy(update={"generation": where[1], "turn_id": turn_id}))
 
     def reconciliation_worker(self, interval_s: float = 1.0) -> ReconciliationWorker:
         """A worker that settles the ledger rows stops and crashes left open."""
@@ -174,7 +178,7 @@ class TurnManager(Checkpoints, StopPath, Leases):
     def _notify(self, turn: Turn) -> None:
         if turn.is_terminal:
             self.release(turn.id)
-        self.events.log(turn.session_id).emit("turn", **turn_event(turn))
+        self.events.log(turn.session_id).emit_event(turn_event(turn))
         for listener in list(self._listeners.get(turn.session_id, ())):
             try:
                 listener(turn)

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from turn.event_catalogue import Snapshot, SnapshotTurn, StreamStart, catalogue_schema, wire_of
 from turn.events import EventFollower, event_json
-from turn.manager import TurnManager, turn_event
+from turn.manager import TurnManager, turn_fields
 from turn.models import Budget, Session, StopReason, StopReasonKind, Turn
 from turn.store import IdempotencyConflict, StopAnswer, UnknownSession, UnknownTurn
 from web.auth import Auth
@@ -216,7 +216,10 @@ async def session_events(request: web.Request) -> web.StreamResponse:
                                               resume_token=auth.resume_token(tenant, session.id), expires_in_s=auth.resume_ttl_s)))
         if resumed:
             turns = (await manager.store_call(lambda: manager.store.list_session(session.id)))[-SNAPSHOT_TURNS:]
-            await _send(resp, wire_of(Snapshot(turns=[SnapshotTurn(**turn_event(t), owner_lost=manager.lease_expired(t)) for t in turns])))
+            await _send(resp, wire_of(Snapshot(turns=[
+                SnapshotTurn(turn_id=t.id, generation=t.generation, **turn_fields(t), owner_lost=manager.lease_expired(t))
+                for t in turns
+            ])))
         follower = EventFollower(manager.store, session.id, after_seq, poll_s=KEEPALIVE_S)
         async for batch in follower.follow():
             if not batch:

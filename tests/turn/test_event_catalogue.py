@@ -19,6 +19,7 @@ from turn.conformance import Conformance
 from turn.event_catalogue import EventMismatch, validate_client_message, validate_event
 from turn.events import OUTPUT_TYPES, SessionEventLog, event_json
 from turn.intents import IntentStatus
+from turn.ledger import LEDGER_EVENTS
 from turn.models import EventRecord, Session, StopReason, StopReasonKind, TurnStatus, UsageRecord
 from voice.tools import Effect
 
@@ -166,9 +167,10 @@ def test_literals_follow_the_enums_they_copy() -> None:
     assert _literal(cat.TurnFields.model_fields["label"].annotation) == {s.label for s in TurnStatus}
     assert _literal(cat.Vad.model_fields["event"].annotation) == {k.value for k in DetectorEventKind} | {"end_of_turn"}
     assert _literal(cat.EffectName) == _literal(Effect)
-    ledger = {m.model_fields["status"].annotation for m in cat.EVENT_MODELS if issubclass(m, cat._LedgerEvent)}
+    ledger = {m.model_fields["status"].annotation for m in cat.EVENT_MODELS if issubclass(m, cat.LedgerEvent)}
     statuses = set().union(*(_literal(a) for a in ledger))
     assert statuses == {s.value for s in IntentStatus} - {"retrying"}  # only compensation jobs retry, never told
+    assert {m.model_fields["status"].annotation for m in LEDGER_EVENTS.values()} == ledger  # the ledger tells each one
     payload = set(cat.Usage.model_fields) - set(cat.Envelope.model_fields) - {"type"}
     assert payload == set(UsageRecord.model_fields)
     # tool.output is an output type nothing emits (reported in issue 12)

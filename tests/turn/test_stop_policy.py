@@ -21,7 +21,7 @@ from turn.ledger import Ledger
 from turn.models import StopReasonKind
 from turn.reconciliation import ReconciliationWorker
 from turn.stop_policy import POLICIES, Stage, policy_for, stage_at_stop
-from voice.text_turns import tool_outcome_text
+from voice.history import tool_outcome_text
 
 K = StopReasonKind
 LIMITS = {K.DEADLINE_EXCEEDED, K.BUDGET_EXCEEDED, K.MAX_STEPS, K.LOOP_DETECTED}
