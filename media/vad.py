@@ -9,7 +9,7 @@ voiced frame is not speech: :class:`VoiceActivityDetector` reports
 Defaults: onset 60 ms (3 frames) keeps the barge-in fast; offset 200 ms
 (10 frames) is the hangover after the last voiced frame before
 speech_stopped. It does not end the user's turn: endpointing
-(``voice.session.EndpointConfig``, 500 ms of silence by default) does.
+(``voice.endpointing.EndpointConfig``, 500 ms of silence by default) does.
 Known limit: webrtcvad also marks broadband noise and tones as speech; the
 barge-in quality work adds a confirmation stage on top of this gate.
 """

@@ -27,11 +27,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pydantic import BaseModel, Field, model_validator
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from media.frames import FRAME_MS, PLAYOUT_RATE, Reframer, rms_dbfs, samples_per_frame
-from media.bargein import DetectorEvent, DetectorEventKind
 from media.inbound import InboundFrame
 from media.playout import PlayoutBuffer, PlayoutFrame
 from media.syllables import count_syllable_nuclei
@@ -42,11 +40,28 @@ from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
 from turn.scope import TurnScope, TurnStopped
 from turn.store import StoreUnavailable, UnknownTurn
+from voice.backchannel import BackchannelConfig, judge, recognise
+from voice.endpointing import EndpointConfig
 from voice.providers import LanguageModel, Message, SpeechToText, SttAdaptation, SttStream, TextToSpeech
+from voice.session_config import SessionConfig
 from voice.history import earlier_messages, session_history
 from voice.respond import run_agent, sink_to
 from voice.text import SentenceSplitter
 from voice.tools import Toolbox
+from voice.turn_taking import (
+    AgentState,
+    Announce,
+    CancelClassification,
+    ClassifyBackchannel,
+    Commit,
+    Decision,
+    EndOfUtterance,
+    Pause,
+    PttTooLong,
+    ResetDetector,
+    Resume,
+    TurnTaking,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,133 +75,6 @@ class EventSink(Protocol):
     logged, then read by the client's follower."""
 
     def __call__(self, type: str, *, generation: int, turn_id: str | None = None, **payload: Any) -> None: ...
-
-
-#: short replies a listener gives without taking the turn (lower case, no
-#: punctuation; hyphens and spaces are equivalent)
-DEFAULT_BACKCHANNELS = (
-    "uh huh", "mm hmm", "mhm", "hmm", "hm", "mm", "aha", "uh", "um", "huh", "ah", "oh", "eh",
-    "yeah", "yes", "yep", "yup", "okay", "ok", "right", "sure", "alright", "all right", "i see", "got it",
-)
-
-
-class BackchannelConfig(BaseModel):
-    """Backchannels (env ``TURNKEEPER_SESSION__BACKCHANNEL__*``): short
-    utterances such as "uh-huh" or "okay" while the agent speaks, which tell
-    it to go on rather than to stop.
-
-    An utterance made while the agent speaks is a backchannel when it ends
-    (speech_stopped) no more than ``max_ms`` after its onset and every word
-    the recogniser heard in it is in ``words`` (or it heard none), and it has
-    no more than ``max_syllables`` syllable nuclei. The agent's
-    paused audio then resumes; the utterance is not added to the next user
-    turn. Longer speech commits the barge-in the moment it passes ``max_ms``.
-
-    Attributes:
-        enabled: on by default; off, confirmed speech commits at once.
-        max_ms: longest backchannel, ms from speech onset to its end.
-        unrecognised_max_ms: an utterance in which the recogniser heard no
-            word at all is a backchannel only up to this long (ms): longer,
-            it is speech the recogniser failed on, and it barges in.
-        rejoin_ms: speech confirmed this soon (ms) after a backchannel was
-            let go is the user going on after a pause inside one utterance:
-            it commits at once (the short part is not added to the turn).
-        resume_after_ms: a backchannel lets the paused reply go on no
-            sooner than this long (ms) after its speech ended (and not while
-            the gate is open): a pause between words ("front ... left", about
-            300 ms) then never plays the reply between them; the second word
-            joins the first, and the whole is judged as one utterance.
-        max_syllables: an utterance with more syllable nuclei than this
-            (counted from the audio, :mod:`media.syllables`) is speech,
-            whatever the recogniser made of it: a fast "can you tell me a
-            story" fits in ``max_ms``, and a recogniser can hear nothing or
-            "yeah" in it. Backchannels have one to three ("mm-hmm": 3).
-        words: the word list.
-    """
-
-    enabled: bool = True
-    max_ms: int = Field(700, ge=100, le=3000)
-    unrecognised_max_ms: int = Field(550, ge=0, le=3000)
-    max_syllables: int = Field(3, ge=1, le=20)
-    rejoin_ms: int = Field(600, ge=0, le=10_000)
-    resume_after_ms: int = Field(450, ge=0, le=5000)
-    words: list[str] = Field(default_factory=lambda: list(DEFAULT_BACKCHANNELS))
-
-    def matches(self, text: str) -> bool:
-        """True if ``text`` (a transcript) is empty or made only of
-        backchannel words and phrases ("uh-huh", "okay okay", "yeah right")."""
-        words = _normalise(text).split()
-        phrases = {tuple(_normalise(w).split()) for w in self.words} - {()}
-        i = 0
-        while i < len(words):
-            for n in sorted({len(p) for p in phrases}, reverse=True):
-                if tuple(words[i : i + n]) in phrases:
-                    i += n
-                    break
-            else:
-                return False
-        return True
-
-
-class EndpointConfig(BaseModel):
-    """Endpointing: when the user's turn is over (env
-    ``TURNKEEPER_SESSION__ENDPOINT__*``).
-
-    After speech_stopped (the VAD's ``offset_ms`` of non-speech), the turn
-    ends once the user has been silent ``silence_ms`` since the end of their
-    speech; the wait after speech_stopped is kept within ``min_delay_ms`` and
-    ``max_delay_ms``. Speech confirmed again inside that wait continues the
-    same utterance. ``max_delay_ms`` also ends a turn whose detector keeps
-    seeing sound (a noisy room) that long after the last confirmed speech,
-    and ``max_utterance_ms`` ends one that never stops.
-
-    Attributes:
-        silence_ms: silence after the end of speech that ends the turn, ms.
-        min_delay_ms / max_delay_ms: bounds of the wait after speech_stopped, ms.
-        max_utterance_ms: longest user utterance, ms.
-        continue_window_ms: speech confirmed this soon after the end of the
-            previous utterance, whose reply has not been heard at all yet,
-            continues it: that reply is cancelled (it never plays) and one
-            reply answers both parts, ms. A turn that already called a tool
-            is never merged (its words were acted on; the ledger has them).
-    """
-
-    silence_ms: int = Field(500, ge=0, le=10_000)
-    continue_window_ms: int = Field(1500, ge=0, le=30_000)
-    min_delay_ms: int = Field(0, ge=0, le=10_000)
-    max_delay_ms: int = Field(3000, ge=0, le=30_000)
-    max_utterance_ms: int = Field(60_000, ge=1000, le=600_000)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> "EndpointConfig":
-        if self.min_delay_ms > self.max_delay_ms:
-            raise ValueError("endpoint min_delay_ms must not exceed max_delay_ms")
-        return self
-
-
-class SessionConfig(BaseModel):
-    """Agent session settings (env ``TURNKEEPER_SESSION__*``).
-
-    Attributes:
-        stop_grace_ms: how long a stopped turn's work may take to wind down
-            before its terminal state is written anyway (ms).
-        history_messages: how many past messages the model sees at most
-            (whole earlier turns are dropped, oldest first; see
-            :mod:`voice.history`).
-        backchannel: see :class:`BackchannelConfig`.
-        endpoint: see :class:`EndpointConfig`.
-    """
-
-    stop_grace_ms: int = Field(250, ge=0, le=10_000)
-    history_messages: int = Field(40, ge=2, le=1000)
-    backchannel: BackchannelConfig = BackchannelConfig()
-    endpoint: EndpointConfig = EndpointConfig()
-
-
-def _normalise(text: str) -> str:
-    """Lower case, hyphens as spaces, letters, digits and apostrophes only."""
-    cleaned = "".join(c if c.isalnum() or c == "'" else " " for c in text.lower().replace("-", " "))
-    return " ".join(cleaned.split())
 
 
 @dataclass
@@ -239,8 +127,6 @@ class TurnRun:
     #: "compensate"): it acted on the words, so they are not merged away (a
     #: read is abandoned on the merge, as if it had never run)
     acted: bool = False
-    #: opened by push-to-talk: only ptt.end ends its utterance
-    ptt: bool = False
     #: clock seconds when the user's speech in it ended (None: not yet)
     speech_end_at: float | None = None
     phase: str = "listening"
@@ -249,42 +135,6 @@ class TurnRun:
     told_interrupted: bool = False
     #: its terminal state is in the store (or it was never written)
     settled: bool = False
-
-
-@dataclass
-class Candidate:
-    """Speech that the detector's first stage heard and the second has not
-    yet decided on (or that may be a backchannel).
-
-    Attributes:
-        onset_at: clock seconds of its first gated frame.
-        pcm: its audio so far (16 kHz frames, pre-roll included), fed to the
-            new turn's recogniser if it is committed.
-        paused: playout was paused for it (so a rejection resumes it).
-        confirmed_at: when the second stage confirmed it, if it did.
-        ended_at: when it ended (speech_stopped), if it did.
-        classifying: the recogniser is deciding whether it is a backchannel.
-    """
-
-    onset_at: float
-    pcm: list[bytes]
-    paused: bool
-    paused_at: float
-    confirmed_at: float | None = None
-    ended_at: float | None = None
-    #: where it had ended before the user went on after a pause
-    resumed_from: float | None = None
-    #: ms of it before speech_started (the gate's run), frames received since
-    #: then, and its speech's length once it ended (ms). Counted in frames,
-    #: not clock time: on a loaded machine frames arrive in bursts.
-    lead_ms: int = 0
-    frames: int = 0
-    speech_ms: int = 0
-    classifying: asyncio.Task[None] | None = None
-    #: judged a backchannel: the paused reply goes on at this clock time
-    #: (see ``BackchannelConfig.resume_after_ms``), with this event payload
-    release_at: float | None = None
-    verdict: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -344,6 +194,7 @@ class AgentSession:
         self.clock = clock
         self._emit = emit
         self.vad = vad or VadConfig()
+        self.turn_taking = TurnTaking(BackchannelConfig(), EndpointConfig(), self.vad.offset_ms)
         self.config = config or SessionConfig()
         #: what the user would stop a turn for if the session ended now
         self.close_reason = StopReasonKind.TRANSPORT_DISCONNECTED
@@ -351,21 +202,31 @@ class AgentSession:
         self._preroll: deque[bytes] = deque(maxlen=max(1, self.vad.preroll_frames))
         self._runs: list[TurnRun] = []
         self._listening: TurnRun | None = None
-        self._candidate: Candidate | None = None
-        #: clock seconds when the last backchannel was let go
-        self._backchannel: float | None = None
-        #: endpointing of the utterance being listened to (clock seconds)
-        self._endpoint_at: float | None = None
-        self._speech_end_at: float | None = None
-        self._last_speech_at = 0.0
-        self._utterance_at = 0.0
-        #: push-to-talk is held: the detector's decisions are not used
-        self.ptt_active = False
+        #: the candidate's audio (16 kHz frames, pre-roll first) while there is one
+        self._held: list[bytes] = []
+        #: the recogniser deciding whether the candidate is a backchannel
+        self._classifying: asyncio.Task[None] | None = None
         #: forgets the detector's current run (set by whoever owns it)
         self.reset_detector: Callable[[], None] | None = None
         self.false_interruptions = 0
         self.backchannels = 0
         self._tg: asyncio.TaskGroup | None = None
+
+    @property
+    def config(self) -> SessionConfig:
+        """The session's settings (replacing them applies to the next event)."""
+        return self._config
+
+    @config.setter
+    def config(self, config: SessionConfig) -> None:
+        self._config = config
+        self.turn_taking.backchannel = config.backchannel
+        self.turn_taking.endpoint = config.endpoint
+
+    @property
+    def ptt_active(self) -> bool:
+        """Push-to-talk is held: the detector's decisions are not used."""
+        return self.turn_taking.ptt_active
 
     # -- main loop -------------------------------------------------------------
 
@@ -406,191 +267,86 @@ class AgentSession:
     def _on_frame(self, frame: InboundFrame) -> None:
         """Per 20 ms frame, on the hot path: no awaits, no I/O.
 
-        The detector's decisions drive it (see :mod:`media.bargein`):
-        speech_started pauses playout (stage 1), speech_confirmed commits a
-        barge-in or opens the user's turn (stage 2), speech_rejected resumes
-        (a false interruption), speech_stopped starts endpointing.
+        The detector's decisions (see :mod:`media.bargein`) and the frame's
+        time go to :class:`voice.turn_taking.TurnTaking`, whose decisions
+        are carried out here; the frame's audio goes to the utterance being
+        listened to, else to the candidate, else to the pre-roll.
         """
-        if not self.ptt_active:
-            for ev in frame.events:
-                self._on_detector(ev)
+        tt = self.turn_taking
+        for ev in frame.events:
+            self._carry_out(tt.on_event(ev, self._agent_state()))
         if self._listening is not None:
             self._listening.stt.feed(frame.pcm)
-        elif self._candidate is not None:
-            self._candidate.pcm.append(frame.pcm)
-            self._candidate.frames += 1
+        elif tt.candidate is not None:
+            self._held.append(frame.pcm)
         else:
             self._preroll.append(frame.pcm)
-        self._tick(frame.at, frame.gated)
+        self._carry_out(tt.on_frame(frame.at, frame.gated, self._agent_state()))
 
-    def _on_detector(self, ev: DetectorEvent) -> None:
-        kind = ev.kind
-        self._send("vad", event=kind.value)
-        cand = self._candidate
-        if kind is DetectorEventKind.SPEECH_STARTED:
-            if self._listening is not None:
-                self._endpoint_at = None  # the user goes on: hold the endpoint
-                return
-            if cand is not None and cand.ended_at is not None:
-                # More speech right after a short one ("uh ... huh", "front
-                # ... right"): one utterance with a pause; it is judged whole
-                # when it ends (or commits once longer than a backchannel).
-                if cand.classifying is not None:
-                    cand.classifying.cancel()
-                    cand.classifying = None
-                cand.resumed_from, cand.ended_at, cand.release_at = cand.ended_at, None, None
-                return
-            paused = self.playout.pause()
-            lead_ms = round((ev.at - ev.onset_at) * 1000) + FRAME_MS  # the gate's frames before this one
-            self._candidate = Candidate(ev.onset_at, [*self._preroll], paused, ev.at, lead_ms=lead_ms)
-            self._preroll.clear()
-        elif kind is DetectorEventKind.SPEECH_CONFIRMED:
-            self._last_speech_at = ev.at
-            if self._listening is not None:
-                self._endpoint_at = None
-                return
-            if cand is None:
-                return
-            cand.confirmed_at = ev.at
-            rejoin = self._backchannel
-            if rejoin is not None and ev.onset_at - rejoin <= self.config.backchannel.rejoin_ms / 1000:
-                # Speech right after a "backchannel": the user was pausing
-                # inside an utterance ("front ... right"), not acknowledging.
-                # It commits at once; the short part stays out of the turn.
-                self._backchannel = None
-                self._commit(cand, ev.at)
-            elif not (self.config.backchannel.enabled and self._agent_speaking()):
-                self._commit(cand, ev.at)
-        elif kind is DetectorEventKind.SPEECH_REJECTED:
-            if self._listening is not None:
-                # not speech after all: the silence still counts from the end of speech
-                if not self._listening.ptt:
-                    self._arm_endpoint(ev.at, self._speech_end_at if self._speech_end_at is not None else ev.at)
-                return
-            if cand is not None and cand.confirmed_at is None:
-                self._candidate = None
-                self._resume(cand, ev.at, "false_interruption")
-            elif cand is not None and cand.ended_at is None and cand.classifying is None:
-                # what followed a short utterance was no speech: judge that one
-                cand.ended_at = cand.resumed_from if cand.resumed_from is not None else ev.at
-                self._classify(cand)
-        elif kind is DetectorEventKind.SPEECH_STOPPED:
-            speech_end = ev.at - self.vad.offset_ms / 1000
-            if self._listening is not None:
-                if not self._listening.ptt:
-                    self._arm_endpoint(ev.at, speech_end)
-                return
-            if cand is not None and cand.confirmed_at is not None and cand.classifying is None:
-                cand.ended_at = speech_end
-                cand.speech_ms = cand.lead_ms + (cand.frames + 1) * FRAME_MS - self.vad.offset_ms
-                self._classify(cand)
+    def _carry_out(self, decisions: list[Decision]) -> None:
+        """Do what turn-taking decided, in its order (see :mod:`voice.turn_taking`)."""
+        for d in decisions:
+            if isinstance(d, Announce):
+                self._send("vad", event=d.event)
+            elif isinstance(d, Pause):
+                self.playout.pause()
+                self._held = [*self._preroll]
+                self._preroll.clear()
+            elif isinstance(d, Resume):
+                self._resume(d)
+            elif isinstance(d, ClassifyBackchannel):
+                assert self._tg is not None
+                self._classifying = self._tg.create_task(self._classify_backchannel(d.candidate, self._held))
+            elif isinstance(d, CancelClassification):
+                if self._classifying is not None:
+                    self._classifying.cancel()
+                    self._classifying = None
+            elif isinstance(d, Commit):
+                self._commit(d)
+            elif isinstance(d, EndOfUtterance):
+                run, self._listening = self._listening, None
+                if run is not None:
+                    self._end_utterance(run, d.speech_end_at)
+            elif isinstance(d, PttTooLong):
+                self._send("error", code="ptt_too_long", message=f"push-to-talk held over {d.max_ms} ms")
+            elif isinstance(d, ResetDetector):
+                if self.reset_detector is not None:
+                    self.reset_detector()
 
-    def _tick(self, at: float, gated: bool) -> None:
-        """Timers, checked once per frame (``gated``: the frame passed the
-        detector's gate): the endpoint, a backchannel that grew too long, an
-        utterance that never ends."""
-        cand = self._candidate
-        if cand is not None and cand.confirmed_at is not None and cand.ended_at is None and gated:
-            if cand.lead_ms + (cand.frames + 1) * FRAME_MS > self.config.backchannel.max_ms:
-                self._commit(cand, at)  # still speaking: too long for a backchannel
-        elif cand is not None and cand.release_at is not None and at >= cand.release_at and not gated:
-            self._let_go(cand, at)
-        run = self._listening
-        if run is None:
-            return
-        ep = self.config.endpoint
-        if run.ptt:
-            if at - self._utterance_at > ep.max_utterance_ms / 1000:
-                # push-to-talk held too long: the utterance ends, the hold is let go
-                self._send("error", code="ptt_too_long", message=f"push-to-talk held over {ep.max_utterance_ms} ms")
-                self.ptt_end()
-            return
-        if (
-            (self._endpoint_at is not None and at >= self._endpoint_at)
-            or at - self._last_speech_at > (ep.max_delay_ms + ep.silence_ms) / 1000
-            or at - self._utterance_at > ep.max_utterance_ms / 1000
-        ):
-            self._send("vad", event="end_of_turn")
-            self._listening = None
-            self._endpoint_at = None
-            self._end_utterance(run, self._speech_end_at if self._speech_end_at is not None else at)
-
-    def _arm_endpoint(self, stopped_at: float, speech_end: float) -> None:
-        """speech_stopped: the turn ends ``silence_ms`` after the end of
-        speech, the wait after ``stopped_at`` kept within min and max."""
-        ep = self.config.endpoint
-        self._speech_end_at = speech_end
-        wait = speech_end + ep.silence_ms / 1000 - stopped_at
-        wait = min(max(wait, ep.min_delay_ms / 1000), ep.max_delay_ms / 1000)
-        self._endpoint_at = stopped_at + wait
-
-    def _agent_speaking(self) -> bool:
-        """The agent has a reply on the way out (queued or being produced)."""
+    def _agent_state(self) -> AgentState:
+        """What turn-taking needs to know of the agent: is a reply on the way
+        out (queued or being produced), is a turn thinking or speaking."""
         run = self._active_run()
         if run is None:
-            return False
-        return len(self.playout) > 0 or (run.phase == "speaking" and not run.tts_done)
+            return AgentState()
+        return AgentState(speaking=len(self.playout) > 0 or (run.phase == "speaking" and not run.tts_done), replying=True)
 
-    def _resume(self, cand: Candidate, at: float, why: str, **payload: Any) -> None:
-        """Speech that was no barge-in: play on from where playout paused."""
-        if cand.paused:
+    def _resume(self, d: Resume) -> None:
+        """Speech that was no barge-in: play on from where playout paused;
+        its audio goes back to the pre-roll."""
+        if d.playout:
             self.playout.resume()
-        for pcm in cand.pcm[-self._preroll.maxlen :] if self._preroll.maxlen else []:
+        for pcm in self._held[-self._preroll.maxlen :] if self._preroll.maxlen else []:
             self._preroll.append(pcm)
-        held = cand.paused and self._active_run() is not None
-        if why == "false_interruption":
-            self.false_interruptions += held
+        if d.reason == "false_interruption":
+            self.false_interruptions += d.held
         else:
             self.backchannels += 1
-        if held or why != "false_interruption":
-            self._send(why, paused_ms=round((at - cand.paused_at) * 1000, 1) if cand.paused else 0, **payload)
+        if d.report:
+            self._send(d.reason, paused_ms=d.paused_ms, **d.verdict)
 
-    def _let_go(self, cand: Candidate, at: float) -> None:
-        """A backchannel: the paused reply goes on, the words are dropped."""
-        self._candidate = None
-        self._backchannel = at
-        self._resume(cand, at, "backchannel", **cand.verdict)
-
-    def _classify(self, cand: Candidate) -> None:
-        """A short confirmed utterance while the agent speaks has ended: ask
-        the recogniser whether it was only a backchannel."""
-        assert self._tg is not None
-        cand.classifying = self._tg.create_task(self._classify_backchannel(cand))
-
-    async def _classify_backchannel(self, cand: Candidate) -> None:
-        stream = self.providers.stt.open_stream()
-        try:
-            for pcm in cand.pcm:
-                stream.feed(pcm)
-            text = await stream.finish()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("backchannel recognition failed; taking it as a barge-in")
-            text = None
-        finally:
-            await stream.aclose()
-        if self._candidate is not cand:
+    async def _classify_backchannel(self, candidate: int, held: list[bytes]) -> None:
+        """Was candidate ``candidate`` (its audio: ``held``) a backchannel?
+        The recogniser and the syllable count say (:mod:`voice.backchannel`)."""
+        text = await recognise(self.providers.stt, held)
+        cand = self.turn_taking.candidate
+        if cand is None or cand.n != candidate:
             return  # decided meanwhile (the user went on)
-        bc = self.config.backchannel
-        duration_ms = cand.speech_ms
         # the user's speech only: the gate's run and what followed it, not
         # the older pre-roll (which can hold the agent's echo)
-        spoken = cand.pcm[-(cand.lead_ms // FRAME_MS + cand.frames) :]
-        syllables = count_syllable_nuclei(spoken)
-        if (
-            text is not None
-            and bc.matches(text)
-            and (text.strip() or duration_ms <= bc.unrecognised_max_ms)
-            and syllables <= bc.max_syllables
-        ):
-            cand.verdict = {"text": text, "syllables": syllables}
-            ended = cand.ended_at if cand.ended_at is not None else self.clock.monotonic()
-            cand.release_at = ended + bc.resume_after_ms / 1000
-            if self.clock.monotonic() >= cand.release_at:
-                self._let_go(cand, self.clock.monotonic())
-        else:
-            self._commit(cand, self.clock.monotonic())
+        spoken = held[-(cand.lead_ms // FRAME_MS + cand.frames) :]
+        verdict = judge(self.config.backchannel, text, cand.speech_ms, count_syllable_nuclei(spoken))
+        self._carry_out(self.turn_taking.classified(candidate, self.clock.monotonic(), verdict, self._agent_state()))
 
     # -- push-to-talk ----------------------------------------------------------
 
@@ -599,25 +355,14 @@ class AgentSession:
         involved; everything heard until :meth:`ptt_end` is the user's turn.
 
         Returns:
-            None, or an error code (``ptt_already_active``) for the client.
+            None, or an error code (``ptt_already_active``,
+            ``session_not_ready``) for the client.
         """
-        if self.ptt_active:
+        if self.turn_taking.ptt_active:
             return "ptt_already_active"
         if self._tg is None:
             return "session_not_ready"
-        self.ptt_active = True
-        if self.reset_detector is not None:
-            self.reset_detector()
-        now = self.clock.monotonic()
-        cand, self._candidate = self._candidate, None
-        if cand is not None and cand.classifying is not None:
-            cand.classifying.cancel()
-        if self._listening is not None:
-            # Already listening to the user: push-to-talk takes that utterance over.
-            self._listening.ptt = True
-            self._endpoint_at = None
-            return None
-        self._commit(Candidate(now, [], self.playout.pause(), now), now, initiator="ptt")
+        self._carry_out(self.turn_taking.ptt_start(self.clock.monotonic()))
         return None
 
     def ptt_end(self) -> str | None:
@@ -627,16 +372,9 @@ class AgentSession:
         Returns:
             None, or an error code (``ptt_not_active``) for the client.
         """
-        if not self.ptt_active:
+        if not self.turn_taking.ptt_active:
             return "ptt_not_active"
-        self.ptt_active = False
-        if self.reset_detector is not None:
-            self.reset_detector()
-        run, self._listening = self._listening, None
-        self._endpoint_at = None
-        if run is not None:
-            self._send("vad", event="end_of_turn")
-            self._end_utterance(run, self.clock.monotonic())
+        self._carry_out(self.turn_taking.ptt_end(self.clock.monotonic()))
         return None
 
     def _end_utterance(self, run: TurnRun, speech_end_at: float) -> None:
@@ -668,9 +406,9 @@ class AgentSession:
                 return run
         return None
 
-    def _commit(self, cand: Candidate, at: float, initiator: str = "vad") -> None:
-        """Stage 2: the user is taking the turn. Fence, clear, cancel the turn
-        in flight (barge_in), open a new one fed with the speech so far.
+    def _commit(self, d: Commit) -> None:
+        """Stage 2: the user is taking the turn (``d``). Fence, clear, cancel
+        the turn in flight (barge_in), open a new one fed with the speech so far.
 
         The fence and the clear happen before anything else, synchronously, so
         the very next outbound tick is silent (it already is if stage 1 paused
@@ -678,15 +416,7 @@ class AgentSession:
         user paused, the endpoint fired, they went on; one reply answers both.
         """
         assert self._tg is not None
-        if cand.classifying is not None and cand.classifying is not asyncio.current_task():
-            cand.classifying.cancel()
-        if self._candidate is cand:
-            self._candidate = None
-        if self._listening is not None:
-            # Never two utterances at once; should it happen, the unfinished
-            # one ends here and is stopped like any other turn in flight.
-            self._end_utterance(self._listening, at)
-            self._listening = None
+        initiator = d.initiator
         old = self._active_run()
         if old is not None and old.tts_done and not self.playout.audible_pending(old.generation):
             # Only the pause after its last word is left: the user heard the
@@ -698,7 +428,7 @@ class AgentSession:
         cleared = self.playout.clear()
         self.playout.resume()
         after: asyncio.Task[None] | None = None
-        run = TurnRun(generation=generation, stt=self.providers.stt.open_stream(self.stt_adaptation), ptt=initiator == "ptt")
+        run = TurnRun(generation=generation, stt=self.providers.stt.open_stream(self.stt_adaptation))
         if old is not None:
             if old.scope is not None and old.scope.committing:
                 # A must-complete tool is committing: its audio is silenced
@@ -720,10 +450,10 @@ class AgentSession:
                 and not old.merged
                 and not old.acted
                 and old.speech_end_at is not None
-                and cand.onset_at - old.speech_end_at <= window
+                and d.onset_at - old.speech_end_at <= window
             ):
                 run.continues, old.merged = old, True
-            rec = BargeInRecord(old.turn_id, old_generation, generation, cand.onset_at, fenced_at)
+            rec = BargeInRecord(old.turn_id, old_generation, generation, d.onset_at, fenced_at)
             self.barge_ins.append(rec)
             self._send(
                 "barge_in",
@@ -731,17 +461,14 @@ class AgentSession:
                 old_generation=old_generation,
                 initiator=initiator,
                 onset_to_fence_ms=round(rec.onset_to_fence_ms, 2),
-                paused_ms=round((at - cand.paused_at) * 1000, 1) if cand.paused else 0,
+                paused_ms=d.paused_ms,
                 cleared_ms=cleared * 20,
             )
-        for pcm in cand.pcm:
+        for pcm in self._held if d.audio else ():
             run.stt.feed(pcm)
+        self._held = []
         self._preroll.clear()
         self._listening = run
-        self._endpoint_at = self._speech_end_at = None
-        self._last_speech_at = self._utterance_at = at
-        if cand.ended_at is not None and not run.ptt:
-            self._arm_endpoint(at, cand.ended_at)
         self._runs.append(run)
         run.open_task = self._tg.create_task(self._open(run, after))
         run.work = self._tg.create_task(self._work(run))

@@ -24,7 +24,9 @@ from turn.sqlite_store import SqliteStore
 from voice.demo_service import DemoService
 from voice.demo_tools import demo_tools
 from voice.llm import LocalAgent, LocalLlmConfig
-from voice.session import BackchannelConfig, EndpointConfig, heard_text
+from voice.backchannel import BackchannelConfig
+from voice.endpointing import EndpointConfig
+from voice.session import heard_text
 
 from conftest import requires_espeak
 from test_agent_session import Harness, Mic, pcm48
