@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from media.frames import FRAME_MS, PLAYOUT_RATE, Reframer, rms_dbfs, samples_per_frame
 from media.inbound import InboundFrame
@@ -37,17 +35,18 @@ from media.vad import VadConfig
 from turn.clock import Clock
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
-from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
-from turn.scope import TurnScope, TurnStopped
-from turn.store import StoreUnavailable, UnknownTurn
+from turn.models import Plan, StopReason, StopReasonKind, Turn
+from turn.scope import TurnScope
 from voice.backchannel import BackchannelConfig, judge, recognise
 from voice.endpointing import EndpointConfig
-from voice.providers import LanguageModel, Message, SpeechToText, SttAdaptation, SttStream, TextToSpeech
+from voice.providers import LanguageModel, Message, SpeechToText, SttAdaptation, TextToSpeech
 from voice.session_config import SessionConfig
 from voice.history import earlier_messages, session_history
 from voice.respond import run_agent, sink_to
 from voice.text import SentenceSplitter
+from voice.errors import describe_error, stopped_by
 from voice.tools import Toolbox
+from voice.turn_handle import TurnContext, TurnHandle
 from voice.turn_taking import (
     AgentState,
     Announce,
@@ -65,8 +64,6 @@ from voice.turn_taking import (
 
 log = logging.getLogger(__name__)
 
-#: how long a stop that the store would not take is retried, s
-STOP_RETRY_S = 300.0
 #: a playout frame quieter than this (dBFS) is a pause, not speech
 SILENCE_DBFS = -50.0
 
@@ -85,56 +82,6 @@ class Providers:
     llm: LanguageModel
     tts: TextToSpeech
     tools: Toolbox | None = None
-
-
-@dataclass
-class TurnRun:
-    """In-memory handle of one turn while this session works on it.
-
-    ``turn_id`` is chosen before the record is written so that a stop can
-    always find the turn, whatever moment it arrives at.
-    """
-
-    generation: int
-    stt: SttStream
-    turn_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    utterance_ended: asyncio.Event = field(default_factory=asyncio.Event)
-    #: the STT final, started the moment the utterance ends
-    stt_final: asyncio.Future[str] | None = None
-    #: writes the turn; None as result if the store refused it
-    open_task: asyncio.Task[Turn | None] | None = None
-    #: waits for a stop asked from outside (REST, another instance)
-    watch_task: asyncio.Task[None] | None = None
-    #: the stop decided for it (kept until it is recorded)
-    stop_reason: StopReason | None = None
-    #: every frame of its reply is queued for playout
-    tts_done: bool = False
-    work: asyncio.Task[None] | None = None
-    #: the turn's cancel scope, once its work has started
-    scope: TurnScope | None = None
-    stop_task: asyncio.Task[None] | None = None
-    transcript: str | None = None
-    reply: list[str] = field(default_factory=list)
-    #: each sentence sent to TTS: (first sample, end sample, text); samples
-    #: at 48 kHz from the start of this generation's audio
-    spoken: list[tuple[int, int, str]] = field(default_factory=list)
-    #: an earlier turn whose reply was never heard: this one answers both
-    #: utterances as one (the user paused, the endpoint fired, they went on)
-    continues: "TurnRun | None" = None
-    #: its words went into a later turn (see ``continues``)
-    merged: bool = False
-    #: it started a tool with an external effect ("complete" or
-    #: "compensate"): it acted on the words, so they are not merged away (a
-    #: read is abandoned on the merge, as if it had never run)
-    acted: bool = False
-    #: clock seconds when the user's speech in it ended (None: not yet)
-    speech_end_at: float | None = None
-    phase: str = "listening"
-    finished: bool = False
-    #: the client was told how much of its interrupted reply was heard
-    told_interrupted: bool = False
-    #: its terminal state is in the store (or it was never written)
-    settled: bool = False
 
 
 @dataclass
@@ -200,8 +147,8 @@ class AgentSession:
         self.close_reason = StopReasonKind.TRANSPORT_DISCONNECTED
         self.barge_ins: list[BargeInRecord] = []
         self._preroll: deque[bytes] = deque(maxlen=max(1, self.vad.preroll_frames))
-        self._runs: list[TurnRun] = []
-        self._listening: TurnRun | None = None
+        self._runs: list[TurnHandle] = []
+        self._listening: TurnHandle | None = None
         #: the candidate's audio (16 kHz frames, pre-roll first) while there is one
         self._held: list[bytes] = []
         #: the recogniser deciding whether the candidate is a backchannel
@@ -377,7 +324,7 @@ class AgentSession:
         self._carry_out(self.turn_taking.ptt_end(self.clock.monotonic()))
         return None
 
-    def _end_utterance(self, run: TurnRun, speech_end_at: float) -> None:
+    def _end_utterance(self, run: TurnHandle, speech_end_at: float) -> None:
         """The user's utterance is complete (their speech ended at clock
         seconds ``speech_end_at``): start its STT final at once, so the
         recogniser is free for the next utterance whatever the turn's
@@ -399,7 +346,7 @@ class AgentSession:
                 return run.turn_id
         return None
 
-    def _active_run(self) -> TurnRun | None:
+    def _active_run(self) -> TurnHandle | None:
         """The turn the agent is thinking or speaking for, if any."""
         for run in reversed(self._runs):
             if not run.finished and run.utterance_ended.is_set():
@@ -428,22 +375,14 @@ class AgentSession:
         cleared = self.playout.clear()
         self.playout.resume()
         after: asyncio.Task[None] | None = None
-        run = TurnRun(generation=generation, stt=self.providers.stt.open_stream(self.stt_adaptation))
+        run = TurnHandle(self._turn_context(), generation, self.providers.stt.open_stream(self.stt_adaptation))
         if old is not None:
-            if old.scope is not None and old.scope.committing:
+            if old.committing:
                 # A must-complete tool is committing: its audio is silenced
                 # (fenced, cleared) now; the turn is stopped when the commit
                 # ends, and only then does the new turn start.
                 self._send("stop_deferred", turn_id=old.turn_id, generation=old_generation, why="must_complete")
-                old.stop_task = self._tg.create_task(self._stop_after_commit(old, initiator))
-            else:
-                reason = StopReason(kind=StopReasonKind.BARGE_IN, initiator=initiator, at=self.clock.now())
-                if old.scope is not None:
-                    old.scope.stop(reason)  # every child gets the reason: model stream, tools, TTS, playout
-                if old.work is not None:
-                    old.work.cancel()
-                old.stop_task = self._tg.create_task(self._stop_run(old, reason))
-            after = old.stop_task
+            after = old.stop(StopReason(kind=StopReasonKind.BARGE_IN, initiator=initiator, at=self.clock.now()))
             window = self.config.endpoint.continue_window_ms / 1000
             if (
                 self.playout.played_samples(old.generation) == 0
@@ -481,7 +420,7 @@ class AgentSession:
 
     # -- per-turn tasks --------------------------------------------------------
 
-    async def _open(self, run: TurnRun, after: asyncio.Task[None] | None) -> Turn | None:
+    async def _open(self, run: TurnHandle, after: asyncio.Task[None] | None) -> Turn | None:
         """Write the new turn once the old one's stop is recorded, so the log
         reads: old stopping, old cancelled, new running. Returns None (after
         telling the client) if the store refused it: one turn's failure must
@@ -497,7 +436,7 @@ class AgentSession:
             self._send("error", turn_id=run.turn_id, code="store_error", message=describe_error(exc))
             return None
 
-    async def _work(self, run: TurnRun) -> None:
+    async def _work(self, run: TurnHandle) -> None:
         """The turn's pipeline: STT final -> LLM -> TTS -> playout -> COMPLETED."""
         turn: Turn | None = None
         try:
@@ -507,7 +446,7 @@ class AgentSession:
                 run.settled = True
                 return  # not recorded; the client was told
             assert self._tg is not None
-            run.watch_task = self._tg.create_task(self._watch_stop(run, turn.id))
+            run.watch_task = self._tg.create_task(run.watch())
             self.manager.on_stopping(turn.id, lambda: self._silence(run))
             await run.utterance_ended.wait()
             self._phase(run, "thinking")
@@ -554,9 +493,8 @@ class AgentSession:
                 # missed): stop here as a signal would have.
                 self._tell_interrupted(run)
                 if run.stop_task is None and self._tg is not None:
-                    if self._active_run() is run:
-                        self.playout.clear()
-                    run.stop_task = self._tg.create_task(self._stop_run(run, None))
+                    self._silence_heard(run)
+                    run.stop(None)
                 return
             log.exception("turn %s failed", run.turn_id)
             error = describe_error(exc)
@@ -574,7 +512,7 @@ class AgentSession:
             self._phase(run, "idle")
             await run.stt.aclose()
 
-    async def _earlier_words(self, run: TurnRun) -> str:
+    async def _earlier_words(self, run: TurnHandle) -> str:
         """The words of the turn this one continues (its reply was never
         heard), or "" if it continues none or they could not be recognised."""
         old = run.continues
@@ -593,12 +531,12 @@ class AgentSession:
         except Exception:
             return ""
 
-    async def _stt_final(self, run: TurnRun) -> str:
+    async def _stt_final(self, run: TurnHandle) -> str:
         """The utterance's transcript (the STT final started when it ended)."""
         assert run.stt_final is not None
         return await asyncio.shield(run.stt_final)
 
-    async def _reply(self, run: TurnRun, scope: TurnScope, messages: list[Message]) -> None:
+    async def _reply(self, run: TurnHandle, scope: TurnScope, messages: list[Message]) -> None:
         """Run the agent loop (model and tool calls) and speak its answer
         sentence by sentence in a TTS child; returns when every frame is
         queued for playout."""
@@ -638,7 +576,7 @@ class AgentSession:
             sentences.put_nowait(None)
         await scope.wait(tts)
 
-    async def _speak(self, run: TurnRun, sentences: asyncio.Queue[str | None]) -> None:
+    async def _speak(self, run: TurnHandle, sentences: asyncio.Queue[str | None]) -> None:
         """TTS each sentence into 20 ms playout frames tagged with the turn's
         generation."""
         reframer = Reframer(PLAYOUT_RATE)
@@ -661,7 +599,7 @@ class AgentSession:
             self.playout.push(PlayoutFrame(tail, run.generation, position, audible=rms_dbfs(tail) > SILENCE_DBFS))
         run.tts_done = True
 
-    def _silence(self, run: TurnRun) -> None:
+    def _silence(self, run: TurnHandle) -> None:
         """The step in which the stop of ``run``'s turn is recorded here, or
         heard from another instance: its audio leaves no more, at once (the
         watcher that cancels its work wakes a moment later). A barge-in has
@@ -669,152 +607,42 @@ class AgentSession:
         if run.stop_task is None and not run.finished and self.fence.active == run.generation:
             self.playout.clear()
 
-    async def _watch_stop(self, run: TurnRun, turn_id: str) -> None:
-        """A stop asked from outside this session (the REST API, another
-        instance) silences the turn like a barge-in does: the playout buffer
-        is cleared and the work cancelled at once; then the stop is recorded.
-        The generation stays: nothing of this turn is produced any more."""
-        await self.manager.stop_event(turn_id).wait()
-        if run.stop_task is not None or run.finished:
-            return
+    def _silence_heard(self, run: TurnHandle) -> None:
+        """A stop from outside (or found by a checkpoint) silences ``run``'s
+        audio at once if it is the reply being heard."""
         if self._active_run() is run:
             self.playout.clear()
-        if run.scope is not None:
-            run.scope.stop(None)  # the reason is the one stored by whoever asked
-        if run.work is not None:
-            run.work.cancel()
+
+    def _turn_context(self) -> TurnContext:
+        """What a new turn's handle needs to stop and settle."""
         assert self._tg is not None
-        run.stop_task = self._tg.create_task(self._stop_run(run, None))
-
-    async def _stop_after_commit(self, run: TurnRun, initiator: str) -> None:
-        """A barge-in during a must-complete commit: stop the turn the moment
-        the commit ends (its reason is timed then), then record it."""
-        scope = run.scope
-        assert scope is not None
-        stopped: list[StopReason] = []
-
-        def reason() -> StopReason:
-            stopped.append(StopReason(kind=StopReasonKind.BARGE_IN, initiator=initiator, at=self.clock.now()))
-            return stopped[0]
-
-        scope.stop_after_commits(reason)
-        await scope.commits_done()
-        if not stopped:  # the scope had been stopped otherwise meanwhile
-            reason()
-        if run.work is not None:
-            run.work.cancel()
-        await self._stop_run(run, stopped[0])
-
-    async def _stop_run(self, run: TurnRun, reason: StopReason | None) -> None:
-        """Record a stop: CANCEL_REQUESTED, bounded wait for the work to end,
-        then CANCELLED (or whatever the store says already happened). If the
-        store is unavailable for longer than the manager's own retries, the
-        client is told and the same stop (same reason, same time) is retried
-        with backoff for up to ``STOP_RETRY_S``; a failure never ends the
-        session."""
-        if reason is not None:
-            run.stop_reason = reason
-        assert run.open_task is not None
-        turn = await asyncio.shield(run.open_task)
-        if turn is None:
-            return  # never written: nothing was started for it
-        told = False
-        try:
-            async for attempt in AsyncRetrying(
-                stop=stop_after_delay(STOP_RETRY_S),
-                wait=wait_exponential(multiplier=0.5, max=5.0),
-                retry=retry_if_exception_type(StoreUnavailable),
-                sleep=self.clock.sleep,
-                reraise=True,
-            ):
-                with attempt:
-                    try:
-                        await self._record_stop(run, turn.id, reason)
-                    except StoreUnavailable as exc:
-                        if not told:
-                            told = True
-                            log.warning("turn %s: stop not recorded yet (%s); retrying", turn.id, exc)
-                            self._send("error", turn_id=turn.id, code="store_error", message=describe_error(exc))
-                        raise
-        except Exception as exc:
-            # The session's final settle tries once more, with this stop's reason.
-            log.exception("turn %s: could not record its stop", turn.id)
-            if not told:
-                self._send("error", turn_id=turn.id, code="store_error", message=describe_error(exc))
-
-    async def _record_stop(self, run: TurnRun, turn_id: str, reason: StopReason | None) -> None:
-        """Stop ``turn_id`` with ``reason`` (None: it was asked from outside,
-        or decided by the turn itself at a checkpoint; the stored reason or
-        the scope's limit stands) and write its terminal state from its
-        children's reports."""
-        if reason is not None:
-            current = (await self.manager.request_stop(turn_id, reason)).turn
-            if current.is_terminal:  # it had ended, or was only queued
-                run.settled = True
-                return
-        scope = run.scope
-        if scope is not None:
-            scope.stop(reason)
-        if run.work is not None and not run.work.done():
-            run.work.cancel()
-            if scope is None:
-                done, _ = await asyncio.wait({run.work}, timeout=self.config.stop_grace_ms / 1000)
-                if not done:
-                    log.warning("turn %s: work still running %d ms after stop", turn_id, self.config.stop_grace_ms)
-        if scope is not None:
-            await scope.settle()  # bounded by the grace
-        transcript = run.transcript
-        final = run.stt_final
-        if transcript is None and final is not None and final.done() and not final.cancelled() and not final.exception():
-            transcript = final.result()  # heard, though the turn was stopped before using it
-        heard, unheard = self._heard_split(run)
-        if transcript is not None or heard or unheard:
-            await self.manager.record(turn_id, transcript=transcript, reply=heard or None, reply_unheard=unheard or None)
-        if scope is not None:
-            await self.manager.settle_stop(turn_id, scope)
-        else:
-            current = await self.manager.get(turn_id)
-            if current.status is TurnStatus.RUNNING:  # a signal without a request: never leave it half-stopped
-                fallback = StopReason(kind=StopReasonKind.USER_CANCEL, initiator="signal", at=self.clock.now())
-                current = (await self.manager.request_stop(turn_id, fallback)).turn
-            if not current.is_terminal:
-                await self.manager.confirm_stopped(turn_id)
-        run.settled = True
+        return TurnContext(
+            session_id=self.session_id,
+            manager=self.manager,
+            clock=self.clock,
+            grace_ms=self.config.stop_grace_ms,
+            spawn=self._tg.create_task,
+            report=self._send,
+            heard_split=self._heard_split,
+            silence=self._silence_heard,
+        )
 
     async def _settle_all(self) -> None:
-        """Session end: every turn this session began gets a terminal state,
-        including one whose record was never written (the user spoke, so it
-        is recorded, then cancelled before start)."""
+        """Session end: every turn this session began gets a terminal state
+        (:meth:`voice.turn_handle.TurnHandle.settle`)."""
         closed_at = self.clock.now()
         for run in list(self._runs):
-            if run.work is not None and not run.work.done():
-                run.work.cancel()
-            # A stop decided earlier (a barge-in whose record failed) keeps its
-            # own reason and time; only turns nobody stopped get the close
-            # reason, each with a request id of its own (a stop request id is
-            # an idempotency key: one id for two turns is a conflict).
-            reason = run.stop_reason or StopReason(kind=self.close_reason, initiator="server", at=closed_at)
-            try:
-                try:
-                    turn = await self.manager.get(run.turn_id)
-                except UnknownTurn:
-                    turn = await self.manager.open_turn(
-                        self.session_id, run.generation, turn_id=run.turn_id, start=False
-                    )
-                if not turn.is_terminal:
-                    await self._record_stop(run, turn.id, reason)
-            except Exception:
-                log.exception("turn %s: could not settle it at session end", run.turn_id)
+            await run.settle(self.close_reason, closed_at)
         self._runs.clear()
 
     # -- history and events ----------------------------------------------------
 
-    def heard(self, run: TurnRun) -> str:
+    def heard(self, run: TurnHandle) -> str:
         """The part of ``run``'s reply whose audio actually left the playout
         buffer (see :func:`heard_text`)."""
         return heard_text(run.spoken, self.playout.played_samples(run.generation))
 
-    def _heard_split(self, run: TurnRun) -> tuple[str, str]:
+    def _heard_split(self, run: TurnHandle) -> tuple[str, str]:
         """``run``'s generated reply split into what was heard (its audio
         left the playout buffer, :meth:`heard`) and the rest, which nobody
         heard: (heard, unheard), each "" if empty. The heard part is a
@@ -824,7 +652,7 @@ class AgentSession:
         n = len(heard.split())
         return heard, " ".join(words[n:])
 
-    def _tell_interrupted(self, run: TurnRun) -> None:
+    def _tell_interrupted(self, run: TurnHandle) -> None:
         """Tell the client, once, how much of an interrupted reply was heard
         (event ``agent.interrupted``); that part, and only that, is what the
         store keeps as the reply and every later history shows."""
@@ -846,7 +674,7 @@ class AgentSession:
         """
         return await earlier_messages(self.manager, self.session_id, max_messages=self.config.history_messages)
 
-    async def model_history(self, run: TurnRun, turn: Turn) -> list[Message]:
+    async def model_history(self, run: TurnHandle, turn: Turn) -> list[Message]:
         """What ``turn``'s model calls are given: the session's history as
         the store holds it (:func:`voice.history.session_history`: heard
         replies only, tool calls with their ledger outcomes), once every
@@ -867,13 +695,13 @@ class AgentSession:
             await asyncio.wait(pending, timeout=max(1.0, 4 * self.config.stop_grace_ms / 1000))
         return await session_history(self.manager, turn, max_messages=self.config.history_messages)
 
-    def _phase(self, run: TurnRun, phase: str) -> None:
+    def _phase(self, run: TurnHandle, phase: str) -> None:
         if run.phase == phase:
             return
         run.phase = phase
         self._send("agent.state", turn_id=run.turn_id, generation=run.generation, phase=phase)
 
-    def _output(self, run: TurnRun, type: str, **payload: Any) -> None:
+    def _output(self, run: TurnHandle, type: str, **payload: Any) -> None:
         """A turn's output (``turn.events.OUTPUT_TYPES``): the delivery gate
         withholds it once its generation is obsolete (still logged, fenced)."""
         self._send(type, turn_id=run.turn_id, generation=run.generation, **payload)
@@ -919,20 +747,3 @@ def heard_text(spoken: list[tuple[int, int, str]], played: int) -> str:
                 out.append(" ".join(kept))
         break
     return " ".join(t for t in out if t)
-
-
-def stopped_by(exc: BaseException) -> bool:
-    """True if ``exc`` is (or a TaskGroup's group holds only) TurnStopped."""
-    if isinstance(exc, TurnStopped):
-        return True
-    if isinstance(exc, BaseExceptionGroup):
-        return all(stopped_by(e) for e in exc.exceptions)
-    return False
-
-
-def describe_error(exc: BaseException) -> str:
-    """``"Type: message"`` of the first real error, looking inside the
-    ExceptionGroups that TaskGroups wrap errors in."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return f"{type(exc).__name__}: {exc}"

@@ -27,7 +27,7 @@ from turn.scope import Child, TurnScope, TurnStopped
 from voice.history import session_history, tool_outcome_text
 from voice.providers import LanguageModel
 from voice.respond import run_agent, sink_to
-from voice.session import describe_error
+from voice.errors import describe_error
 from voice.tools import Toolbox
 
 log = logging.getLogger(__name__)

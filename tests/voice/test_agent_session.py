@@ -307,7 +307,7 @@ async def test_provider_failure_fails_the_turn_with_its_reason(
 
 
 def test_describe_error_unwraps_groups() -> None:
-    from voice.session import describe_error
+    from voice.errors import describe_error
 
     eg = ExceptionGroup("outer", [ExceptionGroup("inner", [ValueError("bad pcm")])])
     assert describe_error(eg) == "ValueError: bad pcm"
