@@ -1,12 +1,20 @@
 """The agent session: one per connected client.
 
-It wires the inbound audio (VAD events and 16 kHz frames) to the Turn Manager
-and the providers, and runs each turn's pipeline::
+It wires the inbound audio (detector events and 16 kHz frames) to the Turn
+Manager and the providers::
 
-    speech_started -> advance generation, clear playout, cancel the old turn's
-                      work (barge_in), open a new turn
-    speech frames  -> STT stream
-    speech_stopped -> STT final -> LLM stream -> sentences -> TTS -> playout
+    speech_started   -> pause playout (stage 1), hold the candidate's audio
+    speech_confirmed -> commit: advance generation, clear playout, stop the
+                        old turn (barge_in), open a new turn fed the audio
+    speech frames    -> STT stream
+    end of utterance -> STT final -> LLM stream -> sentences -> TTS -> playout
+
+Who has the floor is decided by :class:`voice.turn_taking.TurnTaking` (pure;
+this class feeds it and carries out its decisions); what a commit does to
+the turn in flight by :mod:`voice.barge_in`; a turn's answer by
+:mod:`voice.reply`; how a turn is stopped and settled by
+:class:`voice.turn_handle.TurnHandle`; what was heard of a reply by
+:mod:`voice.heard`; the model's history by :mod:`voice.history`.
 
 Concurrency: everything runs in one TaskGroup owned by :meth:`AgentSession.run`.
 For each turn there is a *work* task (the pipeline, cancelled on stop), an
@@ -26,25 +34,24 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-
-from media.frames import FRAME_MS, PLAYOUT_RATE, Reframer, rms_dbfs, samples_per_frame
+from media.frames import FRAME_MS
 from media.inbound import InboundFrame
-from media.playout import PlayoutBuffer, PlayoutFrame
+from media.playout import PlayoutBuffer
 from media.syllables import count_syllable_nuclei
 from media.vad import VadConfig
 from turn.clock import Clock
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
-from turn.models import Plan, StopReason, StopReasonKind, Turn
+from turn.models import Plan, StopReasonKind, Turn
 from turn.scope import TurnScope
 from voice.backchannel import BackchannelConfig, judge, recognise
+from voice.barge_in import BargeInRecord, barge_in, continues, interrupted_turn
 from voice.endpointing import EndpointConfig
+from voice.heard import Hearing
+from voice.history import earlier_messages, history_after
 from voice.providers import LanguageModel, Message, SpeechToText, SttAdaptation, TextToSpeech
+from voice.reply import answer
 from voice.session_config import SessionConfig
-from voice.history import earlier_messages, session_history
-from voice.respond import run_agent, sink_to
-from voice.text import SentenceSplitter
-from voice.errors import describe_error, stopped_by
 from voice.tools import Toolbox
 from voice.turn_handle import TurnContext, TurnHandle
 from voice.turn_taking import (
@@ -64,9 +71,6 @@ from voice.turn_taking import (
 
 log = logging.getLogger(__name__)
 
-#: a playout frame quieter than this (dBFS) is a pause, not speech
-SILENCE_DBFS = -50.0
-
 class EventSink(Protocol):
     """Where the session's events go (``turn.events.SessionEventLog.emit``):
     logged, then read by the client's follower."""
@@ -82,22 +86,6 @@ class Providers:
     llm: LanguageModel
     tts: TextToSpeech
     tools: Toolbox | None = None
-
-
-@dataclass
-class BargeInRecord:
-    """One barge-in as the server saw it (clock seconds)."""
-
-    old_turn_id: str
-    old_generation: int
-    new_generation: int
-    onset_at: float
-    fenced_at: float
-
-    @property
-    def onset_to_fence_ms(self) -> float:
-        """Milliseconds from the first voiced frame's arrival to the fence."""
-        return (self.fenced_at - self.onset_at) * 1000
 
 
 class AgentSession:
@@ -137,6 +125,7 @@ class AgentSession:
         #: the recogniser's state for this session's voice (its requests only)
         self.stt_adaptation = SttAdaptation()
         self.playout = playout
+        self.hearing = Hearing(playout)
         self.fence = fence
         self.clock = clock
         self._emit = emit
@@ -253,7 +242,7 @@ class AgentSession:
             elif isinstance(d, EndOfUtterance):
                 run, self._listening = self._listening, None
                 if run is not None:
-                    self._end_utterance(run, d.speech_end_at)
+                    run.end_utterance(d.speech_end_at)
             elif isinstance(d, PttTooLong):
                 self._send("error", code="ptt_too_long", message=f"push-to-talk held over {d.max_ms} ms")
             elif isinstance(d, ResetDetector):
@@ -324,19 +313,6 @@ class AgentSession:
         self._carry_out(self.turn_taking.ptt_end(self.clock.monotonic()))
         return None
 
-    def _end_utterance(self, run: TurnHandle, speech_end_at: float) -> None:
-        """The user's utterance is complete (their speech ended at clock
-        seconds ``speech_end_at``): start its STT final at once, so the
-        recogniser is free for the next utterance whatever the turn's
-        bookkeeping is doing."""
-        if run.utterance_ended.is_set():
-            return
-        run.speech_end_at = speech_end_at
-        run.utterance_ended.set()
-        run.stt_final = asyncio.ensure_future(run.stt.finish())
-        # its failure is read by the turn's work; don't also log it as lost
-        run.stt_final.add_done_callback(lambda f: f.cancelled() or f.exception())
-
     # -- barge-in --------------------------------------------------------------
 
     def turn_id_of(self, generation: int) -> str | None:
@@ -363,12 +339,7 @@ class AgentSession:
         user paused, the endpoint fired, they went on; one reply answers both.
         """
         assert self._tg is not None
-        initiator = d.initiator
-        old = self._active_run()
-        if old is not None and old.tts_done and not self.playout.audible_pending(old.generation):
-            # Only the pause after its last word is left: the user heard the
-            # reply in full, so it completes; this is a new turn, not a barge-in.
-            old = None
+        old = interrupted_turn(self._active_run(), self.playout)
         old_generation = self.fence.active
         generation = self.fence.advance()
         fenced_at = self.clock.monotonic()
@@ -377,40 +348,21 @@ class AgentSession:
         after: asyncio.Task[None] | None = None
         run = TurnHandle(self._turn_context(), generation, self.providers.stt.open_stream(self.stt_adaptation))
         if old is not None:
-            if old.committing:
-                # A must-complete tool is committing: its audio is silenced
-                # (fenced, cleared) now; the turn is stopped when the commit
-                # ends, and only then does the new turn start.
-                self._send("stop_deferred", turn_id=old.turn_id, generation=old_generation, why="must_complete")
-            after = old.stop(StopReason(kind=StopReasonKind.BARGE_IN, initiator=initiator, at=self.clock.now()))
-            window = self.config.endpoint.continue_window_ms / 1000
-            if (
-                self.playout.played_samples(old.generation) == 0
-                and not old.merged
-                and not old.acted
-                and old.speech_end_at is not None
-                and d.onset_at - old.speech_end_at <= window
-            ):
-                run.continues, old.merged = old, True
-            rec = BargeInRecord(old.turn_id, old_generation, generation, d.onset_at, fenced_at)
-            self.barge_ins.append(rec)
-            self._send(
-                "barge_in",
-                old_turn_id=old.turn_id,
-                old_generation=old_generation,
-                initiator=initiator,
-                onset_to_fence_ms=round(rec.onset_to_fence_ms, 2),
-                paused_ms=d.paused_ms,
-                cleared_ms=cleared * 20,
+            rec, after = barge_in(
+                old, d, old_generation=old_generation, new_generation=generation, fenced_at=fenced_at,
+                cleared_frames=cleared, clock=self.clock, send=self._send,
             )
+            if continues(old, d.onset_at, self.playout.played_samples(old.generation), self.config.endpoint.continue_window_ms):
+                run.continues, old.merged = old, True
+            self.barge_ins.append(rec)
         for pcm in self._held if d.audio else ():
             run.stt.feed(pcm)
         self._held = []
         self._preroll.clear()
         self._listening = run
         self._runs.append(run)
-        run.open_task = self._tg.create_task(self._open(run, after))
-        run.work = self._tg.create_task(self._work(run))
+        run.open_task = self._tg.create_task(run.write(after, plan=self.plan, pricing=self.providers.llm.pricing))
+        run.work = self._tg.create_task(run.work_on(self._answer))
         self._forget_finished()
 
     def _forget_finished(self) -> None:
@@ -420,184 +372,13 @@ class AgentSession:
 
     # -- per-turn tasks --------------------------------------------------------
 
-    async def _open(self, run: TurnHandle, after: asyncio.Task[None] | None) -> Turn | None:
-        """Write the new turn once the old one's stop is recorded, so the log
-        reads: old stopping, old cancelled, new running. Returns None (after
-        telling the client) if the store refused it: one turn's failure must
-        not end the session."""
-        if after is not None:
-            await asyncio.wait({after})
-        try:
-            return await self.manager.open_turn(
-                self.session_id, run.generation, turn_id=run.turn_id, plan=self.plan, pricing=self.providers.llm.pricing
-            )
-        except Exception as exc:
-            log.exception("turn %s could not be written", run.turn_id)
-            self._send("error", turn_id=run.turn_id, code="store_error", message=describe_error(exc))
-            return None
-
-    async def _work(self, run: TurnHandle) -> None:
-        """The turn's pipeline: STT final -> LLM -> TTS -> playout -> COMPLETED."""
-        turn: Turn | None = None
-        try:
-            assert run.open_task is not None
-            turn = await asyncio.shield(run.open_task)
-            if turn is None:
-                run.settled = True
-                return  # not recorded; the client was told
-            assert self._tg is not None
-            run.watch_task = self._tg.create_task(run.watch())
-            self.manager.on_stopping(turn.id, lambda: self._silence(run))
-            await run.utterance_ended.wait()
-            self._phase(run, "thinking")
-            rt = self.manager.runtime(turn.id)
-            run.scope = TurnScope(
-                turn.id,
-                self.clock,
-                grace_s=self.config.stop_grace_ms / 1000,
-                deadline=rt.deadline if rt is not None else None,
-                shutdown_reserve_s=self.plan.shutdown_reserve_ms / 1000,
-            )
-            async with run.scope as scope:
-                transcript = await scope.run("stt", self._stt_final(run))
-                earlier = await self._earlier_words(run)
-                run.transcript = transcript = " ".join(t for t in (earlier, transcript) if t)
-                turn = await self.manager.record(turn.id, transcript=transcript)
-                if run.continues is not None and earlier:
-                    # its words are this turn's now: no history shows it again
-                    await self.manager.record(run.continues.turn_id, merged_into=turn.id)
-                self._output(run, "transcript", role="user", text=transcript)
-                if not transcript:
-                    await self.manager.fail(turn.id, "no_speech_recognized")
-                    run.settled = True
-                    return
-                messages = await self.model_history(run, turn)
-                await self._reply(run, scope, messages)
-                await scope.run("playout", self.playout.wait_empty())
-                reply = "".join(run.reply).strip()
-
-                async def finish() -> None:
-                    await self.manager.record(turn.id, reply=reply)  # every frame of it was played
-                    completed = (await self.manager.complete(turn.id)).applied
-                    run.settled = True  # completed now, or already terminal
-                    if completed:
-                        self._output(run, "agent.done", text=reply)
-
-                await scope.commit(finish(), effect=False)  # the final step commits whole, or not at all
-        except asyncio.CancelledError:
-            self._tell_interrupted(run)
-            raise
-        except Exception as exc:
-            if stopped_by(exc):
-                # A checkpoint found the stop in the store (its signal was
-                # missed): stop here as a signal would have.
-                self._tell_interrupted(run)
-                if run.stop_task is None and self._tg is not None:
-                    self._silence_heard(run)
-                    run.stop(None)
-                return
-            log.exception("turn %s failed", run.turn_id)
-            error = describe_error(exc)
-            if turn is not None:
-                try:
-                    await self.manager.fail(turn.id, error)
-                    run.settled = True
-                except Exception:
-                    log.exception("turn %s: could not record its failure", run.turn_id)
-            self._send("error", turn_id=run.turn_id, code="turn_failed", message=error)
-        finally:
-            run.finished = True
-            if run.watch_task is not None:
-                run.watch_task.cancel()  # a stop from now on is handled by the stop task or the settle
-            self._phase(run, "idle")
-            await run.stt.aclose()
-
-    async def _earlier_words(self, run: TurnHandle) -> str:
-        """The words of the turn this one continues (its reply was never
-        heard), or "" if it continues none or they could not be recognised."""
-        old = run.continues
-        if old is None:
-            return ""
-        if old.transcript is not None:
-            return old.transcript
-        if old.stt_final is None:
-            return ""
-        try:
-            return await asyncio.shield(old.stt_final)
-        except asyncio.CancelledError:
-            if old.stt_final.cancelled():
-                return ""
-            raise
-        except Exception:
-            return ""
-
-    async def _stt_final(self, run: TurnHandle) -> str:
-        """The utterance's transcript (the STT final started when it ended)."""
-        assert run.stt_final is not None
-        return await asyncio.shield(run.stt_final)
-
-    async def _reply(self, run: TurnHandle, scope: TurnScope, messages: list[Message]) -> None:
-        """Run the agent loop (model and tool calls) and speak its answer
-        sentence by sentence in a TTS child; returns when every frame is
-        queued for playout."""
-        sentences: asyncio.Queue[str | None] = asyncio.Queue()
-        splitter = SentenceSplitter()
-        tts = scope.spawn("tts", self._speak(run, sentences))
-
-        def delivered(token: str) -> None:
-            run.reply.append(token)
-            self._output(run, "agent.delta", text=token)
-            for piece in splitter.feed(token):
-                sentences.put_nowait(piece)
-
-        def withheld(token: str) -> None:
-            self._output(run, "agent.delta", text=token, withheld=True)
-
-        def on_event(type: str, **payload: Any) -> None:
-            if type == "tool.started" and payload.get("effect", "none") != "none":
-                run.acted = True  # a read whose result nobody heard does not count
-            self._send(type, turn_id=run.turn_id, generation=run.generation, **payload)
-
-        try:
-            await run_agent(
-                scope=scope,
-                manager=self.manager,
-                turn_id=run.turn_id,
-                llm=self.providers.llm,
-                messages=messages,
-                toolbox=self.providers.tools,
-                on_token=sink_to(delivered, withheld),
-                on_event=on_event,
-            )
-            rest = splitter.flush()
-            if rest:
-                sentences.put_nowait(rest)
-        finally:
-            sentences.put_nowait(None)
-        await scope.wait(tts)
-
-    async def _speak(self, run: TurnHandle, sentences: asyncio.Queue[str | None]) -> None:
-        """TTS each sentence into 20 ms playout frames tagged with the turn's
-        generation."""
-        reframer = Reframer(PLAYOUT_RATE)
-        per_frame = samples_per_frame(PLAYOUT_RATE)
-        position = 0
-
-        def sink(pcm: bytes) -> None:
-            nonlocal position
-            for f in reframer.push(pcm):
-                self.playout.push(PlayoutFrame(f, run.generation, position, audible=rms_dbfs(f) > SILENCE_DBFS))
-                position += per_frame
-
-        while (sentence := await sentences.get()) is not None:
-            self._phase(run, "speaking")
-            start = position + reframer.pending_bytes // 2
-            await self.providers.tts.synthesize(sentence, sink)
-            run.spoken.append((start, position + reframer.pending_bytes // 2, sentence))
-        tail = reframer.flush()
-        if tail is not None:
-            self.playout.push(PlayoutFrame(tail, run.generation, position, audible=rms_dbfs(tail) > SILENCE_DBFS))
-        run.tts_done = True
+    async def _answer(self, run: TurnHandle, scope: TurnScope, turn: Turn) -> None:
+        """What a turn's work does once its utterance ended (:func:`voice.reply.answer`)."""
+        p = self.providers
+        await answer(
+            run, scope, turn, manager=self.manager, llm=p.llm, tts=p.tts, tools=p.tools, playout=self.playout,
+            history=self.model_history,
+        )
 
     def _silence(self, run: TurnHandle) -> None:
         """The step in which the stop of ``run``'s turn is recorded here, or
@@ -623,8 +404,11 @@ class AgentSession:
             grace_ms=self.config.stop_grace_ms,
             spawn=self._tg.create_task,
             report=self._send,
-            heard_split=self._heard_split,
+            shutdown_reserve_s=self.plan.shutdown_reserve_ms / 1000,
+            heard_split=self.hearing.split,
             silence=self._silence_heard,
+            on_stopping=self._silence,
+            tell_interrupted=self._tell_interrupted,
         )
 
     async def _settle_all(self) -> None:
@@ -637,33 +421,12 @@ class AgentSession:
 
     # -- history and events ----------------------------------------------------
 
-    def heard(self, run: TurnHandle) -> str:
-        """The part of ``run``'s reply whose audio actually left the playout
-        buffer (see :func:`heard_text`)."""
-        return heard_text(run.spoken, self.playout.played_samples(run.generation))
-
-    def _heard_split(self, run: TurnHandle) -> tuple[str, str]:
-        """``run``'s generated reply split into what was heard (its audio
-        left the playout buffer, :meth:`heard`) and the rest, which nobody
-        heard: (heard, unheard), each "" if empty. The heard part is a
-        whole-word prefix of the reply."""
-        words = "".join(run.reply).split()
-        heard = self.heard(run)
-        n = len(heard.split())
-        return heard, " ".join(words[n:])
-
     def _tell_interrupted(self, run: TurnHandle) -> None:
         """Tell the client, once, how much of an interrupted reply was heard
-        (event ``agent.interrupted``); that part, and only that, is what the
-        store keeps as the reply and every later history shows."""
-        if not run.transcript or run.told_interrupted or run.merged:
-            return
-        run.told_interrupted = True
-        played = self.playout.played_samples(run.generation)
-        self._send(
-            "agent.interrupted", turn_id=run.turn_id, generation=run.generation, heard=self.heard(run),
-            played_ms=round(played * 1000 / self.playout.rate), reply_chars=len("".join(run.reply).strip()),
-        )
+        (:meth:`voice.heard.Hearing.interrupted`)."""
+        payload = self.hearing.interrupted(run)
+        if payload is not None:
+            self._send("agent.interrupted", **payload)
 
     async def history(self) -> list[Message]:
         """The session's history as the next turn's model would be given it
@@ -684,27 +447,9 @@ class AgentSession:
             run: the turn's handle.
             turn: the turn as recorded, with its transcript.
         """
-        pending = {
-            task
-            for r in self._runs
-            if r.generation < run.generation
-            for task in (r.work, r.stop_task)
-            if task is not None and not task.done()
-        }
-        if pending:  # bounded: a stuck earlier turn costs this one a second at most
-            await asyncio.wait(pending, timeout=max(1.0, 4 * self.config.stop_grace_ms / 1000))
-        return await session_history(self.manager, turn, max_messages=self.config.history_messages)
-
-    def _phase(self, run: TurnHandle, phase: str) -> None:
-        if run.phase == phase:
-            return
-        run.phase = phase
-        self._send("agent.state", turn_id=run.turn_id, generation=run.generation, phase=phase)
-
-    def _output(self, run: TurnHandle, type: str, **payload: Any) -> None:
-        """A turn's output (``turn.events.OUTPUT_TYPES``): the delivery gate
-        withholds it once its generation is obsolete (still logged, fenced)."""
-        self._send(type, turn_id=run.turn_id, generation=run.generation, **payload)
+        earlier = [t for r in self._runs if r.generation < run.generation for t in (r.work, r.stop_task) if t is not None]
+        wait_s = max(1.0, 4 * self.config.stop_grace_ms / 1000)
+        return await history_after(self.manager, turn, earlier, wait_s=wait_s, max_messages=self.config.history_messages)
 
     def _send(self, type: str, *, generation: int | None = None, **payload: Any) -> None:
         try:
@@ -712,38 +457,3 @@ class AgentSession:
         except Exception:
             log.exception("event sink failed")
 
-
-def heard_text(spoken: list[tuple[int, int, str]], played: int) -> str:
-    """The text of the sentences in ``spoken`` whose audio had been played
-    up to sample ``played``, cut to whole words.
-
-    Each sentence's first and end sample are exact (each is synthesised on
-    its own, so they are sentence marks). Inside the sentence being played,
-    word boundaries are estimated: a word counts as heard when the share of
-    the sentence's samples played reaches the share of its characters up to
-    that word's end (speech time is close to proportional to letters; a half
-    heard word is left out).
-
-    Args:
-        spoken: (first sample, end sample, text) per sentence, in order.
-        played: samples of this generation's audio that left the buffer.
-    """
-    out: list[str] = []
-    for start, end, text in spoken:
-        if played >= end:
-            out.append(text.strip())
-            continue
-        if played > start and end > start:
-            share = (played - start) / (end - start)
-            words = text.split()
-            total = len(" ".join(words))
-            kept, upto = [], 0
-            for w in words:
-                upto += len(w) + (1 if kept else 0)
-                if upto / total > share:
-                    break
-                kept.append(w)
-            if kept:
-                out.append(" ".join(kept))
-        break
-    return " ".join(t for t in out if t)

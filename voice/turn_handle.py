@@ -1,5 +1,6 @@
 """The per-turn handle of a voice session: one turn's in-memory state while
-the session works on it, and the one way it is stopped and settled.
+the session works on it, its work's lifecycle (:meth:`TurnHandle.work_on`),
+and the one way it is stopped and settled.
 
 Every stop goes through :meth:`TurnHandle.stop` (a barge-in, a stop asked
 from outside, a stop a checkpoint found) and every session end through
@@ -25,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -34,10 +35,11 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from turn.clock import Clock
 from turn.manager import TurnManager
-from turn.models import StopReason, StopReasonKind, Turn, TurnStatus
+from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
 from turn.scope import TurnScope
 from turn.store import StoreUnavailable, UnknownTurn
-from voice.errors import describe_error
+from turn.usage import Pricing
+from voice.errors import describe_error, stopped_by
 from voice.providers import SttStream
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ STOP_RETRY_S = 300.0
 
 @dataclass(frozen=True)
 class TurnContext:
-    """What every turn of one session shares to stop and settle.
+    """What every turn of one session shares to work, stop and settle.
 
     Attributes:
         session_id: the session (for a turn written only at its end).
@@ -56,21 +58,35 @@ class TurnContext:
         clock: time source (stop times, retry backoff).
         grace_ms: how long a stopped turn's work may take to wind down
             before its terminal state is written anyway, ms.
+        shutdown_reserve_s: time kept back from every child of a turn for
+            its own wind-down, s (``turn.models.Plan.shutdown_reserve_ms``).
         spawn: starts a task in the session's task group.
         report: sends a session event (``type``, then the payload's fields).
         heard_split: a turn's reply as (heard, unheard) text
-            (:func:`voice.heard.heard_split`).
-        silence: silences a turn's audio if it is the one being heard.
+            (:meth:`voice.heard.Hearing.split`).
+        silence: a stop from outside, or found by a checkpoint: silences the
+            turn's audio at once if it is the reply being heard.
+        on_stopping: the store took the turn's stop (here, or heard from
+            another instance): silences its audio if it is still playing.
+        tell_interrupted: tells the client, once, how much of the turn's
+            interrupted reply was heard.
     """
 
     session_id: str
     manager: TurnManager
     clock: Clock
     grace_ms: int
+    shutdown_reserve_s: float
     spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]]
     report: Callable[..., None]
     heard_split: Callable[["TurnHandle"], tuple[str, str]]
     silence: Callable[["TurnHandle"], None]
+    on_stopping: Callable[["TurnHandle"], None]
+    tell_interrupted: Callable[["TurnHandle"], None]
+
+
+#: what a turn's work does once its utterance ended (see :meth:`TurnHandle.work_on`)
+Answer = Callable[["TurnHandle", TurnScope, Turn], Awaitable[None]]
 
 
 @dataclass(eq=False)
@@ -124,12 +140,153 @@ class TurnHandle:
     #: its terminal state is in the store (or it was never written)
     settled: bool = False
 
+    # -- its record and its work ---------------------------------------------------
+
+    async def write(self, after: asyncio.Task[None] | None, *, plan: Plan, pricing: Pricing) -> Turn | None:
+        """The session's *open* task: write the turn once ``after`` (the stop
+        task of the turn it barged in on) is done, so the log reads: old
+        stopping, old cancelled, new running. Returns None (after telling
+        the client: event ``error``, code ``store_error``) if the store
+        refused it: one turn's failure must not end the session."""
+        if after is not None:
+            await asyncio.wait({after})
+        try:
+            return await self.ctx.manager.open_turn(
+                self.ctx.session_id, self.generation, turn_id=self.turn_id, plan=plan, pricing=pricing
+            )
+        except Exception as exc:
+            log.exception("turn %s could not be written", self.turn_id)
+            self.ctx.report("error", turn_id=self.turn_id, code="store_error", message=describe_error(exc))
+            return None
+
+
+    async def work_on(self, answer: Answer) -> None:
+        """The turn's work (the session's *work* task, cancelled on a stop):
+        once its record is written, watch for a stop from outside; once its
+        utterance ended, ``answer`` it inside the turn's cancel scope.
+
+        However it ends, it ends once: a stop (cancelled, or a checkpoint
+        found it in the store) tells the client what was heard and leaves
+        the record to the stop task; an error fails the turn with its
+        description (event ``error``, code ``turn_failed``). The recogniser
+        stream is closed in every case.
+
+        Raises:
+            asyncio.CancelledError: when cancelled (never swallowed).
+        """
+        manager = self.ctx.manager
+        turn: Turn | None = None
+        try:
+            assert self.open_task is not None
+            turn = await asyncio.shield(self.open_task)
+            if turn is None:
+                self.settled = True
+                return  # not recorded; the client was told
+            self.watch_task = self.ctx.spawn(self.watch())
+            manager.on_stopping(turn.id, lambda: self.ctx.on_stopping(self))
+            await self.utterance_ended.wait()
+            self.enter("thinking")
+            rt = manager.runtime(turn.id)
+            self.scope = TurnScope(
+                turn.id,
+                self.ctx.clock,
+                grace_s=self.ctx.grace_ms / 1000,
+                deadline=rt.deadline if rt is not None else None,
+                shutdown_reserve_s=self.ctx.shutdown_reserve_s,
+            )
+            async with self.scope as scope:
+                await answer(self, scope, turn)
+        except asyncio.CancelledError:
+            self.ctx.tell_interrupted(self)
+            raise
+        except Exception as exc:
+            if stopped_by(exc):
+                # A checkpoint found the stop in the store (its signal was
+                # missed): stop here as a signal would have.
+                self.ctx.tell_interrupted(self)
+                if self.stop_task is None:
+                    self.ctx.silence(self)
+                    self.stop(None)
+                return
+            log.exception("turn %s failed", self.turn_id)
+            error = describe_error(exc)
+            if turn is not None:
+                try:
+                    await manager.fail(turn.id, error)
+                    self.settled = True
+                except Exception:
+                    log.exception("turn %s: could not record its failure", self.turn_id)
+            self.ctx.report("error", turn_id=self.turn_id, code="turn_failed", message=error)
+        finally:
+            self.finished = True
+            if self.watch_task is not None:
+                self.watch_task.cancel()  # a stop from now on is handled by the stop task or the settle
+            self.enter("idle")
+            await self.stt.aclose()
+
+    # -- what it says and hears ---------------------------------------------------
+
+    def output(self, type: str, **payload: Any) -> None:
+        """Send an event of this turn (``turn_id`` and ``generation`` added);
+        the delivery gate withholds its output (``turn.events.OUTPUT_TYPES``)
+        once its generation is obsolete (still logged, fenced)."""
+        self.ctx.report(type, turn_id=self.turn_id, generation=self.generation, **payload)
+
+    def enter(self, phase: str) -> None:
+        """Move to ``phase`` ("thinking", "speaking", "idle"), telling the
+        client (``agent.state``) if it changed."""
+        if self.phase == phase:
+            return
+        self.phase = phase
+        self.output("agent.state", phase=phase)
+
+    def end_utterance(self, speech_end_at: float) -> None:
+        """The user's utterance is complete (their speech ended at clock
+        seconds ``speech_end_at``): start its STT final at once, so the
+        recogniser is free for the next utterance whatever the turn's
+        bookkeeping is doing. Only the first call counts."""
+        if self.utterance_ended.is_set():
+            return
+        self.speech_end_at = speech_end_at
+        self.utterance_ended.set()
+        self.stt_final = asyncio.ensure_future(self.stt.finish())
+        # its failure is read by the turn's work; don't also log it as lost
+        self.stt_final.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def final_transcript(self) -> str:
+        """The utterance's transcript (the STT final started when it ended).
+
+        Raises:
+            Exception: what the recogniser raised.
+        """
+        assert self.stt_final is not None
+        return await asyncio.shield(self.stt_final)
+
+    async def earlier_words(self) -> str:
+        """The words of the turn this one continues (its reply was never
+        heard), or "" if it continues none or they could not be recognised."""
+        old = self.continues
+        if old is None:
+            return ""
+        if old.transcript is not None:
+            return old.transcript
+        if old.stt_final is None:
+            return ""
+        try:
+            return await asyncio.shield(old.stt_final)
+        except asyncio.CancelledError:
+            if old.stt_final.cancelled():
+                return ""
+            raise
+        except Exception:
+            return ""
+
+    # -- the one stop ------------------------------------------------------------
+
     @property
     def committing(self) -> bool:
         """A must-complete tool of it is committing an external effect now."""
         return self.scope is not None and self.scope.committing
-
-    # -- the one stop ------------------------------------------------------------
 
     def stop(self, reason: StopReason | None) -> asyncio.Task[None]:
         """Stop the turn and record it, once.

@@ -26,7 +26,7 @@ from voice.demo_tools import demo_tools
 from voice.llm import LocalAgent, LocalLlmConfig
 from voice.backchannel import BackchannelConfig
 from voice.endpointing import EndpointConfig
-from voice.session import heard_text
+from voice.heard import heard_text
 
 from conftest import requires_espeak
 from test_agent_session import Harness, Mic, pcm48
