@@ -9,7 +9,7 @@ and ``SPEECH_STOPPED`` (after ``offset_ms`` of frames that are not).
 
 Defaults: offset 200 ms (10 frames) is the hangover after the last voiced
 frame before speech_stopped. It does not end the user's turn: endpointing
-(``voice.session.EndpointConfig``, 500 ms of silence by default) does.
+(``voice.endpointing.EndpointConfig``, 500 ms of silence by default) does.
 Known limit: webrtcvad also marks broadband noise and tones as speech; the
 barge-in detector's confirmation stage filters them.
 """

@@ -23,7 +23,9 @@ downstream work) are not tool calls the model made, and are left out too.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+from collections.abc import Iterable
 
 from turn.intents import OPEN, Intent, IntentKind, IntentStatus, compensation_key, effect_key
 from turn.manager import TurnManager
@@ -133,3 +135,26 @@ async def session_history(
     """
     earlier = await earlier_messages(manager, turn.session_id, before=turn, max_messages=max_messages)
     return [*earlier, Message(role="user", content=turn.transcript or "")]
+
+
+async def history_after(
+    manager: TurnManager,
+    turn: Turn,
+    earlier: Iterable[asyncio.Task[None]],
+    *,
+    wait_s: float,
+    max_messages: int = HISTORY_MESSAGES,
+) -> list[Message]:
+    """:func:`session_history` for ``turn`` once the earlier turns of its
+    session have recorded how they ended: their tasks still running
+    (``earlier``: work and stop tasks) are waited for first, at most
+    ``wait_s`` seconds (a stuck earlier turn costs this one that much at
+    most; its history is then read as the store has it).
+
+    Raises:
+        turn.store.StoreUnavailable: the store could not be read.
+    """
+    pending = {task for task in earlier if not task.done()}
+    if pending:
+        await asyncio.wait(pending, timeout=wait_s)
+    return await session_history(manager, turn, max_messages=max_messages)

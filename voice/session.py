@@ -1,12 +1,20 @@
 """The agent session: one per connected client.
 
-It wires the inbound audio (VAD events and 16 kHz frames) to the Turn Manager
-and the providers, and runs each turn's pipeline::
+It wires the inbound audio (detector events and 16 kHz frames) to the Turn
+Manager and the providers::
 
-    speech_started -> advance generation, clear playout, cancel the old turn's
-                      work (barge_in), open a new turn
-    speech frames  -> STT stream
-    speech_stopped -> STT final -> LLM stream -> sentences -> TTS -> playout
+    speech_started   -> pause playout (stage 1), hold the candidate's audio
+    speech_confirmed -> commit: advance generation, clear playout, stop the
+                        old turn (barge_in), open a new turn fed the audio
+    speech frames    -> STT stream
+    end of utterance -> STT final -> LLM stream -> sentences -> TTS -> playout
+
+Who has the floor is decided by :class:`voice.turn_taking.TurnTaking` (pure;
+this class feeds it and carries out its decisions); what a commit does to
+the turn in flight by :mod:`voice.barge_in`; a turn's answer by
+:mod:`voice.reply`; how a turn is stopped and settled by
+:class:`voice.turn_handle.TurnHandle`; what was heard of a reply by
+:mod:`voice.heard`; the model's history by :mod:`voice.history`.
 
 Concurrency: everything runs in one TaskGroup owned by :meth:`AgentSession.run`.
 For each turn there is a *work* task (the pipeline, cancelled on stop), an
@@ -21,173 +29,53 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pydantic import BaseModel, Field, model_validator
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
-
-from media.frames import FRAME_MS, PLAYOUT_RATE, Reframer, rms_dbfs, samples_per_frame
-from media.bargein import DetectorEvent, DetectorEventKind
+from media.frames import FRAME_MS
 from media.inbound import InboundFrame
-from media.playout import PlayoutBuffer, PlayoutFrame
+from media.playout import PlayoutBuffer
 from media.syllables import count_syllable_nuclei
 from media.vad import VadConfig
 from turn.clock import Clock
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
-from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
+from turn.models import Plan, StopReasonKind, Turn
 from turn.scope import TurnScope
-from turn.stopped import TurnStopped
-from turn.store import StoreUnavailable, UnknownTurn
-from voice.providers import LanguageModel, Message, SpeechToText, SttAdaptation, SttStream, TextToSpeech
-from voice.history import earlier_messages, session_history
-from voice.respond import run_agent, sink_to
-from voice.text import SentenceSplitter
+from voice.backchannel import BackchannelConfig, judge, recognise
+from voice.barge_in import BargeInRecord, barge_in, continues, interrupted_turn
+from voice.endpointing import EndpointConfig
+from voice.heard import Hearing
+from voice.history import earlier_messages, history_after
+from voice.providers import LanguageModel, Message, SpeechToText, SttAdaptation, TextToSpeech
+from voice.reply import answer
+from voice.session_config import SessionConfig
 from voice.tools import Toolbox
+from voice.turn_handle import TurnContext, TurnHandle
+from voice.turn_taking import (
+    AgentState,
+    Announce,
+    CancelClassification,
+    ClassifyBackchannel,
+    Commit,
+    Decision,
+    EndOfUtterance,
+    Pause,
+    PttTooLong,
+    ResetDetector,
+    Resume,
+    TurnTaking,
+)
 
 log = logging.getLogger(__name__)
-
-#: how long a stop that the store would not take is retried, s
-STOP_RETRY_S = 300.0
-#: a playout frame quieter than this (dBFS) is a pause, not speech
-SILENCE_DBFS = -50.0
 
 class EventSink(Protocol):
     """Where the session's events go (``turn.events.SessionEventLog.emit``):
     logged, then read by the client's follower."""
 
     def __call__(self, type: str, *, generation: int, turn_id: str | None = None, **payload: Any) -> None: ...
-
-
-#: short replies a listener gives without taking the turn (lower case, no
-#: punctuation; hyphens and spaces are equivalent)
-DEFAULT_BACKCHANNELS = (
-    "uh huh", "mm hmm", "mhm", "hmm", "hm", "mm", "aha", "uh", "um", "huh", "ah", "oh", "eh",
-    "yeah", "yes", "yep", "yup", "okay", "ok", "right", "sure", "alright", "all right", "i see", "got it",
-)
-
-
-class BackchannelConfig(BaseModel):
-    """Backchannels (env ``TURNKEEPER_SESSION__BACKCHANNEL__*``): short
-    utterances such as "uh-huh" or "okay" while the agent speaks, which tell
-    it to go on rather than to stop.
-
-    An utterance made while the agent speaks is a backchannel when it ends
-    (speech_stopped) no more than ``max_ms`` after its onset and every word
-    the recogniser heard in it is in ``words`` (or it heard none), and it has
-    no more than ``max_syllables`` syllable nuclei. The agent's
-    paused audio then resumes; the utterance is not added to the next user
-    turn. Longer speech commits the barge-in the moment it passes ``max_ms``.
-
-    Attributes:
-        enabled: on by default; off, confirmed speech commits at once.
-        max_ms: longest backchannel, ms from speech onset to its end.
-        unrecognised_max_ms: an utterance in which the recogniser heard no
-            word at all is a backchannel only up to this long (ms): longer,
-            it is speech the recogniser failed on, and it barges in.
-        rejoin_ms: speech confirmed this soon (ms) after a backchannel was
-            let go is the user going on after a pause inside one utterance:
-            it commits at once (the short part is not added to the turn).
-        resume_after_ms: a backchannel lets the paused reply go on no
-            sooner than this long (ms) after its speech ended (and not while
-            the gate is open): a pause between words ("front ... left", about
-            300 ms) then never plays the reply between them; the second word
-            joins the first, and the whole is judged as one utterance.
-        max_syllables: an utterance with more syllable nuclei than this
-            (counted from the audio, :mod:`media.syllables`) is speech,
-            whatever the recogniser made of it: a fast "can you tell me a
-            story" fits in ``max_ms``, and a recogniser can hear nothing or
-            "yeah" in it. Backchannels have one to three ("mm-hmm": 3).
-        words: the word list.
-    """
-
-    enabled: bool = True
-    max_ms: int = Field(700, ge=100, le=3000)
-    unrecognised_max_ms: int = Field(550, ge=0, le=3000)
-    max_syllables: int = Field(3, ge=1, le=20)
-    rejoin_ms: int = Field(600, ge=0, le=10_000)
-    resume_after_ms: int = Field(450, ge=0, le=5000)
-    words: list[str] = Field(default_factory=lambda: list(DEFAULT_BACKCHANNELS))
-
-    def matches(self, text: str) -> bool:
-        """True if ``text`` (a transcript) is empty or made only of
-        backchannel words and phrases ("uh-huh", "okay okay", "yeah right")."""
-        words = _normalise(text).split()
-        phrases = {tuple(_normalise(w).split()) for w in self.words} - {()}
-        i = 0
-        while i < len(words):
-            for n in sorted({len(p) for p in phrases}, reverse=True):
-                if tuple(words[i : i + n]) in phrases:
-                    i += n
-                    break
-            else:
-                return False
-        return True
-
-
-class EndpointConfig(BaseModel):
-    """Endpointing: when the user's turn is over (env
-    ``TURNKEEPER_SESSION__ENDPOINT__*``).
-
-    After speech_stopped (the VAD's ``offset_ms`` of non-speech), the turn
-    ends once the user has been silent ``silence_ms`` since the end of their
-    speech; the wait after speech_stopped is kept within ``min_delay_ms`` and
-    ``max_delay_ms``. Speech confirmed again inside that wait continues the
-    same utterance. ``max_delay_ms`` also ends a turn whose detector keeps
-    seeing sound (a noisy room) that long after the last confirmed speech,
-    and ``max_utterance_ms`` ends one that never stops.
-
-    Attributes:
-        silence_ms: silence after the end of speech that ends the turn, ms.
-        min_delay_ms / max_delay_ms: bounds of the wait after speech_stopped, ms.
-        max_utterance_ms: longest user utterance, ms.
-        continue_window_ms: speech confirmed this soon after the end of the
-            previous utterance, whose reply has not been heard at all yet,
-            continues it: that reply is cancelled (it never plays) and one
-            reply answers both parts, ms. A turn that already called a tool
-            is never merged (its words were acted on; the ledger has them).
-    """
-
-    silence_ms: int = Field(500, ge=0, le=10_000)
-    continue_window_ms: int = Field(1500, ge=0, le=30_000)
-    min_delay_ms: int = Field(0, ge=0, le=10_000)
-    max_delay_ms: int = Field(3000, ge=0, le=30_000)
-    max_utterance_ms: int = Field(60_000, ge=1000, le=600_000)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> "EndpointConfig":
-        if self.min_delay_ms > self.max_delay_ms:
-            raise ValueError("endpoint min_delay_ms must not exceed max_delay_ms")
-        return self
-
-
-class SessionConfig(BaseModel):
-    """Agent session settings (env ``TURNKEEPER_SESSION__*``).
-
-    Attributes:
-        stop_grace_ms: how long a stopped turn's work may take to wind down
-            before its terminal state is written anyway (ms).
-        history_messages: how many past messages the model sees at most
-            (whole earlier turns are dropped, oldest first; see
-            :mod:`voice.history`).
-        backchannel: see :class:`BackchannelConfig`.
-        endpoint: see :class:`EndpointConfig`.
-    """
-
-    stop_grace_ms: int = Field(250, ge=0, le=10_000)
-    history_messages: int = Field(40, ge=2, le=1000)
-    backchannel: BackchannelConfig = BackchannelConfig()
-    endpoint: EndpointConfig = EndpointConfig()
-
-
-def _normalise(text: str) -> str:
-    """Lower case, hyphens as spaces, letters, digits and apostrophes only."""
-    cleaned = "".join(c if c.isalnum() or c == "'" else " " for c in text.lower().replace("-", " "))
-    return " ".join(cleaned.split())
 
 
 @dataclass
@@ -198,110 +86,6 @@ class Providers:
     llm: LanguageModel
     tts: TextToSpeech
     tools: Toolbox | None = None
-
-
-@dataclass
-class TurnRun:
-    """In-memory handle of one turn while this session works on it.
-
-    ``turn_id`` is chosen before the record is written so that a stop can
-    always find the turn, whatever moment it arrives at.
-    """
-
-    generation: int
-    stt: SttStream
-    turn_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    utterance_ended: asyncio.Event = field(default_factory=asyncio.Event)
-    #: the STT final, started the moment the utterance ends
-    stt_final: asyncio.Future[str] | None = None
-    #: writes the turn; None as result if the store refused it
-    open_task: asyncio.Task[Turn | None] | None = None
-    #: waits for a stop asked from outside (REST, another instance)
-    watch_task: asyncio.Task[None] | None = None
-    #: the stop decided for it (kept until it is recorded)
-    stop_reason: StopReason | None = None
-    #: every frame of its reply is queued for playout
-    tts_done: bool = False
-    work: asyncio.Task[None] | None = None
-    #: the turn's cancel scope, once its work has started
-    scope: TurnScope | None = None
-    stop_task: asyncio.Task[None] | None = None
-    transcript: str | None = None
-    reply: list[str] = field(default_factory=list)
-    #: each sentence sent to TTS: (first sample, end sample, text); samples
-    #: at 48 kHz from the start of this generation's audio
-    spoken: list[tuple[int, int, str]] = field(default_factory=list)
-    #: an earlier turn whose reply was never heard: this one answers both
-    #: utterances as one (the user paused, the endpoint fired, they went on)
-    continues: "TurnRun | None" = None
-    #: its words went into a later turn (see ``continues``)
-    merged: bool = False
-    #: it started a tool with an external effect ("complete" or
-    #: "compensate"): it acted on the words, so they are not merged away (a
-    #: read is abandoned on the merge, as if it had never run)
-    acted: bool = False
-    #: opened by push-to-talk: only ptt.end ends its utterance
-    ptt: bool = False
-    #: clock seconds when the user's speech in it ended (None: not yet)
-    speech_end_at: float | None = None
-    phase: str = "listening"
-    finished: bool = False
-    #: the client was told how much of its interrupted reply was heard
-    told_interrupted: bool = False
-    #: its terminal state is in the store (or it was never written)
-    settled: bool = False
-
-
-@dataclass
-class Candidate:
-    """Speech that the detector's first stage heard and the second has not
-    yet decided on (or that may be a backchannel).
-
-    Attributes:
-        onset_at: clock seconds of its first gated frame.
-        pcm: its audio so far (16 kHz frames, pre-roll included), fed to the
-            new turn's recogniser if it is committed.
-        paused: playout was paused for it (so a rejection resumes it).
-        confirmed_at: when the second stage confirmed it, if it did.
-        ended_at: when it ended (speech_stopped), if it did.
-        classifying: the recogniser is deciding whether it is a backchannel.
-    """
-
-    onset_at: float
-    pcm: list[bytes]
-    paused: bool
-    paused_at: float
-    confirmed_at: float | None = None
-    ended_at: float | None = None
-    #: where it had ended before the user went on after a pause
-    resumed_from: float | None = None
-    #: ms of it before speech_started (the gate's run), frames received since
-    #: then, and its speech's length once it ended (ms). Counted in frames,
-    #: not clock time: on a loaded machine frames arrive in bursts.
-    lead_ms: int = 0
-    frames: int = 0
-    speech_ms: int = 0
-    classifying: asyncio.Task[None] | None = None
-    #: judged a backchannel: the paused reply goes on at this clock time
-    #: (see ``BackchannelConfig.resume_after_ms``), with this event payload
-    release_at: float | None = None
-    verdict: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class BargeInRecord:
-    """One barge-in as the server saw it (clock seconds)."""
-
-    old_turn_id: str
-    old_generation: int
-    new_generation: int
-    onset_at: float
-    fenced_at: float
-
-    @property
-    def onset_to_fence_ms(self) -> float:
-        """Milliseconds from the first voiced frame's arrival to the fence."""
-        return (self.fenced_at - self.onset_at) * 1000
 
 
 class AgentSession:
@@ -341,32 +125,44 @@ class AgentSession:
         #: the recogniser's state for this session's voice (its requests only)
         self.stt_adaptation = SttAdaptation()
         self.playout = playout
+        self.hearing = Hearing(playout)
         self.fence = fence
         self.clock = clock
         self._emit = emit
         self.vad = vad or VadConfig()
+        self.turn_taking = TurnTaking(BackchannelConfig(), EndpointConfig(), self.vad.offset_ms)
         self.config = config or SessionConfig()
         #: what the user would stop a turn for if the session ended now
         self.close_reason = StopReasonKind.TRANSPORT_DISCONNECTED
         self.barge_ins: list[BargeInRecord] = []
         self._preroll: deque[bytes] = deque(maxlen=max(1, self.vad.preroll_frames))
-        self._runs: list[TurnRun] = []
-        self._listening: TurnRun | None = None
-        self._candidate: Candidate | None = None
-        #: clock seconds when the last backchannel was let go
-        self._backchannel: float | None = None
-        #: endpointing of the utterance being listened to (clock seconds)
-        self._endpoint_at: float | None = None
-        self._speech_end_at: float | None = None
-        self._last_speech_at = 0.0
-        self._utterance_at = 0.0
-        #: push-to-talk is held: the detector's decisions are not used
-        self.ptt_active = False
+        self._runs: list[TurnHandle] = []
+        self._listening: TurnHandle | None = None
+        #: the candidate's audio (16 kHz frames, pre-roll first) while there is one
+        self._held: list[bytes] = []
+        #: the recogniser deciding whether the candidate is a backchannel
+        self._classifying: asyncio.Task[None] | None = None
         #: forgets the detector's current run (set by whoever owns it)
         self.reset_detector: Callable[[], None] | None = None
         self.false_interruptions = 0
         self.backchannels = 0
         self._tg: asyncio.TaskGroup | None = None
+
+    @property
+    def config(self) -> SessionConfig:
+        """The session's settings (replacing them applies to the next event)."""
+        return self._config
+
+    @config.setter
+    def config(self, config: SessionConfig) -> None:
+        self._config = config
+        self.turn_taking.backchannel = config.backchannel
+        self.turn_taking.endpoint = config.endpoint
+
+    @property
+    def ptt_active(self) -> bool:
+        """Push-to-talk is held: the detector's decisions are not used."""
+        return self.turn_taking.ptt_active
 
     # -- main loop -------------------------------------------------------------
 
@@ -407,191 +203,86 @@ class AgentSession:
     def _on_frame(self, frame: InboundFrame) -> None:
         """Per 20 ms frame, on the hot path: no awaits, no I/O.
 
-        The detector's decisions drive it (see :mod:`media.bargein`):
-        speech_started pauses playout (stage 1), speech_confirmed commits a
-        barge-in or opens the user's turn (stage 2), speech_rejected resumes
-        (a false interruption), speech_stopped starts endpointing.
+        The detector's decisions (see :mod:`media.bargein`) and the frame's
+        time go to :class:`voice.turn_taking.TurnTaking`, whose decisions
+        are carried out here; the frame's audio goes to the utterance being
+        listened to, else to the candidate, else to the pre-roll.
         """
-        if not self.ptt_active:
-            for ev in frame.events:
-                self._on_detector(ev)
+        tt = self.turn_taking
+        for ev in frame.events:
+            self._carry_out(tt.on_event(ev, self._agent_state()))
         if self._listening is not None:
             self._listening.stt.feed(frame.pcm)
-        elif self._candidate is not None:
-            self._candidate.pcm.append(frame.pcm)
-            self._candidate.frames += 1
+        elif tt.candidate is not None:
+            self._held.append(frame.pcm)
         else:
             self._preroll.append(frame.pcm)
-        self._tick(frame.at, frame.gated)
+        self._carry_out(tt.on_frame(frame.at, frame.gated, self._agent_state()))
 
-    def _on_detector(self, ev: DetectorEvent) -> None:
-        kind = ev.kind
-        self._send("vad", event=kind.value)
-        cand = self._candidate
-        if kind is DetectorEventKind.SPEECH_STARTED:
-            if self._listening is not None:
-                self._endpoint_at = None  # the user goes on: hold the endpoint
-                return
-            if cand is not None and cand.ended_at is not None:
-                # More speech right after a short one ("uh ... huh", "front
-                # ... right"): one utterance with a pause; it is judged whole
-                # when it ends (or commits once longer than a backchannel).
-                if cand.classifying is not None:
-                    cand.classifying.cancel()
-                    cand.classifying = None
-                cand.resumed_from, cand.ended_at, cand.release_at = cand.ended_at, None, None
-                return
-            paused = self.playout.pause()
-            lead_ms = round((ev.at - ev.onset_at) * 1000) + FRAME_MS  # the gate's frames before this one
-            self._candidate = Candidate(ev.onset_at, [*self._preroll], paused, ev.at, lead_ms=lead_ms)
-            self._preroll.clear()
-        elif kind is DetectorEventKind.SPEECH_CONFIRMED:
-            self._last_speech_at = ev.at
-            if self._listening is not None:
-                self._endpoint_at = None
-                return
-            if cand is None:
-                return
-            cand.confirmed_at = ev.at
-            rejoin = self._backchannel
-            if rejoin is not None and ev.onset_at - rejoin <= self.config.backchannel.rejoin_ms / 1000:
-                # Speech right after a "backchannel": the user was pausing
-                # inside an utterance ("front ... right"), not acknowledging.
-                # It commits at once; the short part stays out of the turn.
-                self._backchannel = None
-                self._commit(cand, ev.at)
-            elif not (self.config.backchannel.enabled and self._agent_speaking()):
-                self._commit(cand, ev.at)
-        elif kind is DetectorEventKind.SPEECH_REJECTED:
-            if self._listening is not None:
-                # not speech after all: the silence still counts from the end of speech
-                if not self._listening.ptt:
-                    self._arm_endpoint(ev.at, self._speech_end_at if self._speech_end_at is not None else ev.at)
-                return
-            if cand is not None and cand.confirmed_at is None:
-                self._candidate = None
-                self._resume(cand, ev.at, "false_interruption")
-            elif cand is not None and cand.ended_at is None and cand.classifying is None:
-                # what followed a short utterance was no speech: judge that one
-                cand.ended_at = cand.resumed_from if cand.resumed_from is not None else ev.at
-                self._classify(cand)
-        elif kind is DetectorEventKind.SPEECH_STOPPED:
-            speech_end = ev.at - self.vad.offset_ms / 1000
-            if self._listening is not None:
-                if not self._listening.ptt:
-                    self._arm_endpoint(ev.at, speech_end)
-                return
-            if cand is not None and cand.confirmed_at is not None and cand.classifying is None:
-                cand.ended_at = speech_end
-                cand.speech_ms = cand.lead_ms + (cand.frames + 1) * FRAME_MS - self.vad.offset_ms
-                self._classify(cand)
+    def _carry_out(self, decisions: list[Decision]) -> None:
+        """Do what turn-taking decided, in its order (see :mod:`voice.turn_taking`)."""
+        for d in decisions:
+            if isinstance(d, Announce):
+                self._send("vad", event=d.event)
+            elif isinstance(d, Pause):
+                self.playout.pause()
+                self._held = [*self._preroll]
+                self._preroll.clear()
+            elif isinstance(d, Resume):
+                self._resume(d)
+            elif isinstance(d, ClassifyBackchannel):
+                assert self._tg is not None
+                self._classifying = self._tg.create_task(self._classify_backchannel(d.candidate, self._held))
+            elif isinstance(d, CancelClassification):
+                if self._classifying is not None:
+                    self._classifying.cancel()
+                    self._classifying = None
+            elif isinstance(d, Commit):
+                self._commit(d)
+            elif isinstance(d, EndOfUtterance):
+                run, self._listening = self._listening, None
+                if run is not None:
+                    run.end_utterance(d.speech_end_at)
+            elif isinstance(d, PttTooLong):
+                self._send("error", code="ptt_too_long", message=f"push-to-talk held over {d.max_ms} ms")
+            elif isinstance(d, ResetDetector):
+                if self.reset_detector is not None:
+                    self.reset_detector()
 
-    def _tick(self, at: float, gated: bool) -> None:
-        """Timers, checked once per frame (``gated``: the frame passed the
-        detector's gate): the endpoint, a backchannel that grew too long, an
-        utterance that never ends."""
-        cand = self._candidate
-        if cand is not None and cand.confirmed_at is not None and cand.ended_at is None and gated:
-            if cand.lead_ms + (cand.frames + 1) * FRAME_MS > self.config.backchannel.max_ms:
-                self._commit(cand, at)  # still speaking: too long for a backchannel
-        elif cand is not None and cand.release_at is not None and at >= cand.release_at and not gated:
-            self._let_go(cand, at)
-        run = self._listening
-        if run is None:
-            return
-        ep = self.config.endpoint
-        if run.ptt:
-            if at - self._utterance_at > ep.max_utterance_ms / 1000:
-                # push-to-talk held too long: the utterance ends, the hold is let go
-                self._send("error", code="ptt_too_long", message=f"push-to-talk held over {ep.max_utterance_ms} ms")
-                self.ptt_end()
-            return
-        if (
-            (self._endpoint_at is not None and at >= self._endpoint_at)
-            or at - self._last_speech_at > (ep.max_delay_ms + ep.silence_ms) / 1000
-            or at - self._utterance_at > ep.max_utterance_ms / 1000
-        ):
-            self._send("vad", event="end_of_turn")
-            self._listening = None
-            self._endpoint_at = None
-            self._end_utterance(run, self._speech_end_at if self._speech_end_at is not None else at)
-
-    def _arm_endpoint(self, stopped_at: float, speech_end: float) -> None:
-        """speech_stopped: the turn ends ``silence_ms`` after the end of
-        speech, the wait after ``stopped_at`` kept within min and max."""
-        ep = self.config.endpoint
-        self._speech_end_at = speech_end
-        wait = speech_end + ep.silence_ms / 1000 - stopped_at
-        wait = min(max(wait, ep.min_delay_ms / 1000), ep.max_delay_ms / 1000)
-        self._endpoint_at = stopped_at + wait
-
-    def _agent_speaking(self) -> bool:
-        """The agent has a reply on the way out (queued or being produced)."""
+    def _agent_state(self) -> AgentState:
+        """What turn-taking needs to know of the agent: is a reply on the way
+        out (queued or being produced), is a turn thinking or speaking."""
         run = self._active_run()
         if run is None:
-            return False
-        return len(self.playout) > 0 or (run.phase == "speaking" and not run.tts_done)
+            return AgentState()
+        return AgentState(speaking=len(self.playout) > 0 or (run.phase == "speaking" and not run.tts_done), replying=True)
 
-    def _resume(self, cand: Candidate, at: float, why: str, **payload: Any) -> None:
-        """Speech that was no barge-in: play on from where playout paused."""
-        if cand.paused:
+    def _resume(self, d: Resume) -> None:
+        """Speech that was no barge-in: play on from where playout paused;
+        its audio goes back to the pre-roll."""
+        if d.playout:
             self.playout.resume()
-        for pcm in cand.pcm[-self._preroll.maxlen :] if self._preroll.maxlen else []:
+        for pcm in self._held[-self._preroll.maxlen :] if self._preroll.maxlen else []:
             self._preroll.append(pcm)
-        held = cand.paused and self._active_run() is not None
-        if why == "false_interruption":
-            self.false_interruptions += held
+        if d.reason == "false_interruption":
+            self.false_interruptions += d.held
         else:
             self.backchannels += 1
-        if held or why != "false_interruption":
-            self._send(why, paused_ms=round((at - cand.paused_at) * 1000, 1) if cand.paused else 0, **payload)
+        if d.report:
+            self._send(d.reason, paused_ms=d.paused_ms, **d.verdict)
 
-    def _let_go(self, cand: Candidate, at: float) -> None:
-        """A backchannel: the paused reply goes on, the words are dropped."""
-        self._candidate = None
-        self._backchannel = at
-        self._resume(cand, at, "backchannel", **cand.verdict)
-
-    def _classify(self, cand: Candidate) -> None:
-        """A short confirmed utterance while the agent speaks has ended: ask
-        the recogniser whether it was only a backchannel."""
-        assert self._tg is not None
-        cand.classifying = self._tg.create_task(self._classify_backchannel(cand))
-
-    async def _classify_backchannel(self, cand: Candidate) -> None:
-        stream = self.providers.stt.open_stream()
-        try:
-            for pcm in cand.pcm:
-                stream.feed(pcm)
-            text = await stream.finish()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("backchannel recognition failed; taking it as a barge-in")
-            text = None
-        finally:
-            await stream.aclose()
-        if self._candidate is not cand:
+    async def _classify_backchannel(self, candidate: int, held: list[bytes]) -> None:
+        """Was candidate ``candidate`` (its audio: ``held``) a backchannel?
+        The recogniser and the syllable count say (:mod:`voice.backchannel`)."""
+        text = await recognise(self.providers.stt, held)
+        cand = self.turn_taking.candidate
+        if cand is None or cand.n != candidate:
             return  # decided meanwhile (the user went on)
-        bc = self.config.backchannel
-        duration_ms = cand.speech_ms
         # the user's speech only: the gate's run and what followed it, not
         # the older pre-roll (which can hold the agent's echo)
-        spoken = cand.pcm[-(cand.lead_ms // FRAME_MS + cand.frames) :]
-        syllables = count_syllable_nuclei(spoken)
-        if (
-            text is not None
-            and bc.matches(text)
-            and (text.strip() or duration_ms <= bc.unrecognised_max_ms)
-            and syllables <= bc.max_syllables
-        ):
-            cand.verdict = {"text": text, "syllables": syllables}
-            ended = cand.ended_at if cand.ended_at is not None else self.clock.monotonic()
-            cand.release_at = ended + bc.resume_after_ms / 1000
-            if self.clock.monotonic() >= cand.release_at:
-                self._let_go(cand, self.clock.monotonic())
-        else:
-            self._commit(cand, self.clock.monotonic())
+        spoken = held[-(cand.lead_ms // FRAME_MS + cand.frames) :]
+        verdict = judge(self.config.backchannel, text, cand.speech_ms, count_syllable_nuclei(spoken))
+        self._carry_out(self.turn_taking.classified(candidate, self.clock.monotonic(), verdict, self._agent_state()))
 
     # -- push-to-talk ----------------------------------------------------------
 
@@ -600,25 +291,14 @@ class AgentSession:
         involved; everything heard until :meth:`ptt_end` is the user's turn.
 
         Returns:
-            None, or an error code (``ptt_already_active``) for the client.
+            None, or an error code (``ptt_already_active``,
+            ``session_not_ready``) for the client.
         """
-        if self.ptt_active:
+        if self.turn_taking.ptt_active:
             return "ptt_already_active"
         if self._tg is None:
             return "session_not_ready"
-        self.ptt_active = True
-        if self.reset_detector is not None:
-            self.reset_detector()
-        now = self.clock.monotonic()
-        cand, self._candidate = self._candidate, None
-        if cand is not None and cand.classifying is not None:
-            cand.classifying.cancel()
-        if self._listening is not None:
-            # Already listening to the user: push-to-talk takes that utterance over.
-            self._listening.ptt = True
-            self._endpoint_at = None
-            return None
-        self._commit(Candidate(now, [], self.playout.pause(), now), now, initiator="ptt")
+        self._carry_out(self.turn_taking.ptt_start(self.clock.monotonic()))
         return None
 
     def ptt_end(self) -> str | None:
@@ -628,30 +308,10 @@ class AgentSession:
         Returns:
             None, or an error code (``ptt_not_active``) for the client.
         """
-        if not self.ptt_active:
+        if not self.turn_taking.ptt_active:
             return "ptt_not_active"
-        self.ptt_active = False
-        if self.reset_detector is not None:
-            self.reset_detector()
-        run, self._listening = self._listening, None
-        self._endpoint_at = None
-        if run is not None:
-            self._send("vad", event="end_of_turn")
-            self._end_utterance(run, self.clock.monotonic())
+        self._carry_out(self.turn_taking.ptt_end(self.clock.monotonic()))
         return None
-
-    def _end_utterance(self, run: TurnRun, speech_end_at: float) -> None:
-        """The user's utterance is complete (their speech ended at clock
-        seconds ``speech_end_at``): start its STT final at once, so the
-        recogniser is free for the next utterance whatever the turn's
-        bookkeeping is doing."""
-        if run.utterance_ended.is_set():
-            return
-        run.speech_end_at = speech_end_at
-        run.utterance_ended.set()
-        run.stt_final = asyncio.ensure_future(run.stt.finish())
-        # its failure is read by the turn's work; don't also log it as lost
-        run.stt_final.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     # -- barge-in --------------------------------------------------------------
 
@@ -662,16 +322,16 @@ class AgentSession:
                 return run.turn_id
         return None
 
-    def _active_run(self) -> TurnRun | None:
+    def _active_run(self) -> TurnHandle | None:
         """The turn the agent is thinking or speaking for, if any."""
         for run in reversed(self._runs):
             if not run.finished and run.utterance_ended.is_set():
                 return run
         return None
 
-    def _commit(self, cand: Candidate, at: float, initiator: str = "vad") -> None:
-        """Stage 2: the user is taking the turn. Fence, clear, cancel the turn
-        in flight (barge_in), open a new one fed with the speech so far.
+    def _commit(self, d: Commit) -> None:
+        """Stage 2: the user is taking the turn (``d``). Fence, clear, cancel
+        the turn in flight (barge_in), open a new one fed with the speech so far.
 
         The fence and the clear happen before anything else, synchronously, so
         the very next outbound tick is silent (it already is if stage 1 paused
@@ -679,73 +339,30 @@ class AgentSession:
         user paused, the endpoint fired, they went on; one reply answers both.
         """
         assert self._tg is not None
-        if cand.classifying is not None and cand.classifying is not asyncio.current_task():
-            cand.classifying.cancel()
-        if self._candidate is cand:
-            self._candidate = None
-        if self._listening is not None:
-            # Never two utterances at once; should it happen, the unfinished
-            # one ends here and is stopped like any other turn in flight.
-            self._end_utterance(self._listening, at)
-            self._listening = None
-        old = self._active_run()
-        if old is not None and old.tts_done and not self.playout.audible_pending(old.generation):
-            # Only the pause after its last word is left: the user heard the
-            # reply in full, so it completes; this is a new turn, not a barge-in.
-            old = None
+        old = interrupted_turn(self._active_run(), self.playout)
         old_generation = self.fence.active
         generation = self.fence.advance()
         fenced_at = self.clock.monotonic()
         cleared = self.playout.clear()
         self.playout.resume()
         after: asyncio.Task[None] | None = None
-        run = TurnRun(generation=generation, stt=self.providers.stt.open_stream(self.stt_adaptation), ptt=initiator == "ptt")
+        run = TurnHandle(self._turn_context(), generation, self.providers.stt.open_stream(self.stt_adaptation))
         if old is not None:
-            if old.scope is not None and old.scope.committing:
-                # A must-complete tool is committing: its audio is silenced
-                # (fenced, cleared) now; the turn is stopped when the commit
-                # ends, and only then does the new turn start.
-                self._send("stop_deferred", turn_id=old.turn_id, generation=old_generation, why="must_complete")
-                old.stop_task = self._tg.create_task(self._stop_after_commit(old, initiator))
-            else:
-                reason = StopReason(kind=StopReasonKind.BARGE_IN, initiator=initiator, at=self.clock.now())
-                if old.scope is not None:
-                    old.scope.stop(reason)  # every child gets the reason: model stream, tools, TTS, playout
-                if old.work is not None:
-                    old.work.cancel()
-                old.stop_task = self._tg.create_task(self._stop_run(old, reason))
-            after = old.stop_task
-            window = self.config.endpoint.continue_window_ms / 1000
-            if (
-                self.playout.played_samples(old.generation) == 0
-                and not old.merged
-                and not old.acted
-                and old.speech_end_at is not None
-                and cand.onset_at - old.speech_end_at <= window
-            ):
-                run.continues, old.merged = old, True
-            rec = BargeInRecord(old.turn_id, old_generation, generation, cand.onset_at, fenced_at)
-            self.barge_ins.append(rec)
-            self._send(
-                "barge_in",
-                old_turn_id=old.turn_id,
-                old_generation=old_generation,
-                initiator=initiator,
-                onset_to_fence_ms=round(rec.onset_to_fence_ms, 2),
-                paused_ms=round((at - cand.paused_at) * 1000, 1) if cand.paused else 0,
-                cleared_ms=cleared * 20,
+            rec, after = barge_in(
+                old, d, old_generation=old_generation, new_generation=generation, fenced_at=fenced_at,
+                cleared_frames=cleared, clock=self.clock, send=self._send,
             )
-        for pcm in cand.pcm:
+            if continues(old, d.onset_at, self.playout.played_samples(old.generation), self.config.endpoint.continue_window_ms):
+                run.continues, old.merged = old, True
+            self.barge_ins.append(rec)
+        for pcm in self._held if d.audio else ():
             run.stt.feed(pcm)
+        self._held = []
         self._preroll.clear()
         self._listening = run
-        self._endpoint_at = self._speech_end_at = None
-        self._last_speech_at = self._utterance_at = at
-        if cand.ended_at is not None and not run.ptt:
-            self._arm_endpoint(at, cand.ended_at)
         self._runs.append(run)
-        run.open_task = self._tg.create_task(self._open(run, after))
-        run.work = self._tg.create_task(self._work(run))
+        run.open_task = self._tg.create_task(run.write(after, plan=self.plan, pricing=self.providers.llm.pricing))
+        run.work = self._tg.create_task(run.work_on(self._answer))
         self._forget_finished()
 
     def _forget_finished(self) -> None:
@@ -755,187 +372,15 @@ class AgentSession:
 
     # -- per-turn tasks --------------------------------------------------------
 
-    async def _open(self, run: TurnRun, after: asyncio.Task[None] | None) -> Turn | None:
-        """Write the new turn once the old one's stop is recorded, so the log
-        reads: old stopping, old cancelled, new running. Returns None (after
-        telling the client) if the store refused it: one turn's failure must
-        not end the session."""
-        if after is not None:
-            await asyncio.wait({after})
-        try:
-            return await self.manager.open_turn(
-                self.session_id, run.generation, turn_id=run.turn_id, plan=self.plan, pricing=self.providers.llm.pricing
-            )
-        except Exception as exc:
-            log.exception("turn %s could not be written", run.turn_id)
-            self._send("error", turn_id=run.turn_id, code="store_error", message=describe_error(exc))
-            return None
+    async def _answer(self, run: TurnHandle, scope: TurnScope, turn: Turn) -> None:
+        """What a turn's work does once its utterance ended (:func:`voice.reply.answer`)."""
+        p = self.providers
+        await answer(
+            run, scope, turn, manager=self.manager, llm=p.llm, tts=p.tts, tools=p.tools, playout=self.playout,
+            history=self.model_history,
+        )
 
-    async def _work(self, run: TurnRun) -> None:
-        """The turn's pipeline: STT final -> LLM -> TTS -> playout -> COMPLETED."""
-        turn: Turn | None = None
-        try:
-            assert run.open_task is not None
-            turn = await asyncio.shield(run.open_task)
-            if turn is None:
-                run.settled = True
-                return  # not recorded; the client was told
-            assert self._tg is not None
-            run.watch_task = self._tg.create_task(self._watch_stop(run, turn.id))
-            self.manager.on_stopping(turn.id, lambda: self._silence(run))
-            await run.utterance_ended.wait()
-            self._phase(run, "thinking")
-            rt = self.manager.runtime(turn.id)
-            run.scope = TurnScope(
-                turn.id,
-                self.clock,
-                grace_s=self.config.stop_grace_ms / 1000,
-                deadline=rt.deadline if rt is not None else None,
-                shutdown_reserve_s=self.plan.shutdown_reserve_ms / 1000,
-            )
-            async with run.scope as scope:
-                transcript = await scope.run("stt", self._stt_final(run))
-                earlier = await self._earlier_words(run)
-                run.transcript = transcript = " ".join(t for t in (earlier, transcript) if t)
-                turn = await self.manager.record(turn.id, transcript=transcript)
-                if run.continues is not None and earlier:
-                    # its words are this turn's now: no history shows it again
-                    await self.manager.record(run.continues.turn_id, merged_into=turn.id)
-                self._output(run, "transcript", role="user", text=transcript)
-                if not transcript:
-                    await self.manager.fail(turn.id, "no_speech_recognized")
-                    run.settled = True
-                    return
-                messages = await self.model_history(run, turn)
-                await self._reply(run, scope, messages)
-                await scope.run("playout", self.playout.wait_empty())
-                reply = "".join(run.reply).strip()
-
-                async def finish() -> None:
-                    await self.manager.record(turn.id, reply=reply)  # every frame of it was played
-                    completed = (await self.manager.complete(turn.id)).applied
-                    run.settled = True  # completed now, or already terminal
-                    if completed:
-                        self._output(run, "agent.done", text=reply)
-
-                await scope.commit(finish(), effect=False)  # the final step commits whole, or not at all
-        except asyncio.CancelledError:
-            self._tell_interrupted(run)
-            raise
-        except Exception as exc:
-            if stopped_by(exc):
-                # A checkpoint found the stop in the store (its signal was
-                # missed): stop here as a signal would have.
-                self._tell_interrupted(run)
-                if run.stop_task is None and self._tg is not None:
-                    if self._active_run() is run:
-                        self.playout.clear()
-                    run.stop_task = self._tg.create_task(self._stop_run(run, None))
-                return
-            log.exception("turn %s failed", run.turn_id)
-            error = describe_error(exc)
-            if turn is not None:
-                try:
-                    await self.manager.fail(turn.id, error)
-                    run.settled = True
-                except Exception:
-                    log.exception("turn %s: could not record its failure", run.turn_id)
-            self._send("error", turn_id=run.turn_id, code="turn_failed", message=error)
-        finally:
-            run.finished = True
-            if run.watch_task is not None:
-                run.watch_task.cancel()  # a stop from now on is handled by the stop task or the settle
-            self._phase(run, "idle")
-            await run.stt.aclose()
-
-    async def _earlier_words(self, run: TurnRun) -> str:
-        """The words of the turn this one continues (its reply was never
-        heard), or "" if it continues none or they could not be recognised."""
-        old = run.continues
-        if old is None:
-            return ""
-        if old.transcript is not None:
-            return old.transcript
-        if old.stt_final is None:
-            return ""
-        try:
-            return await asyncio.shield(old.stt_final)
-        except asyncio.CancelledError:
-            if old.stt_final.cancelled():
-                return ""
-            raise
-        except Exception:
-            return ""
-
-    async def _stt_final(self, run: TurnRun) -> str:
-        """The utterance's transcript (the STT final started when it ended)."""
-        assert run.stt_final is not None
-        return await asyncio.shield(run.stt_final)
-
-    async def _reply(self, run: TurnRun, scope: TurnScope, messages: list[Message]) -> None:
-        """Run the agent loop (model and tool calls) and speak its answer
-        sentence by sentence in a TTS child; returns when every frame is
-        queued for playout."""
-        sentences: asyncio.Queue[str | None] = asyncio.Queue()
-        splitter = SentenceSplitter()
-        tts = scope.spawn("tts", self._speak(run, sentences))
-
-        def delivered(token: str) -> None:
-            run.reply.append(token)
-            self._output(run, "agent.delta", text=token)
-            for piece in splitter.feed(token):
-                sentences.put_nowait(piece)
-
-        def withheld(token: str) -> None:
-            self._output(run, "agent.delta", text=token, withheld=True)
-
-        def on_event(type: str, **payload: Any) -> None:
-            if type == "tool.started" and payload.get("effect", "none") != "none":
-                run.acted = True  # a read whose result nobody heard does not count
-            self._send(type, turn_id=run.turn_id, generation=run.generation, **payload)
-
-        try:
-            await run_agent(
-                scope=scope,
-                manager=self.manager,
-                turn_id=run.turn_id,
-                llm=self.providers.llm,
-                messages=messages,
-                toolbox=self.providers.tools,
-                on_token=sink_to(delivered, withheld),
-                on_event=on_event,
-            )
-            rest = splitter.flush()
-            if rest:
-                sentences.put_nowait(rest)
-        finally:
-            sentences.put_nowait(None)
-        await scope.wait(tts)
-
-    async def _speak(self, run: TurnRun, sentences: asyncio.Queue[str | None]) -> None:
-        """TTS each sentence into 20 ms playout frames tagged with the turn's
-        generation."""
-        reframer = Reframer(PLAYOUT_RATE)
-        per_frame = samples_per_frame(PLAYOUT_RATE)
-        position = 0
-
-        def sink(pcm: bytes) -> None:
-            nonlocal position
-            for f in reframer.push(pcm):
-                self.playout.push(PlayoutFrame(f, run.generation, position, audible=rms_dbfs(f) > SILENCE_DBFS))
-                position += per_frame
-
-        while (sentence := await sentences.get()) is not None:
-            self._phase(run, "speaking")
-            start = position + reframer.pending_bytes // 2
-            await self.providers.tts.synthesize(sentence, sink)
-            run.spoken.append((start, position + reframer.pending_bytes // 2, sentence))
-        tail = reframer.flush()
-        if tail is not None:
-            self.playout.push(PlayoutFrame(tail, run.generation, position, audible=rms_dbfs(tail) > SILENCE_DBFS))
-        run.tts_done = True
-
-    def _silence(self, run: TurnRun) -> None:
+    def _silence(self, run: TurnHandle) -> None:
         """The step in which the stop of ``run``'s turn is recorded here, or
         heard from another instance: its audio leaves no more, at once (the
         watcher that cancels its work wakes a moment later). A barge-in has
@@ -943,173 +388,45 @@ class AgentSession:
         if run.stop_task is None and not run.finished and self.fence.active == run.generation:
             self.playout.clear()
 
-    async def _watch_stop(self, run: TurnRun, turn_id: str) -> None:
-        """A stop asked from outside this session (the REST API, another
-        instance) silences the turn like a barge-in does: the playout buffer
-        is cleared and the work cancelled at once; then the stop is recorded.
-        The generation stays: nothing of this turn is produced any more."""
-        await self.manager.stop_event(turn_id).wait()
-        if run.stop_task is not None or run.finished:
-            return
+    def _silence_heard(self, run: TurnHandle) -> None:
+        """A stop from outside (or found by a checkpoint) silences ``run``'s
+        audio at once if it is the reply being heard."""
         if self._active_run() is run:
             self.playout.clear()
-        if run.scope is not None:
-            run.scope.stop(None)  # the reason is the one stored by whoever asked
-        if run.work is not None:
-            run.work.cancel()
+
+    def _turn_context(self) -> TurnContext:
+        """What a new turn's handle needs to stop and settle."""
         assert self._tg is not None
-        run.stop_task = self._tg.create_task(self._stop_run(run, None))
-
-    async def _stop_after_commit(self, run: TurnRun, initiator: str) -> None:
-        """A barge-in during a must-complete commit: stop the turn the moment
-        the commit ends (its reason is timed then), then record it."""
-        scope = run.scope
-        assert scope is not None
-        stopped: list[StopReason] = []
-
-        def reason() -> StopReason:
-            stopped.append(StopReason(kind=StopReasonKind.BARGE_IN, initiator=initiator, at=self.clock.now()))
-            return stopped[0]
-
-        scope.stop_after_commits(reason)
-        await scope.commits_done()
-        if not stopped:  # the scope had been stopped otherwise meanwhile
-            reason()
-        if run.work is not None:
-            run.work.cancel()
-        await self._stop_run(run, stopped[0])
-
-    async def _stop_run(self, run: TurnRun, reason: StopReason | None) -> None:
-        """Record a stop: CANCEL_REQUESTED, bounded wait for the work to end,
-        then CANCELLED (or whatever the store says already happened). If the
-        store is unavailable for longer than the manager's own retries, the
-        client is told and the same stop (same reason, same time) is retried
-        with backoff for up to ``STOP_RETRY_S``; a failure never ends the
-        session."""
-        if reason is not None:
-            run.stop_reason = reason
-        assert run.open_task is not None
-        turn = await asyncio.shield(run.open_task)
-        if turn is None:
-            return  # never written: nothing was started for it
-        told = False
-        try:
-            async for attempt in AsyncRetrying(
-                stop=stop_after_delay(STOP_RETRY_S),
-                wait=wait_exponential(multiplier=0.5, max=5.0),
-                retry=retry_if_exception_type(StoreUnavailable),
-                sleep=self.clock.sleep,
-                reraise=True,
-            ):
-                with attempt:
-                    try:
-                        await self._record_stop(run, turn.id, reason)
-                    except StoreUnavailable as exc:
-                        if not told:
-                            told = True
-                            log.warning("turn %s: stop not recorded yet (%s); retrying", turn.id, exc)
-                            self._send("error", turn_id=turn.id, code="store_error", message=describe_error(exc))
-                        raise
-        except Exception as exc:
-            # The session's final settle tries once more, with this stop's reason.
-            log.exception("turn %s: could not record its stop", turn.id)
-            if not told:
-                self._send("error", turn_id=turn.id, code="store_error", message=describe_error(exc))
-
-    async def _record_stop(self, run: TurnRun, turn_id: str, reason: StopReason | None) -> None:
-        """Stop ``turn_id`` with ``reason`` (None: it was asked from outside,
-        or decided by the turn itself at a checkpoint; the stored reason or
-        the scope's limit stands) and write its terminal state from its
-        children's reports."""
-        if reason is not None:
-            current = (await self.manager.request_stop(turn_id, reason)).turn
-            if current.is_terminal:  # it had ended, or was only queued
-                run.settled = True
-                return
-        scope = run.scope
-        if scope is not None:
-            scope.stop(reason)
-        if run.work is not None and not run.work.done():
-            run.work.cancel()
-            if scope is None:
-                done, _ = await asyncio.wait({run.work}, timeout=self.config.stop_grace_ms / 1000)
-                if not done:
-                    log.warning("turn %s: work still running %d ms after stop", turn_id, self.config.stop_grace_ms)
-        if scope is not None:
-            await scope.settle()  # bounded by the grace
-        transcript = run.transcript
-        final = run.stt_final
-        if transcript is None and final is not None and final.done() and not final.cancelled() and not final.exception():
-            transcript = final.result()  # heard, though the turn was stopped before using it
-        heard, unheard = self._heard_split(run)
-        if transcript is not None or heard or unheard:
-            await self.manager.record(turn_id, transcript=transcript, reply=heard or None, reply_unheard=unheard or None)
-        if scope is not None:
-            await self.manager.settle_stop(turn_id, scope)
-        else:
-            current = await self.manager.get(turn_id)
-            if current.status is TurnStatus.RUNNING:  # a signal without a request: never leave it half-stopped
-                fallback = StopReason(kind=StopReasonKind.USER_CANCEL, initiator="signal", at=self.clock.now())
-                current = (await self.manager.request_stop(turn_id, fallback)).turn
-            if not current.is_terminal:
-                await self.manager.confirm_stopped(turn_id)
-        run.settled = True
+        return TurnContext(
+            session_id=self.session_id,
+            manager=self.manager,
+            clock=self.clock,
+            grace_ms=self.config.stop_grace_ms,
+            spawn=self._tg.create_task,
+            report=self._send,
+            shutdown_reserve_s=self.plan.shutdown_reserve_ms / 1000,
+            heard_split=self.hearing.split,
+            silence=self._silence_heard,
+            on_stopping=self._silence,
+            tell_interrupted=self._tell_interrupted,
+        )
 
     async def _settle_all(self) -> None:
-        """Session end: every turn this session began gets a terminal state,
-        including one whose record was never written (the user spoke, so it
-        is recorded, then cancelled before start)."""
+        """Session end: every turn this session began gets a terminal state
+        (:meth:`voice.turn_handle.TurnHandle.settle`)."""
         closed_at = self.clock.now()
         for run in list(self._runs):
-            if run.work is not None and not run.work.done():
-                run.work.cancel()
-            # A stop decided earlier (a barge-in whose record failed) keeps its
-            # own reason and time; only turns nobody stopped get the close
-            # reason, each with a request id of its own (a stop request id is
-            # an idempotency key: one id for two turns is a conflict).
-            reason = run.stop_reason or StopReason(kind=self.close_reason, initiator="server", at=closed_at)
-            try:
-                try:
-                    turn = await self.manager.get(run.turn_id)
-                except UnknownTurn:
-                    turn = await self.manager.open_turn(
-                        self.session_id, run.generation, turn_id=run.turn_id, start=False
-                    )
-                if not turn.is_terminal:
-                    await self._record_stop(run, turn.id, reason)
-            except Exception:
-                log.exception("turn %s: could not settle it at session end", run.turn_id)
+            await run.settle(self.close_reason, closed_at)
         self._runs.clear()
 
     # -- history and events ----------------------------------------------------
 
-    def heard(self, run: TurnRun) -> str:
-        """The part of ``run``'s reply whose audio actually left the playout
-        buffer (see :func:`heard_text`)."""
-        return heard_text(run.spoken, self.playout.played_samples(run.generation))
-
-    def _heard_split(self, run: TurnRun) -> tuple[str, str]:
-        """``run``'s generated reply split into what was heard (its audio
-        left the playout buffer, :meth:`heard`) and the rest, which nobody
-        heard: (heard, unheard), each "" if empty. The heard part is a
-        whole-word prefix of the reply."""
-        words = "".join(run.reply).split()
-        heard = self.heard(run)
-        n = len(heard.split())
-        return heard, " ".join(words[n:])
-
-    def _tell_interrupted(self, run: TurnRun) -> None:
+    def _tell_interrupted(self, run: TurnHandle) -> None:
         """Tell the client, once, how much of an interrupted reply was heard
-        (event ``agent.interrupted``); that part, and only that, is what the
-        store keeps as the reply and every later history shows."""
-        if not run.transcript or run.told_interrupted or run.merged:
-            return
-        run.told_interrupted = True
-        played = self.playout.played_samples(run.generation)
-        self._send(
-            "agent.interrupted", turn_id=run.turn_id, generation=run.generation, heard=self.heard(run),
-            played_ms=round(played * 1000 / self.playout.rate), reply_chars=len("".join(run.reply).strip()),
-        )
+        (:meth:`voice.heard.Hearing.interrupted`)."""
+        payload = self.hearing.interrupted(run)
+        if payload is not None:
+            self._send("agent.interrupted", **payload)
 
     async def history(self) -> list[Message]:
         """The session's history as the next turn's model would be given it
@@ -1120,7 +437,7 @@ class AgentSession:
         """
         return await earlier_messages(self.manager, self.session_id, max_messages=self.config.history_messages)
 
-    async def model_history(self, run: TurnRun, turn: Turn) -> list[Message]:
+    async def model_history(self, run: TurnHandle, turn: Turn) -> list[Message]:
         """What ``turn``'s model calls are given: the session's history as
         the store holds it (:func:`voice.history.session_history`: heard
         replies only, tool calls with their ledger outcomes), once every
@@ -1130,27 +447,9 @@ class AgentSession:
             run: the turn's handle.
             turn: the turn as recorded, with its transcript.
         """
-        pending = {
-            task
-            for r in self._runs
-            if r.generation < run.generation
-            for task in (r.work, r.stop_task)
-            if task is not None and not task.done()
-        }
-        if pending:  # bounded: a stuck earlier turn costs this one a second at most
-            await asyncio.wait(pending, timeout=max(1.0, 4 * self.config.stop_grace_ms / 1000))
-        return await session_history(self.manager, turn, max_messages=self.config.history_messages)
-
-    def _phase(self, run: TurnRun, phase: str) -> None:
-        if run.phase == phase:
-            return
-        run.phase = phase
-        self._send("agent.state", turn_id=run.turn_id, generation=run.generation, phase=phase)
-
-    def _output(self, run: TurnRun, type: str, **payload: Any) -> None:
-        """A turn's output (``turn.delivery_gate.OUTPUT_TYPES``): the delivery gate
-        withholds it once its generation is obsolete (still logged, fenced)."""
-        self._send(type, turn_id=run.turn_id, generation=run.generation, **payload)
+        earlier = [t for r in self._runs if r.generation < run.generation for t in (r.work, r.stop_task) if t is not None]
+        wait_s = max(1.0, 4 * self.config.stop_grace_ms / 1000)
+        return await history_after(self.manager, turn, earlier, wait_s=wait_s, max_messages=self.config.history_messages)
 
     def _send(self, type: str, *, generation: int | None = None, **payload: Any) -> None:
         try:
@@ -1158,55 +457,3 @@ class AgentSession:
         except Exception:
             log.exception("event sink failed")
 
-
-def heard_text(spoken: list[tuple[int, int, str]], played: int) -> str:
-    """The text of the sentences in ``spoken`` whose audio had been played
-    up to sample ``played``, cut to whole words.
-
-    Each sentence's first and end sample are exact (each is synthesised on
-    its own, so they are sentence marks). Inside the sentence being played,
-    word boundaries are estimated: a word counts as heard when the share of
-    the sentence's samples played reaches the share of its characters up to
-    that word's end (speech time is close to proportional to letters; a half
-    heard word is left out).
-
-    Args:
-        spoken: (first sample, end sample, text) per sentence, in order.
-        played: samples of this generation's audio that left the buffer.
-    """
-    out: list[str] = []
-    for start, end, text in spoken:
-        if played >= end:
-            out.append(text.strip())
-            continue
-        if played > start and end > start:
-            share = (played - start) / (end - start)
-            words = text.split()
-            total = len(" ".join(words))
-            kept, upto = [], 0
-            for w in words:
-                upto += len(w) + (1 if kept else 0)
-                if upto / total > share:
-                    break
-                kept.append(w)
-            if kept:
-                out.append(" ".join(kept))
-        break
-    return " ".join(t for t in out if t)
-
-
-def stopped_by(exc: BaseException) -> bool:
-    """True if ``exc`` is (or a TaskGroup's group holds only) TurnStopped."""
-    if isinstance(exc, TurnStopped):
-        return True
-    if isinstance(exc, BaseExceptionGroup):
-        return all(stopped_by(e) for e in exc.exceptions)
-    return False
-
-
-def describe_error(exc: BaseException) -> str:
-    """``"Type: message"`` of the first real error, looking inside the
-    ExceptionGroups that TaskGroups wrap errors in."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return f"{type(exc).__name__}: {exc}"

@@ -27,10 +27,10 @@ from turn.manager import TurnManager
 from turn.models import Budget, Plan, StopReason, StopReasonKind, Turn, TurnKind
 from turn.scope import Child, TurnScope
 from turn.stopped import TurnStopped
+from voice.errors import describe_error
 from voice.history import session_history
 from voice.providers import LanguageModel
 from voice.respond import run_agent, sink_to
-from voice.session import describe_error
 from voice.tools import Toolbox
 
 log = logging.getLogger(__name__)

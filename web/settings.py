@@ -30,7 +30,7 @@ from media.inbound import MIN_STALL_MS
 from media.vad import VadConfig
 from turn.models import Plan
 from voice.llm import LlmConfig
-from voice.session import SessionConfig
+from voice.session_config import SessionConfig
 from voice.stt import PocketsphinxConfig
 from voice.tts import EspeakConfig
 

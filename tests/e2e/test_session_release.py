@@ -64,7 +64,7 @@ class Tracker:
                 keep("BargeInDetector", peer.inbound.detector)
                 keep("Silero", peer.inbound.detector._confirmation.model)
             for i, run in enumerate(list(peer.agent._runs)):
-                keep(f"TurnRun{i}", run)
+                keep(f"TurnHandle{i}", run)
                 keep(f"TurnScope{i}", run.scope)
 
     async def watch(self) -> None:
@@ -106,7 +106,7 @@ async def test_ended_sessions_leave_no_objects_and_no_registry_entries(served: t
         del watcher
     names = {name for _, name in tracker.refs}
     assert len({sid for sid, _ in tracker.refs}) == 4
-    assert {"PeerSession", "AgentSession", "RTCPeerConnection", "BargeInDetector", "Silero", "TurnRun0", "TurnScope0"} <= names
+    assert {"PeerSession", "AgentSession", "RTCPeerConnection", "BargeInDetector", "Silero", "TurnHandle0", "TurnScope0"} <= names
     # while the turns' 300 s deadline timers are still in the loop's heap (cancelled)
     loop = asyncio.get_running_loop()
     assert any(h.cancelled() and h.when() > loop.time() + 200 for h in loop._scheduled)  # type: ignore[attr-defined]

@@ -16,8 +16,9 @@ from media.bargein import DetectorEventKind
 from turn import event_catalogue as cat
 from turn.clock import SystemClock
 from turn.conformance import Conformance
+from turn.delivery_gate import OUTPUT_TYPES
 from turn.event_catalogue import EventMismatch, validate_client_message, validate_event
-from turn.events import OUTPUT_TYPES, SessionEventLog, event_json
+from turn.events import SessionEventLog, event_json
 from turn.intents import IntentStatus
 from turn.ledger import LEDGER_EVENTS
 from turn.models import EventRecord, Session, StopReason, StopReasonKind, TurnStatus, UsageRecord

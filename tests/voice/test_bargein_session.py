@@ -26,8 +26,10 @@ from media.frames import PLAYOUT_RATE, VAD_RATE
 from media.inbound import InboundAudio
 from turn.models import StopReasonKind, TurnStatus
 from turn.sqlite_store import SqliteStore
+from voice.backchannel import BackchannelConfig
+from voice.endpointing import EndpointConfig
+from voice.heard import heard_text
 from voice.llm import LocalAgent, LocalLlmConfig
-from voice.session import BackchannelConfig, EndpointConfig, heard_text
 
 pytestmark = requires_espeak
 

@@ -1,0 +1,161 @@
+"""The per-turn handle alone (no audio, no providers): one stop recorded
+once, a stop deferred past a must-complete commit, CancelledError never
+swallowed, and the session-end settle of a turn never written."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from turn.clock import VirtualClock
+from turn.manager import TurnManager
+from turn.models import Plan, StopReason, StopReasonKind, TurnStatus
+from turn.scope import TurnScope
+from turn.sqlite_store import SqliteStore
+from turn.usage import Pricing
+from voice.turn_handle import TurnContext, TurnHandle
+
+
+class Stt:
+    """A recogniser stream that heard ``text``."""
+
+    def __init__(self, text: str = "hello there") -> None:
+        self.text = text
+        self.closed = False
+
+    def feed(self, pcm: bytes) -> None:
+        pass
+
+    async def finish(self) -> str:
+        return self.text
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class Session:
+    """What a voice session gives its turns, recorded."""
+
+    def __init__(self, manager: TurnManager, clock: VirtualClock, tg: asyncio.TaskGroup) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.silenced: list[TurnHandle] = []
+        self.told: list[TurnHandle] = []
+        self.ctx = TurnContext(
+            session_id="s1", manager=manager, clock=clock, grace_ms=250, shutdown_reserve_s=0.0,
+            spawn=tg.create_task, report=lambda type, **p: self.events.append((type, p)),
+            heard_split=lambda run: ("", ""), silence=self.silenced.append, on_stopping=lambda run: None,
+            tell_interrupted=self.told.append,
+        )
+
+    def turn(self, generation: int = 1) -> TurnHandle:
+        return TurnHandle(self.ctx, generation, Stt())
+
+
+@pytest.fixture
+async def manager(store: SqliteStore) -> AsyncIterator[TurnManager]:
+    m = TurnManager(store, VirtualClock())
+    await m.ensure_session("s1")
+    yield m
+
+
+def start(run: TurnHandle, tg: asyncio.TaskGroup, answer: Any) -> None:
+    run.open_task = tg.create_task(run.write(None, plan=Plan(), pricing=Pricing()))
+    run.work = tg.create_task(run.work_on(answer))
+    run.end_utterance(1.0)
+
+
+async def test_the_first_stop_is_the_one_recorded(manager: TurnManager) -> None:
+    clock = manager.clock
+    speaking = asyncio.Event()
+
+    async def answer(run: TurnHandle, scope: TurnScope, turn: Any) -> None:
+        async def model() -> None:
+            speaking.set()
+            await asyncio.Event().wait()
+
+        await scope.run("model", model())
+
+    async with asyncio.TaskGroup() as tg:
+        s = Session(manager, clock, tg)  # type: ignore[arg-type]
+        run = s.turn()
+        start(run, tg, answer)
+        await speaking.wait()
+        barge = StopReason(kind=StopReasonKind.BARGE_IN, initiator="vad", at=clock.now())
+        task = run.stop(barge)
+        assert run.stop(StopReason(kind=StopReasonKind.USER_CANCEL, initiator="user", at=clock.now())) is task
+        await task
+    turn = await manager.get(run.turn_id)
+    assert turn.status is TurnStatus.CANCELLED
+    assert turn.stop_reason is not None and turn.stop_reason.request_id == barge.request_id
+    assert turn.transcript == "hello there"  # heard, though stopped before the reply
+    assert run.settled and run.finished and run.stt.closed  # type: ignore[attr-defined]
+    assert s.told == [run] and s.events[-1][0] == "agent.state"  # the interrupted reply was reported, once
+    assert [(c.name, c.outcome.value) for c in turn.stop_report.children] == [("model", "stopped")]  # type: ignore[union-attr]
+
+
+async def test_a_stop_during_a_commit_takes_effect_when_it_ends(manager: TurnManager) -> None:
+    clock = manager.clock
+    paying, paid = asyncio.Event(), asyncio.Event()
+
+    async def answer(run: TurnHandle, scope: TurnScope, turn: Any) -> None:
+        async def pay() -> None:
+            paying.set()
+            await paid.wait()
+
+        async def tool() -> None:
+            await scope.commit(pay())
+
+        await scope.run("tool", tool())
+
+    async with asyncio.TaskGroup() as tg:
+        s = Session(manager, clock, tg)  # type: ignore[arg-type]
+        run = s.turn()
+        start(run, tg, answer)
+        await paying.wait()
+        asked = clock.now()
+        assert run.committing
+        task = run.stop(StopReason(kind=StopReasonKind.BARGE_IN, initiator="vad", at=asked))
+        await asyncio.sleep(0.01)
+        assert run.scope is not None and not run.scope.stopped.is_set() and not run.work.done()  # type: ignore[union-attr]
+        await clock.advance(2.0)
+        paid.set()
+        await task
+    turn = await manager.get(run.turn_id)
+    assert turn.status is TurnStatus.CANCELLED
+    assert turn.stop_reason is not None and turn.stop_reason.kind is StopReasonKind.BARGE_IN
+    assert (turn.stop_reason.at - asked).total_seconds() == pytest.approx(2.0)  # timed when it took effect
+
+
+async def test_a_cancelled_work_raises_and_a_checkpoint_stop_is_recorded(manager: TurnManager) -> None:
+    clock = manager.clock
+    async with asyncio.TaskGroup() as tg:
+        s = Session(manager, clock, tg)  # type: ignore[arg-type]
+        run = s.turn()
+        waiting = asyncio.Event()
+
+        async def answer(run: TurnHandle, scope: TurnScope, turn: Any) -> None:
+            waiting.set()
+            await asyncio.Event().wait()
+
+        start(run, tg, answer)
+        await waiting.wait()
+        run.work.cancel()  # type: ignore[union-attr]
+        with pytest.raises(asyncio.CancelledError):
+            await run.work  # type: ignore[misc]
+        assert run.finished and run.stop_task is None and s.told == [run]
+        # the session's end settles it, with the reason it closes for
+        await run.settle(StopReasonKind.TRANSPORT_DISCONNECTED, clock.now())
+    turn = await manager.get(run.turn_id)
+    assert turn.status is TurnStatus.CANCELLED and turn.stop_reason.kind is StopReasonKind.TRANSPORT_DISCONNECTED  # type: ignore[union-attr]
+
+
+async def test_a_turn_never_written_is_recorded_and_cancelled_at_session_end(manager: TurnManager) -> None:
+    async with asyncio.TaskGroup() as tg:
+        run = Session(manager, manager.clock, tg).turn(generation=3)  # type: ignore[arg-type]
+    await run.settle(StopReasonKind.WORKER_SHUTDOWN, manager.clock.now())
+    turn = await manager.get(run.turn_id)
+    assert turn.is_terminal and turn.generation == 3
+    assert turn.stop_reason is not None and turn.stop_reason.kind is StopReasonKind.WORKER_SHUTDOWN

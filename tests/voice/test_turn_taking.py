@@ -1,0 +1,360 @@
+"""Turn-taking as tables of timelines on virtual time: detector events and
+20 ms frames at given milliseconds in, decisions out. No audio, no clock, no
+sleeps (times are plain numbers handed to the state machine)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from media.bargein import DetectorEvent, DetectorEventKind
+from voice.backchannel import BackchannelConfig, judge
+from voice.endpointing import EndpointConfig, end_at
+from voice.turn_taking import (
+    AgentState,
+    Announce,
+    CancelClassification,
+    ClassifyBackchannel,
+    Commit,
+    EndOfUtterance,
+    Pause,
+    PttTooLong,
+    ResetDetector,
+    Resume,
+    TurnTaking,
+)
+
+SPEAKING = AgentState(speaking=True, replying=True)
+SILENT = AgentState()
+OFFSET_MS = 200  # media.vad.VadConfig's default
+KINDS = {k.value.removeprefix("speech_"): k for k in DetectorEventKind}
+UH_HUH = {"text": "uh huh", "syllables": 2}
+
+Row = tuple[Any, ...]
+
+
+def frames(start_ms: int, end_ms: int, *, gated: bool) -> list[Row]:
+    """A frame every 20 ms from ``start_ms`` to ``end_ms`` inclusive."""
+    return [(t, "gated" if gated else "frame") for t in range(start_ms, end_ms + 1, 20)]
+
+
+def timeline(*parts: Row | list[Row]) -> list[Row]:
+    """Rows in time order; at the same ms, inputs come before the frame that
+    carries them (as a frame's events come before its timers)."""
+    rows = [r for p in parts for r in (p if isinstance(p, list) else [p])]
+    return sorted(rows, key=lambda r: (r[0], r[1] in ("frame", "gated")))
+
+
+def play(tt: TurnTaking, rows: list[Row], agent: AgentState = SPEAKING, *, announce: bool = False) -> list[tuple[int, Any]]:
+    """Feed ``rows`` to ``tt``; (ms, decision) for every decision taken."""
+    out: list[tuple[int, Any]] = []
+    for t, what, *args in rows:
+        at = t / 1000
+        if what in KINDS:
+            onset = args[0] / 1000 if args else at
+            got = tt.on_event(DetectorEvent(KINDS[what], at, onset), agent)
+        elif what in ("frame", "gated"):
+            got = tt.on_frame(at, what == "gated", agent)
+        elif what == "verdict":
+            got = tt.classified(args[0], at, args[1], agent)
+        elif what == "ptt_start":
+            got = tt.ptt_start(at)
+        elif what == "ptt_end":
+            got = tt.ptt_end(at)
+        else:
+            raise ValueError(what)
+        out += [(t, d) for d in got if announce or not isinstance(d, Announce)]
+    return out
+
+
+def norm(rows: list[tuple[int, Any]]) -> list[tuple[int, str, dict[str, Any]]]:
+    """Decisions as comparable rows, times rounded to a microsecond (the
+    machine adds and subtracts seconds in floating point)."""
+
+    def r(v: Any) -> Any:
+        return round(v, 6) if isinstance(v, float) else v
+
+    return [(t, type(d).__name__, {k: r(v) for k, v in dataclasses.asdict(d).items()}) for t, d in rows]
+
+
+def machine(**bc: Any) -> TurnTaking:
+    return TurnTaking(BackchannelConfig(**bc), EndpointConfig(), OFFSET_MS)
+
+
+def committed(tt: TurnTaking, at_ms: int = 1010) -> None:
+    """Put ``tt`` in the state of listening to an utterance (agent silent)."""
+    play(tt, [(at_ms, "started"), (at_ms, "confirmed")], SILENT)
+    assert tt.listening
+
+
+# -- candidate speech, pause, resume ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("agent", "held"), [(SPEAKING, True), (SILENT, False)], ids=["while-speaking", "while-silent"]
+)
+def test_a_false_interruption_pauses_then_resumes(agent: AgentState, held: bool) -> None:
+    tt = machine()
+    rows = timeline((1010, "started", 970), frames(1010, 1090, gated=True), (1110, "rejected"), frames(1110, 1200, gated=False))
+    assert norm(play(tt, rows, agent, announce=True)) == norm([
+        (1010, Announce("speech_started")),
+        (1010, Pause(1)),
+        (1110, Announce("speech_rejected")),
+        # told only if the agent was held by it; playout resumes either way
+        (1110, Resume("false_interruption", playout=True, held=held, report=held, paused_ms=100.0)),
+    ])
+    assert tt.candidate is None and not tt.paused and not tt.listening
+
+
+def test_a_candidate_that_started_while_paused_does_not_resume() -> None:
+    """Playout already paused by an earlier candidate: this one did not
+    pause it, so its rejection leaves it as it is, and says nothing."""
+    tt = machine()
+    got = play(tt, [(1010, "started"), (1030, "started"), (1130, "rejected")])
+    assert norm(got) == norm([(1010, Pause(1)), (1030, Pause(2)), (1130, Resume("false_interruption", False, False, False, 0))])
+    assert tt.paused
+
+
+# -- commit and barge-in ---------------------------------------------------------------
+
+
+def test_confirmed_speech_while_the_agent_is_silent_commits_at_once() -> None:
+    tt = machine()
+    got = play(tt, timeline((1010, "started", 970), frames(1010, 1190, gated=True), (1210, "confirmed", 970)), SILENT)
+    assert norm(got) == norm([(1010, Pause(1)), (1210, Commit(1.21, "vad", 0.97, 200.0))])
+    assert tt.listening and not tt.listening_ptt and tt.candidate is None
+
+
+def test_while_the_agent_speaks_speech_commits_once_longer_than_a_backchannel() -> None:
+    tt = machine()
+    rows = timeline((1010, "started", 970), (1210, "confirmed", 970), frames(1010, 2000, gated=True))
+    got = play(tt, rows, SPEAKING)
+    # 60 ms before speech_started + 32 frames > 700 ms: the 32nd frame commits
+    assert norm(got) == norm([(1010, Pause(1)), (1630, Commit(1.63, "vad", 0.97, 620.0))])
+
+
+@pytest.mark.parametrize("max_ms", [300, 1000])
+def test_the_barge_in_moment_follows_max_ms(max_ms: int) -> None:
+    tt = machine(max_ms=max_ms)
+    got = play(tt, timeline((1010, "started", 970), (1210, "confirmed", 970), frames(1010, 3000, gated=True)))
+    [(t, commit)] = [(t, d) for t, d in got if isinstance(d, Commit)]
+    # the first frame at which 60 ms + its frames count exceed max_ms
+    assert t == 1010 + ((max_ms - 60) // 20 - 1) * 20
+
+
+def test_with_backchannels_off_confirmed_speech_commits_while_the_agent_speaks() -> None:
+    tt = machine(enabled=False)
+    got = play(tt, [(1010, "started", 970), (1210, "confirmed", 970)], SPEAKING)
+    assert norm(got) == norm([(1010, Pause(1)), (1210, Commit(1.21, "vad", 0.97, 200.0))])
+
+
+def test_confirmation_without_a_candidate_does_nothing() -> None:
+    tt = machine()
+    assert play(tt, [(1010, "confirmed"), *frames(1010, 1200, gated=True)]) == []
+
+
+# -- backchannels ----------------------------------------------------------------------
+
+SHORT = timeline(
+    (1010, "started", 970), (1210, "confirmed", 970), frames(1010, 1290, gated=True),
+    frames(1310, 1470, gated=False), (1490, "stopped"),
+)
+
+
+def test_a_short_utterance_is_classified_and_a_backchannel_resumes_after_the_wait() -> None:
+    tt = machine()
+    got = play(tt, timeline(SHORT, frames(1490, 2000, gated=False), (1500, "verdict", 1, UH_HUH)))
+    assert norm(got) == norm([
+        (1010, Pause(1)),
+        (1490, ClassifyBackchannel(1)),
+        # speech ended at 1290 (speech_stopped minus the VAD's 200 ms offset): resumes 450 ms later
+        (1750, Resume("backchannel", playout=True, held=True, report=True, paused_ms=740.0, verdict=UH_HUH)),
+    ])
+    assert tt.candidate is None and tt.backchannel_at == 1.75
+
+
+def test_the_backchannel_length_given_to_the_classifier() -> None:
+    tt = machine()
+    play(tt, SHORT)
+    assert tt.candidate is not None
+    # 60 ms before speech_started, 25 frames to speech_stopped, minus the offset
+    assert tt.candidate.speech_ms == 60 + 25 * 20 - OFFSET_MS and tt.candidate.ended_at == pytest.approx(1.29)
+
+
+def test_a_late_verdict_resumes_at_once_and_not_inside_a_gated_frame() -> None:
+    tt = machine()
+    rows = timeline(SHORT, (1800, "verdict", 1, UH_HUH), frames(1810, 1850, gated=True), frames(1870, 1900, gated=False))
+    got = play(tt, rows)
+    assert norm(got)[-1] == norm([(1800, Resume("backchannel", True, True, True, 790.0, UH_HUH))])[0]
+    tt = machine()
+    rows = timeline(SHORT, (1500, "verdict", 1, UH_HUH), frames(1490, 1850, gated=True), frames(1870, 1900, gated=False))
+    [(t, _)] = [(t, d) for t, d in play(tt, rows) if isinstance(d, Resume)]
+    assert t == 1870  # due at 1740, but the gate was open until then
+
+
+def test_speech_is_no_backchannel_and_commits_on_its_verdict() -> None:
+    tt = machine()
+    got = play(tt, timeline(SHORT, (1500, "verdict", 1, None)))
+    assert norm(got)[-1] == norm([(1500, Commit(1.5, "vad", 0.97, 490.0))])[0]
+    assert tt.listening
+    # the endpoint counts from the end of its speech (1290 ms): 500 ms of silence
+    assert tt.endpoint_at == pytest.approx(end_at(EndpointConfig(), 1.5, 1.29)) == pytest.approx(1.79)
+
+
+def test_speech_right_after_a_backchannel_commits_at_once() -> None:
+    tt = machine()
+    rows = timeline(
+        SHORT, frames(1490, 1760, gated=False), (1500, "verdict", 1, UH_HUH), (2010, "started", 1990), (2210, "confirmed", 1990)
+    )
+    got = play(tt, rows)
+    assert norm(got)[-2:] == norm([(2010, Pause(2)), (2210, Commit(2.21, "vad", 1.99, 200.0))])
+    tt = machine(rejoin_ms=100)  # later than rejoin_ms: judged on its own again
+    assert not any(isinstance(d, Commit) for _, d in play(tt, rows))
+
+
+def test_going_on_after_a_pause_joins_the_first_word_and_cancels_its_classification() -> None:
+    """ "Front ... left": the first word ended and is being classified; the
+    second starts: one utterance, the classification is dropped, a late
+    verdict for it changes nothing, and the whole barges in once too long."""
+    tt = machine()
+    rows = timeline(
+        SHORT, (1590, "started", 1570), (1600, "verdict", 1, UH_HUH), (1650, "confirmed", 1570),
+        frames(1490, 1570, gated=False), frames(1590, 2000, gated=True),
+    )
+    got = play(tt, rows)
+    assert norm(got) == norm([
+        (1010, Pause(1)),
+        (1490, ClassifyBackchannel(1)),
+        (1590, CancelClassification(1)),
+        (1630, Commit(1.63, "vad", 0.97, 620.0)),  # 60 ms + 32 frames, the pause included
+    ])
+
+
+def test_no_speech_after_a_short_utterance_judges_it_from_where_it_ended() -> None:
+    tt = machine()
+    rows = timeline(SHORT, (1590, "started", 1570), frames(1490, 1690, gated=False), (1710, "rejected"))
+    got = play(tt, rows)
+    assert [type(d).__name__ for _, d in got] == ["Pause", "ClassifyBackchannel", "CancelClassification", "ClassifyBackchannel"]
+    assert tt.candidate is not None and tt.candidate.ended_at == pytest.approx(1.29)
+
+
+@pytest.mark.parametrize(
+    ("text", "speech_ms", "syllables", "verdict"),
+    [
+        ("uh-huh", 400, 2, {"text": "uh-huh", "syllables": 2}),
+        ("", 500, 1, {"text": "", "syllables": 1}),  # heard no word: short enough
+        ("", 600, 1, None),  # ... too long to be one (unrecognised_max_ms 550)
+        ("okay", 600, 4, None),  # more syllables than a backchannel has
+        ("tell me", 400, 2, None),
+        (None, 300, 1, None),  # recognition failed: a barge-in
+    ],
+)
+def test_the_backchannel_verdict(text: str | None, speech_ms: int, syllables: int, verdict: dict[str, Any] | None) -> None:
+    assert judge(BackchannelConfig(), text, speech_ms, syllables) == verdict
+
+
+# -- endpointing -----------------------------------------------------------------------
+
+
+def test_the_utterance_ends_after_the_configured_silence() -> None:
+    tt = machine()
+    committed(tt)
+    rows = timeline(frames(1030, 1990, gated=True), (2010, "stopped"), frames(2010, 3000, gated=False))
+    got = play(tt, rows, SILENT, announce=True)
+    # speech ended at 1810 (200 ms before speech_stopped): 500 ms of silence
+    assert norm(got) == norm([(2010, Announce("speech_stopped")), (2310, Announce("end_of_turn")), (2310, EndOfUtterance(1.81))])
+    assert not tt.listening
+
+
+def test_speech_inside_the_wait_continues_the_same_utterance() -> None:
+    tt = machine()
+    committed(tt)
+    rows = timeline(
+        frames(1030, 1990, gated=True), (2010, "stopped"), frames(2010, 2150, gated=False),
+        (2170, "started", 2150), (2230, "confirmed", 2150), frames(2170, 2990, gated=True),
+        (3010, "stopped"), frames(3010, 4000, gated=False),
+    )
+    got = play(tt, rows, SILENT)
+    assert norm(got) == norm([(3310, EndOfUtterance(2.81))])
+
+
+def test_a_rejection_while_listening_keeps_counting_from_the_end_of_speech() -> None:
+    tt = machine()
+    committed(tt)
+    rows = timeline(
+        (2010, "stopped"), (2170, "started", 2150), (2250, "rejected"),
+        frames(1030, 1990, gated=True), frames(2010, 3000, gated=False),
+    )
+    assert norm(play(tt, rows, SILENT)) == norm([(2310, EndOfUtterance(1.81))])
+
+
+@pytest.mark.parametrize(
+    ("ep", "stopped_at", "speech_end", "expected"),
+    [
+        (EndpointConfig(), 2.0, 1.8, 2.3),
+        (EndpointConfig(min_delay_ms=400), 2.0, 1.8, 2.4),  # the wait after speech_stopped is at least 400 ms
+        (EndpointConfig(silence_ms=4000, max_delay_ms=1000), 2.0, 1.8, 3.0),  # ... and at most 1000 ms
+    ],
+)
+def test_the_endpoint_time(ep: EndpointConfig, stopped_at: float, speech_end: float, expected: float) -> None:
+    assert end_at(ep, stopped_at, speech_end) == pytest.approx(expected)
+
+
+def test_a_noisy_room_ends_the_utterance_after_max_delay_and_silence() -> None:
+    tt = machine()
+    committed(tt)
+    got = play(tt, frames(1030, 6000, gated=True), SILENT)
+    assert norm(got) == norm([(4530, EndOfUtterance(4.53))])  # 3000 + 500 ms after the last confirmed speech
+
+
+def test_an_utterance_that_never_ends_is_cut_at_max_utterance_ms() -> None:
+    tt = TurnTaking(BackchannelConfig(), EndpointConfig(max_utterance_ms=2000), OFFSET_MS)
+    committed(tt)
+    rows = timeline([(t, "confirmed") for t in range(1010, 4000, 500)], frames(1030, 4000, gated=True))
+    assert norm(play(tt, rows, SILENT)) == norm([(3030, EndOfUtterance(3.03))])
+
+
+# -- push-to-talk ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("agent", "paused_ms"), [(SPEAKING, 0.0), (SILENT, 0.0)])
+def test_push_to_talk_commits_at_once_ignores_the_detector_and_ends_on_release(agent: AgentState, paused_ms: float) -> None:
+    tt = machine()
+    rows = timeline(
+        (1000, "ptt_start"), (1010, "started"), (1210, "confirmed"), (2010, "stopped"),
+        frames(1010, 1990, gated=True), frames(2010, 4000, gated=False), (4010, "ptt_end"), (4030, "ptt_end"),
+    )
+    got = play(tt, rows, agent, announce=True)
+    assert norm(got) == norm([
+        (1000, ResetDetector()),
+        (1000, Pause(1)),
+        (1000, Commit(1.0, "ptt", 1.0, paused_ms, audio=False)),
+        # a 2 s silence did not end it; only the release does, without a wait
+        (4010, ResetDetector()),
+        (4010, Announce("end_of_turn")),
+        (4010, EndOfUtterance(4.01)),
+    ])
+    assert not tt.ptt_active and tt.ptt_start(5.0) != [] and tt.ptt_start(5.1) == []
+
+
+def test_push_to_talk_takes_over_the_utterance_listened_to_and_drops_a_candidate() -> None:
+    tt = machine()
+    committed(tt)
+    assert play(tt, [(1500, "stopped"), (1600, "ptt_start"), *frames(1610, 3000, gated=False)]) == [(1600, ResetDetector())]
+    assert tt.listening and tt.endpoint_at is None
+    tt = machine()
+    got = play(tt, timeline(SHORT, (1500, "ptt_start")))
+    assert norm(got)[-4:] == norm([
+        (1500, ResetDetector()), (1500, CancelClassification(1)), (1500, Pause(2)), (1500, Commit(1.5, "ptt", 1.5, 0, audio=False)),
+    ])  # playout was already paused by the dropped candidate: 0 ms, not 0.0
+
+
+def test_push_to_talk_held_too_long_is_let_go() -> None:
+    tt = TurnTaking(BackchannelConfig(), EndpointConfig(max_utterance_ms=1000), OFFSET_MS)
+    got = play(tt, [(1000, "ptt_start"), *frames(1010, 2200, gated=True)], SILENT)
+    assert norm(got)[3:] == norm([
+        (2010, PttTooLong(1000)), (2010, ResetDetector()), (2010, EndOfUtterance(2.01)),
+    ])
+    assert not tt.ptt_active and not tt.listening

@@ -1,0 +1,146 @@
+"""Backchannels: short replies a listener gives without taking the turn
+("uh-huh", "okay", "yeah right") while the agent speaks.
+
+Three parts, each usable alone:
+
+- :class:`BackchannelConfig`: the thresholds and the word list, and
+  :meth:`BackchannelConfig.matches` (is a transcript only backchannel words);
+- :func:`judge`: the rule that turns what the recogniser heard, the
+  utterance's length and its syllable count into a verdict (pure);
+- :func:`recognise`: the one await, the recogniser's transcript of the held
+  audio (16 kHz frames), ``None`` if it failed.
+
+When to ask (an utterance made while the agent speaks ended within
+``max_ms``) and what a verdict does (resume the paused reply, or commit the
+barge-in) is :mod:`voice.turn_taking`'s business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from voice.providers import SpeechToText
+
+log = logging.getLogger(__name__)
+
+#: short replies a listener gives without taking the turn (lower case, no
+#: punctuation; hyphens and spaces are equivalent)
+DEFAULT_BACKCHANNELS = (
+    "uh huh", "mm hmm", "mhm", "hmm", "hm", "mm", "aha", "uh", "um", "huh", "ah", "oh", "eh",
+    "yeah", "yes", "yep", "yup", "okay", "ok", "right", "sure", "alright", "all right", "i see", "got it",
+)
+
+
+class BackchannelConfig(BaseModel):
+    """Backchannels (env ``TURNKEEPER_SESSION__BACKCHANNEL__*``): short
+    utterances such as "uh-huh" or "okay" while the agent speaks, which tell
+    it to go on rather than to stop.
+
+    An utterance made while the agent speaks is a backchannel when it ends
+    (speech_stopped) no more than ``max_ms`` after its onset and every word
+    the recogniser heard in it is in ``words`` (or it heard none), and it has
+    no more than ``max_syllables`` syllable nuclei. The agent's
+    paused audio then resumes; the utterance is not added to the next user
+    turn. Longer speech commits the barge-in the moment it passes ``max_ms``.
+
+    Attributes:
+        enabled: on by default; off, confirmed speech commits at once.
+        max_ms: longest backchannel, ms from speech onset to its end.
+        unrecognised_max_ms: an utterance in which the recogniser heard no
+            word at all is a backchannel only up to this long (ms): longer,
+            it is speech the recogniser failed on, and it barges in.
+        rejoin_ms: speech confirmed this soon (ms) after a backchannel was
+            let go is the user going on after a pause inside one utterance:
+            it commits at once (the short part is not added to the turn).
+        resume_after_ms: a backchannel lets the paused reply go on no
+            sooner than this long (ms) after its speech ended (and not while
+            the gate is open): a pause between words ("front ... left", about
+            300 ms) then never plays the reply between them; the second word
+            joins the first, and the whole is judged as one utterance.
+        max_syllables: an utterance with more syllable nuclei than this
+            (counted from the audio, :mod:`media.syllables`) is speech,
+            whatever the recogniser made of it: a fast "can you tell me a
+            story" fits in ``max_ms``, and a recogniser can hear nothing or
+            "yeah" in it. Backchannels have one to three ("mm-hmm": 3).
+        words: the word list.
+    """
+
+    enabled: bool = True
+    max_ms: int = Field(700, ge=100, le=3000)
+    unrecognised_max_ms: int = Field(550, ge=0, le=3000)
+    max_syllables: int = Field(3, ge=1, le=20)
+    rejoin_ms: int = Field(600, ge=0, le=10_000)
+    resume_after_ms: int = Field(450, ge=0, le=5000)
+    words: list[str] = Field(default_factory=lambda: list(DEFAULT_BACKCHANNELS))
+
+    def matches(self, text: str) -> bool:
+        """True if ``text`` (a transcript) is empty or made only of
+        backchannel words and phrases ("uh-huh", "okay okay", "yeah right")."""
+        words = normalise(text).split()
+        phrases = {tuple(normalise(w).split()) for w in self.words} - {()}
+        i = 0
+        while i < len(words):
+            for n in sorted({len(p) for p in phrases}, reverse=True):
+                if tuple(words[i : i + n]) in phrases:
+                    i += n
+                    break
+            else:
+                return False
+        return True
+
+
+def normalise(text: str) -> str:
+    """Lower case, hyphens as spaces, letters, digits and apostrophes only."""
+    cleaned = "".join(c if c.isalnum() or c == "'" else " " for c in text.lower().replace("-", " "))
+    return " ".join(cleaned.split())
+
+
+def judge(config: BackchannelConfig, text: str | None, speech_ms: int, syllables: int) -> dict[str, Any] | None:
+    """The verdict on a short utterance made while the agent spoke.
+
+    Args:
+        config: the thresholds and words.
+        text: what the recogniser heard in it ("" for no word), or None if
+            recognition failed (then it is taken as speech: a barge-in).
+        speech_ms: its speech's length, ms (onset to speech_stopped).
+        syllables: its syllable nuclei (:func:`media.syllables.count_syllable_nuclei`).
+
+    Returns:
+        ``{"text": text, "syllables": syllables}`` (the ``backchannel``
+        event's payload) if it is a backchannel, else None.
+    """
+    if (
+        text is not None
+        and config.matches(text)
+        and (text.strip() or speech_ms <= config.unrecognised_max_ms)
+        and syllables <= config.max_syllables
+    ):
+        return {"text": text, "syllables": syllables}
+    return None
+
+
+async def recognise(stt: SpeechToText, pcm: Iterable[bytes]) -> str | None:
+    """What the recogniser hears in ``pcm`` (16 kHz mono s16 frames), on a
+    stream of its own (not the session's adapted one). Returns None, after
+    logging it, if recognition failed.
+
+    Raises:
+        asyncio.CancelledError: when cancelled (the stream is closed first).
+    """
+    stream = stt.open_stream()
+    try:
+        for frame in pcm:
+            stream.feed(frame)
+        return await stream.finish()
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("backchannel recognition failed; taking it as a barge-in")
+        return None
+    finally:
+        await stream.aclose()

@@ -1,0 +1,71 @@
+"""Endpointing: when the user's utterance is over.
+
+:class:`EndpointConfig` holds the thresholds; :func:`end_at` and
+:func:`utterance_over` are the two rules :mod:`voice.turn_taking` applies,
+on clock seconds (the detector's times, :class:`media.bargein.DetectorEvent`).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, model_validator
+
+
+class EndpointConfig(BaseModel):
+    """Endpointing: when the user's turn is over (env
+    ``TURNKEEPER_SESSION__ENDPOINT__*``).
+
+    After speech_stopped (the VAD's ``offset_ms`` of non-speech), the turn
+    ends once the user has been silent ``silence_ms`` since the end of their
+    speech; the wait after speech_stopped is kept within ``min_delay_ms`` and
+    ``max_delay_ms``. Speech confirmed again inside that wait continues the
+    same utterance. ``max_delay_ms`` also ends a turn whose detector keeps
+    seeing sound (a noisy room) that long after the last confirmed speech,
+    and ``max_utterance_ms`` ends one that never stops.
+
+    Attributes:
+        silence_ms: silence after the end of speech that ends the turn, ms.
+        min_delay_ms / max_delay_ms: bounds of the wait after speech_stopped, ms.
+        max_utterance_ms: longest user utterance, ms.
+        continue_window_ms: speech confirmed this soon after the end of the
+            previous utterance, whose reply has not been heard at all yet,
+            continues it: that reply is cancelled (it never plays) and one
+            reply answers both parts, ms. A turn that already called a tool
+            is never merged (its words were acted on; the ledger has them).
+    """
+
+    silence_ms: int = Field(500, ge=0, le=10_000)
+    continue_window_ms: int = Field(1500, ge=0, le=30_000)
+    min_delay_ms: int = Field(0, ge=0, le=10_000)
+    max_delay_ms: int = Field(3000, ge=0, le=30_000)
+    max_utterance_ms: int = Field(60_000, ge=1000, le=600_000)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> EndpointConfig:
+        if self.min_delay_ms > self.max_delay_ms:
+            raise ValueError("endpoint min_delay_ms must not exceed max_delay_ms")
+        return self
+
+
+def end_at(config: EndpointConfig, stopped_at: float, speech_end: float) -> float:
+    """When the utterance ends (clock seconds), decided at speech_stopped
+    (``stopped_at``, clock seconds) for speech that ended at ``speech_end``:
+    ``silence_ms`` after the end of speech, the wait after ``stopped_at``
+    kept within ``min_delay_ms`` and ``max_delay_ms``."""
+    wait = speech_end + config.silence_ms / 1000 - stopped_at
+    wait = min(max(wait, config.min_delay_ms / 1000), config.max_delay_ms / 1000)
+    return stopped_at + wait
+
+
+def utterance_over(
+    config: EndpointConfig, at: float, *, end: float | None, last_speech_at: float, utterance_at: float
+) -> bool:
+    """True if the utterance being listened to is over at ``at`` (clock
+    seconds): its end (:func:`end_at`, None if not armed) has come, or no
+    speech was confirmed for ``max_delay_ms + silence_ms`` since
+    ``last_speech_at`` (a noisy room), or it began (``utterance_at``) more
+    than ``max_utterance_ms`` ago."""
+    return (
+        (end is not None and at >= end)
+        or at - last_speech_at > (config.max_delay_ms + config.silence_ms) / 1000
+        or at - utterance_at > config.max_utterance_ms / 1000
+    )

@@ -1,0 +1,447 @@
+"""The per-turn handle of a voice session: one turn's in-memory state while
+the session works on it, its work's lifecycle (:meth:`TurnHandle.work_on`),
+and the one way it is stopped and settled.
+
+Every stop goes through :meth:`TurnHandle.stop` (a barge-in, a stop asked
+from outside, a stop a checkpoint found) and every session end through
+:meth:`TurnHandle.settle`; between them, a turn reaches exactly one terminal
+state and its stop is recorded once:
+
+- ``stop(reason)`` gives every child of the turn's cancel scope the reason,
+  cancels its work (unless called from the work itself) and starts the one
+  *stop task* that writes CANCEL_REQUESTED, waits a bounded grace for the
+  work to end and writes the terminal state. A later call changes nothing
+  and returns the same task. While a must-complete commit is under way the
+  stop waits for it, and is timed when it takes effect.
+- ``settle(kind, at)``: the session is ending; the turn gets a terminal
+  state now, with the stop decided earlier or else ``kind``, even if it was
+  never written (it is then recorded, and cancelled before start).
+
+CancelledError is never swallowed: the stop task's bounded waits shield only
+the turn's record being written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from turn.clock import Clock
+from turn.manager import TurnManager
+from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
+from turn.scope import TurnScope
+from turn.store import StoreUnavailable, UnknownTurn
+from turn.usage import Pricing
+from voice.errors import describe_error, stopped_by
+from voice.providers import SttStream
+
+log = logging.getLogger(__name__)
+
+#: how long a stop that the store would not take is retried, s
+STOP_RETRY_S = 300.0
+
+
+@dataclass(frozen=True)
+class TurnContext:
+    """What every turn of one session shares to work, stop and settle.
+
+    Attributes:
+        session_id: the session (for a turn written only at its end).
+        manager: the Turn Manager (authority for turn states).
+        clock: time source (stop times, retry backoff).
+        grace_ms: how long a stopped turn's work may take to wind down
+            before its terminal state is written anyway, ms.
+        shutdown_reserve_s: time kept back from every child of a turn for
+            its own wind-down, s (``turn.models.Plan.shutdown_reserve_ms``).
+        spawn: starts a task in the session's task group.
+        report: sends a session event (``type``, then the payload's fields).
+        heard_split: a turn's reply as (heard, unheard) text
+            (:meth:`voice.heard.Hearing.split`).
+        silence: a stop from outside, or found by a checkpoint: silences the
+            turn's audio at once if it is the reply being heard.
+        on_stopping: the store took the turn's stop (here, or heard from
+            another instance): silences its audio if it is still playing.
+        tell_interrupted: tells the client, once, how much of the turn's
+            interrupted reply was heard.
+    """
+
+    session_id: str
+    manager: TurnManager
+    clock: Clock
+    grace_ms: int
+    shutdown_reserve_s: float
+    spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]]
+    report: Callable[..., None]
+    heard_split: Callable[[TurnHandle], tuple[str, str]]
+    silence: Callable[[TurnHandle], None]
+    on_stopping: Callable[[TurnHandle], None]
+    tell_interrupted: Callable[[TurnHandle], None]
+
+
+#: what a turn's work does once its utterance ended (see :meth:`TurnHandle.work_on`)
+Answer = Callable[["TurnHandle", TurnScope, Turn], Awaitable[None]]
+
+
+@dataclass(eq=False)
+class TurnHandle:
+    """In-memory handle of one turn while its session works on it.
+
+    ``turn_id`` is chosen before the record is written so that a stop can
+    always find the turn, whatever moment it arrives at.
+    """
+
+    ctx: TurnContext
+    generation: int
+    stt: SttStream
+    turn_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    utterance_ended: asyncio.Event = field(default_factory=asyncio.Event)
+    #: the STT final, started the moment the utterance ends
+    stt_final: asyncio.Future[str] | None = None
+    #: writes the turn; None as result if the store refused it
+    open_task: asyncio.Task[Turn | None] | None = None
+    #: waits for a stop asked from outside (REST, another instance)
+    watch_task: asyncio.Task[None] | None = None
+    #: the stop decided for it (kept until it is recorded)
+    stop_reason: StopReason | None = None
+    #: every frame of its reply is queued for playout
+    tts_done: bool = False
+    work: asyncio.Task[None] | None = None
+    #: the turn's cancel scope, once its work has started
+    scope: TurnScope | None = None
+    #: records its stop (see :meth:`stop`)
+    stop_task: asyncio.Task[None] | None = None
+    transcript: str | None = None
+    reply: list[str] = field(default_factory=list)
+    #: each sentence sent to TTS: (first sample, end sample, text); samples
+    #: at 48 kHz from the start of this generation's audio
+    spoken: list[tuple[int, int, str]] = field(default_factory=list)
+    #: an earlier turn whose reply was never heard: this one answers both
+    #: utterances as one (the user paused, the endpoint fired, they went on)
+    continues: TurnHandle | None = None
+    #: its words went into a later turn (see ``continues``)
+    merged: bool = False
+    #: it started a tool with an external effect ("complete" or
+    #: "compensate"): it acted on the words, so they are not merged away (a
+    #: read is abandoned on the merge, as if it had never run)
+    acted: bool = False
+    #: clock seconds when the user's speech in it ended (None: not yet)
+    speech_end_at: float | None = None
+    phase: str = "listening"
+    finished: bool = False
+    #: the client was told how much of its interrupted reply was heard
+    told_interrupted: bool = False
+    #: its terminal state is in the store (or it was never written)
+    settled: bool = False
+
+    # -- its record and its work ---------------------------------------------------
+
+    async def write(self, after: asyncio.Task[None] | None, *, plan: Plan, pricing: Pricing) -> Turn | None:
+        """The session's *open* task: write the turn once ``after`` (the stop
+        task of the turn it barged in on) is done, so the log reads: old
+        stopping, old cancelled, new running. Returns None (after telling
+        the client: event ``error``, code ``store_error``) if the store
+        refused it: one turn's failure must not end the session."""
+        if after is not None:
+            await asyncio.wait({after})
+        try:
+            return await self.ctx.manager.open_turn(
+                self.ctx.session_id, self.generation, turn_id=self.turn_id, plan=plan, pricing=pricing
+            )
+        except Exception as exc:
+            log.exception("turn %s could not be written", self.turn_id)
+            self.ctx.report("error", turn_id=self.turn_id, code="store_error", message=describe_error(exc))
+            return None
+
+
+    async def work_on(self, answer: Answer) -> None:
+        """The turn's work (the session's *work* task, cancelled on a stop):
+        once its record is written, watch for a stop from outside; once its
+        utterance ended, ``answer`` it inside the turn's cancel scope.
+
+        However it ends, it ends once: a stop (cancelled, or a checkpoint
+        found it in the store) tells the client what was heard and leaves
+        the record to the stop task; an error fails the turn with its
+        description (event ``error``, code ``turn_failed``). The recogniser
+        stream is closed in every case.
+
+        Raises:
+            asyncio.CancelledError: when cancelled (never swallowed).
+        """
+        manager = self.ctx.manager
+        turn: Turn | None = None
+        try:
+            assert self.open_task is not None
+            turn = await asyncio.shield(self.open_task)
+            if turn is None:
+                self.settled = True
+                return  # not recorded; the client was told
+            self.watch_task = self.ctx.spawn(self.watch())
+            manager.on_stopping(turn.id, lambda: self.ctx.on_stopping(self))
+            await self.utterance_ended.wait()
+            self.enter("thinking")
+            rt = manager.runtime(turn.id)
+            self.scope = TurnScope(
+                turn.id,
+                self.ctx.clock,
+                grace_s=self.ctx.grace_ms / 1000,
+                deadline=rt.deadline if rt is not None else None,
+                shutdown_reserve_s=self.ctx.shutdown_reserve_s,
+            )
+            async with self.scope as scope:
+                await answer(self, scope, turn)
+        except asyncio.CancelledError:
+            self.ctx.tell_interrupted(self)
+            raise
+        except Exception as exc:
+            if stopped_by(exc):
+                # A checkpoint found the stop in the store (its signal was
+                # missed): stop here as a signal would have.
+                self.ctx.tell_interrupted(self)
+                if self.stop_task is None:
+                    self.ctx.silence(self)
+                    self.stop(None)
+                return
+            log.exception("turn %s failed", self.turn_id)
+            error = describe_error(exc)
+            if turn is not None:
+                try:
+                    await manager.fail(turn.id, error)
+                    self.settled = True
+                except Exception:
+                    log.exception("turn %s: could not record its failure", self.turn_id)
+            self.ctx.report("error", turn_id=self.turn_id, code="turn_failed", message=error)
+        finally:
+            self.finished = True
+            if self.watch_task is not None:
+                self.watch_task.cancel()  # a stop from now on is handled by the stop task or the settle
+            self.enter("idle")
+            await self.stt.aclose()
+
+    # -- what it says and hears ---------------------------------------------------
+
+    def output(self, type: str, **payload: Any) -> None:
+        """Send an event of this turn (``turn_id`` and ``generation`` added);
+        the delivery gate withholds its output (``turn.events.OUTPUT_TYPES``)
+        once its generation is obsolete (still logged, fenced)."""
+        self.ctx.report(type, turn_id=self.turn_id, generation=self.generation, **payload)
+
+    def enter(self, phase: str) -> None:
+        """Move to ``phase`` ("thinking", "speaking", "idle"), telling the
+        client (``agent.state``) if it changed."""
+        if self.phase == phase:
+            return
+        self.phase = phase
+        self.output("agent.state", phase=phase)
+
+    def end_utterance(self, speech_end_at: float) -> None:
+        """The user's utterance is complete (their speech ended at clock
+        seconds ``speech_end_at``): start its STT final at once, so the
+        recogniser is free for the next utterance whatever the turn's
+        bookkeeping is doing. Only the first call counts."""
+        if self.utterance_ended.is_set():
+            return
+        self.speech_end_at = speech_end_at
+        self.utterance_ended.set()
+        self.stt_final = asyncio.ensure_future(self.stt.finish())
+        # its failure is read by the turn's work; don't also log it as lost
+        self.stt_final.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def final_transcript(self) -> str:
+        """The utterance's transcript (the STT final started when it ended).
+
+        Raises:
+            Exception: what the recogniser raised.
+        """
+        assert self.stt_final is not None
+        return await asyncio.shield(self.stt_final)
+
+    async def earlier_words(self) -> str:
+        """The words of the turn this one continues (its reply was never
+        heard), or "" if it continues none or they could not be recognised."""
+        old = self.continues
+        if old is None:
+            return ""
+        if old.transcript is not None:
+            return old.transcript
+        if old.stt_final is None:
+            return ""
+        try:
+            return await asyncio.shield(old.stt_final)
+        except asyncio.CancelledError:
+            if old.stt_final.cancelled():
+                return ""
+            raise
+        except Exception:
+            return ""
+
+    # -- the one stop ------------------------------------------------------------
+
+    @property
+    def committing(self) -> bool:
+        """A must-complete tool of it is committing an external effect now."""
+        return self.scope is not None and self.scope.committing
+
+    def stop(self, reason: StopReason | None) -> asyncio.Task[None]:
+        """Stop the turn and record it, once.
+
+        Args:
+            reason: why; None if the stop was asked from outside (the stored
+                reason stands) or found by a checkpoint (the scope's limit
+                or the stored reason stands). A reason given while a
+                must-complete commit is under way takes effect when the
+                commit ends, re-timed then; the audio is the caller's to
+                silence at once.
+
+        Returns:
+            The stop task (the same one for every call after the first);
+            the next turn of the session is written once it is done.
+        """
+        if self.stop_task is not None:
+            return self.stop_task
+        if reason is not None and self.committing:
+            self.stop_task = self.ctx.spawn(self._stop_after_commit(reason))
+            return self.stop_task
+        if self.scope is not None:
+            self.scope.stop(reason)  # every child gets the reason: model stream, tools, TTS, playout
+        self._cancel_work()
+        self.stop_task = self.ctx.spawn(self._record(reason))
+        return self.stop_task
+
+    async def watch(self) -> None:
+        """Wait for a stop asked from outside this session (the REST API,
+        another instance): it silences the turn like a barge-in does and
+        stops it (the generation stays: nothing of the turn is produced any
+        more). Nothing happens if the turn was stopped or ended meanwhile."""
+        await self.ctx.manager.stop_event(self.turn_id).wait()
+        if self.stop_task is not None or self.finished:
+            return
+        self.ctx.silence(self)
+        self.stop(None)
+
+    def _cancel_work(self) -> None:
+        if self.work is not None and self.work is not asyncio.current_task():
+            self.work.cancel()
+
+    async def _stop_after_commit(self, reason: StopReason) -> None:
+        """A stop during a must-complete commit: the scope is stopped the
+        moment the commit ends (its reason timed then), then recorded."""
+        scope = self.scope
+        assert scope is not None
+        stopped: list[StopReason] = []
+
+        def timed() -> StopReason:
+            stopped.append(reason.model_copy(update={"at": self.ctx.clock.now()}))
+            return stopped[0]
+
+        scope.stop_after_commits(timed)
+        await scope.commits_done()
+        if not stopped:  # the scope had been stopped otherwise meanwhile
+            timed()
+        self._cancel_work()
+        await self._record(stopped[0])
+
+    async def _record(self, reason: StopReason | None) -> None:
+        """Record the stop: CANCEL_REQUESTED, bounded wait for the work to
+        end, then CANCELLED (or whatever the store says already happened). If
+        the store is unavailable for longer than the manager's own retries,
+        the client is told and the same stop (same reason, same time) is
+        retried with backoff for up to ``STOP_RETRY_S``; a failure never
+        ends the session (its settle tries once more, with this reason)."""
+        if reason is not None:
+            self.stop_reason = reason
+        assert self.open_task is not None
+        turn = await asyncio.shield(self.open_task)
+        if turn is None:
+            return  # never written: nothing was started for it
+        told = False
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_delay(STOP_RETRY_S),
+                wait=wait_exponential(multiplier=0.5, max=5.0),
+                retry=retry_if_exception_type(StoreUnavailable),
+                sleep=self.ctx.clock.sleep,
+                reraise=True,
+            ):
+                with attempt:
+                    try:
+                        await self._write_stop(turn.id, reason)
+                    except StoreUnavailable as exc:
+                        if not told:
+                            told = True
+                            log.warning("turn %s: stop not recorded yet (%s); retrying", turn.id, exc)
+                            self.ctx.report("error", turn_id=turn.id, code="store_error", message=describe_error(exc))
+                        raise
+        except Exception as exc:
+            log.exception("turn %s: could not record its stop", turn.id)
+            if not told:
+                self.ctx.report("error", turn_id=turn.id, code="store_error", message=describe_error(exc))
+
+    async def _write_stop(self, turn_id: str, reason: StopReason | None) -> None:
+        """Stop ``turn_id`` with ``reason`` (None: the stored reason or the
+        scope's limit stands) and write its terminal state from its
+        children's reports, with what the user said and heard."""
+        manager = self.ctx.manager
+        if reason is not None:
+            current = (await manager.request_stop(turn_id, reason)).turn
+            if current.is_terminal:  # it had ended, or was only queued
+                self.settled = True
+                return
+        scope = self.scope
+        if scope is not None:
+            scope.stop(reason)
+        if self.work is not None and not self.work.done():
+            self.work.cancel()  # the stop task's or the settle's, never the work's own
+            if scope is None:
+                done, _ = await asyncio.wait({self.work}, timeout=self.ctx.grace_ms / 1000)
+                if not done:
+                    log.warning("turn %s: work still running %d ms after stop", turn_id, self.ctx.grace_ms)
+        if scope is not None:
+            await scope.settle()  # bounded by the grace
+        transcript = self.transcript
+        final = self.stt_final
+        if transcript is None and final is not None and final.done() and not final.cancelled() and not final.exception():
+            transcript = final.result()  # heard, though the turn was stopped before using it
+        heard, unheard = self.ctx.heard_split(self)
+        if transcript is not None or heard or unheard:
+            await manager.record(turn_id, transcript=transcript, reply=heard or None, reply_unheard=unheard or None)
+        if scope is not None:
+            await manager.settle_stop(turn_id, scope)
+        else:
+            current = await manager.get(turn_id)
+            if current.status is TurnStatus.RUNNING:  # a signal without a request: never leave it half-stopped
+                fallback = StopReason(kind=StopReasonKind.USER_CANCEL, initiator="signal", at=self.ctx.clock.now())
+                current = (await manager.request_stop(turn_id, fallback)).turn
+            if not current.is_terminal:
+                await manager.confirm_stopped(turn_id)
+        self.settled = True
+
+    # -- the one settle ----------------------------------------------------------
+
+    async def settle(self, kind: StopReasonKind, at: datetime) -> None:
+        """Session end: the turn gets a terminal state, including one whose
+        record was never written (the user spoke, so it is recorded, then
+        cancelled before start). A stop decided earlier (a barge-in whose
+        record failed) keeps its own reason and time; otherwise it is
+        stopped for ``kind`` (initiator ``server``, at ``at``), with a
+        request id of its own (a stop request id is an idempotency key: one
+        id for two turns is a conflict). A failure is logged, not raised."""
+        if self.work is not None and not self.work.done():
+            self.work.cancel()
+        reason = self.stop_reason or StopReason(kind=kind, initiator="server", at=at)
+        manager = self.ctx.manager
+        try:
+            try:
+                turn = await manager.get(self.turn_id)
+            except UnknownTurn:
+                turn = await manager.open_turn(self.ctx.session_id, self.generation, turn_id=self.turn_id, start=False)
+            if not turn.is_terminal:
+                await self._write_stop(turn.id, reason)
+        except Exception:
+            log.exception("turn %s: could not settle it at session end", self.turn_id)

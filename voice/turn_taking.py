@@ -1,0 +1,441 @@
+"""Turn-taking: who has the floor, decided from the barge-in detector's
+events, the frames' times and whether the agent is speaking.
+
+A pure state machine: no awaits, no store, no providers, no clock reads.
+Every time is clock seconds (a float on the session's monotonic clock, the
+unit of :class:`media.bargein.DetectorEvent` and
+:class:`media.inbound.InboundFrame`) and comes in with the call that needs
+it. Each call returns the decisions it took, in order; the caller (the agent
+session) carries them out in that order and owns everything they touch:
+playout, audio, the recogniser, turns.
+
+The rules (see :mod:`media.bargein` for the detector's two stages):
+
+- speech_started opens a *candidate*: playout pauses (stage 1) and its audio
+  is held from the pre-roll on (:class:`Pause`);
+- speech_rejected before confirmation is a false interruption: playout
+  resumes (:class:`Resume` ``"false_interruption"``);
+- speech_confirmed commits (:class:`Commit`: the user takes the turn, a
+  barge-in if the agent was replying) unless backchannels are enabled and
+  the agent is speaking; then the candidate commits once it is longer than
+  ``BackchannelConfig.max_ms`` (counted in frames), or, if it ends sooner,
+  the recogniser is asked whether it was a backchannel
+  (:class:`ClassifyBackchannel`; the answer comes back through
+  :meth:`TurnTaking.classified`): a backchannel resumes playout no sooner
+  than ``resume_after_ms`` after its speech ended, and only in a frame the
+  gate did not pass; speech commits;
+- more speech right after a short one continues it ("front ... left"); speech
+  confirmed within ``rejoin_ms`` of a backchannel commits at once;
+- while a committed utterance is listened to, speech_stopped and
+  speech_rejected arm the endpoint (:mod:`voice.endpointing`), speech
+  disarms it, and :meth:`TurnTaking.on_frame` ends the utterance when it is
+  over (:class:`EndOfUtterance`);
+- push-to-talk commits at once and ignores the detector until released,
+  which ends the utterance without waiting; held over ``max_utterance_ms``
+  it is let go (:class:`PttTooLong`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from media.bargein import DetectorEvent, DetectorEventKind
+from media.frames import FRAME_MS
+from voice.backchannel import BackchannelConfig
+from voice.endpointing import EndpointConfig, end_at, utterance_over
+
+# -- inputs -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AgentState:
+    """What the agent is doing when an event arrives.
+
+    Attributes:
+        speaking: a reply is on its way out (frames queued for playout, or
+            being synthesised).
+        replying: a turn is thinking or speaking for the user (its utterance
+            ended and it has not finished).
+    """
+
+    speaking: bool = False
+    replying: bool = False
+
+
+# -- decisions ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Announce:
+    """Tell the client: event ``vad`` with ``event`` (a detector decision's
+    name, or ``"end_of_turn"``)."""
+
+    event: str
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Stage 1: pause playout (if it plays) and hold candidate ``candidate``'s
+    audio from now on, the pre-roll first."""
+
+    candidate: int
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The candidate took no turn: let playout go on.
+
+    Attributes:
+        reason: ``"false_interruption"`` or ``"backchannel"`` (the event's type).
+        playout: resume playout (this candidate paused it).
+        held: the agent was replying and was held by it (what counts as a
+            false interruption).
+        report: send event ``reason`` with ``paused_ms`` and ``verdict``.
+        paused_ms: how long playout was paused, ms (int 0 if not paused by it).
+        verdict: the backchannel's verdict (``text``, ``syllables``), or empty.
+    """
+
+    reason: Literal["false_interruption", "backchannel"]
+    playout: bool
+    held: bool
+    report: bool
+    paused_ms: float
+    verdict: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClassifyBackchannel:
+    """Ask the recogniser whether candidate ``candidate`` (ended, short) was
+    a backchannel; hand the verdict to :meth:`TurnTaking.classified`."""
+
+    candidate: int
+
+
+@dataclass(frozen=True)
+class CancelClassification:
+    """The classification of candidate ``candidate`` is no longer wanted."""
+
+    candidate: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Stage 2: the user takes the turn (a barge-in if the agent is replying).
+
+    Attributes:
+        at: clock seconds of the decision.
+        initiator: ``"vad"`` or ``"ptt"``.
+        onset_at: clock seconds of the speech's first gated frame.
+        paused_ms: how long playout was paused for it, ms (int 0 if not).
+        audio: feed the candidate's held audio to the new turn's recogniser
+            (push-to-talk has none).
+    """
+
+    at: float
+    initiator: str
+    onset_at: float
+    paused_ms: float
+    audio: bool = True
+
+
+@dataclass(frozen=True)
+class EndOfUtterance:
+    """The utterance listened to is complete; its speech ended at
+    ``speech_end_at`` (clock seconds)."""
+
+    speech_end_at: float
+
+
+@dataclass(frozen=True)
+class PttTooLong:
+    """Push-to-talk was held over ``max_ms`` (tell the client; the hold is
+    let go by the decisions that follow)."""
+
+    max_ms: int
+
+
+@dataclass(frozen=True)
+class ResetDetector:
+    """Forget the detector's current run (push-to-talk pressed or released)."""
+
+
+Decision = Announce | Pause | Resume | ClassifyBackchannel | CancelClassification | Commit | EndOfUtterance | PttTooLong | ResetDetector
+
+
+# -- state ----------------------------------------------------------------------
+
+
+@dataclass
+class Candidate:
+    """Speech that the detector's first stage heard and that has taken no
+    turn yet (the second stage has not decided, or it may be a backchannel).
+    Read it; only :class:`TurnTaking` changes it.
+
+    Attributes:
+        n: its serial number (decisions name it).
+        onset_at: clock seconds of its first gated frame.
+        paused: playout was paused for it (so a rejection resumes it).
+        paused_at: clock seconds when it paused playout.
+        confirmed_at: when the second stage confirmed it, if it did.
+        ended_at: when its speech ended, if it did.
+        resumed_from: where it had ended before the user went on after a pause.
+        lead_ms: ms of it before speech_started (the gate's run).
+        frames: frames received since speech_started; counted in frames,
+            not clock time: on a loaded machine frames arrive in bursts.
+        speech_ms: its speech's length once it ended, ms.
+        classification: None, ``"running"`` (asked) or ``"done"`` (answered).
+        release_at: judged a backchannel: playout goes on at this clock time.
+        verdict: the backchannel's verdict (the event's payload).
+    """
+
+    n: int
+    onset_at: float
+    paused: bool
+    paused_at: float
+    confirmed_at: float | None = None
+    ended_at: float | None = None
+    resumed_from: float | None = None
+    lead_ms: int = 0
+    frames: int = 0
+    speech_ms: int = 0
+    classification: Literal["running", "done"] | None = None
+    release_at: float | None = None
+    verdict: dict[str, Any] = field(default_factory=dict)
+
+
+class TurnTaking:
+    """The turn-taking state machine of one session (see the module doc).
+
+    It assumes it is the only one pausing and resuming playout (it tracks
+    whether playout is paused from its own decisions).
+
+    Args:
+        backchannel: backchannel thresholds (may be replaced between calls).
+        endpoint: endpointing thresholds (may be replaced between calls).
+        offset_ms: the VAD's unvoiced run before speech_stopped, ms
+            (``media.vad.VadConfig.offset_ms``): speech ended that long
+            before speech_stopped.
+    """
+
+    def __init__(self, backchannel: BackchannelConfig, endpoint: EndpointConfig, offset_ms: int) -> None:
+        self.backchannel = backchannel
+        self.endpoint = endpoint
+        self.offset_ms = offset_ms
+        self.candidate: Candidate | None = None
+        #: a committed utterance is being listened to
+        self.listening = False
+        #: ... and push-to-talk holds it (only the release ends it)
+        self.listening_ptt = False
+        #: push-to-talk is held: the detector's decisions are not used
+        self.ptt_active = False
+        #: playout is paused by a Pause of ours
+        self.paused = False
+        #: clock seconds when the last backchannel was let go
+        self.backchannel_at: float | None = None
+        #: endpointing of the utterance listened to (clock seconds)
+        self.endpoint_at: float | None = None
+        self.speech_end_at: float | None = None
+        self.last_speech_at = 0.0
+        self.utterance_at = 0.0
+        self._serial = 0
+
+    # -- inputs ---------------------------------------------------------------
+
+    def on_event(self, ev: DetectorEvent, agent: AgentState) -> list[Decision]:
+        """One detector decision (ignored while push-to-talk is held)."""
+        if self.ptt_active:
+            return []
+        out: list[Decision] = [Announce(ev.kind.value)]
+        cand = self.candidate
+        bc = self.backchannel
+        kind = ev.kind
+        if kind is DetectorEventKind.SPEECH_STARTED:
+            if self.listening:
+                self.endpoint_at = None  # the user goes on: hold the endpoint
+                return out
+            if cand is not None and cand.ended_at is not None:
+                # More speech right after a short one ("uh ... huh", "front
+                # ... right"): one utterance with a pause; it is judged whole
+                # when it ends (or commits once longer than a backchannel).
+                if cand.classification == "running":
+                    out.append(CancelClassification(cand.n))
+                cand.classification = None
+                cand.resumed_from, cand.ended_at, cand.release_at = cand.ended_at, None, None
+                return out
+            out.append(self._open(ev.onset_at, ev.at, lead_ms=round((ev.at - ev.onset_at) * 1000) + FRAME_MS))
+        elif kind is DetectorEventKind.SPEECH_CONFIRMED:
+            self.last_speech_at = ev.at
+            if self.listening:
+                self.endpoint_at = None
+                return out
+            if cand is None:
+                return out
+            cand.confirmed_at = ev.at
+            rejoin = self.backchannel_at
+            if rejoin is not None and ev.onset_at - rejoin <= bc.rejoin_ms / 1000:
+                # Speech right after a "backchannel": the user was pausing
+                # inside an utterance ("front ... right"), not acknowledging.
+                # It commits at once; the short part stays out of the turn.
+                self.backchannel_at = None
+                out += self._commit(ev.at)
+            elif not (bc.enabled and agent.speaking):
+                out += self._commit(ev.at)
+        elif kind is DetectorEventKind.SPEECH_REJECTED:
+            if self.listening:
+                # not speech after all: the silence still counts from the end of speech
+                if not self.listening_ptt:
+                    self._arm(ev.at, self.speech_end_at if self.speech_end_at is not None else ev.at)
+                return out
+            if cand is not None and cand.confirmed_at is None:
+                self.candidate = None
+                out += self._resume(cand, ev.at, "false_interruption", agent)
+            elif cand is not None and cand.ended_at is None and cand.classification is None:
+                # what followed a short utterance was no speech: judge that one
+                cand.ended_at = cand.resumed_from if cand.resumed_from is not None else ev.at
+                out += self._classify(cand)
+        elif kind is DetectorEventKind.SPEECH_STOPPED:
+            speech_end = ev.at - self.offset_ms / 1000
+            if self.listening:
+                if not self.listening_ptt:
+                    self._arm(ev.at, speech_end)
+                return out
+            if cand is not None and cand.confirmed_at is not None and cand.classification is None:
+                cand.ended_at = speech_end
+                cand.speech_ms = cand.lead_ms + (cand.frames + 1) * FRAME_MS - self.offset_ms
+                out += self._classify(cand)
+        return out
+
+    def on_frame(self, at: float, gated: bool, agent: AgentState) -> list[Decision]:
+        """Once per 20 ms frame, after its events (``at``: its clock seconds;
+        ``gated``: it passed the detector's gate): counts the candidate's
+        frames and checks the timers: a backchannel grown too long, a
+        backchannel's release, the endpoint, an utterance that never ends."""
+        out: list[Decision] = []
+        cand = self.candidate
+        if cand is not None and not self.listening:
+            cand.frames += 1
+        if cand is not None and cand.confirmed_at is not None and cand.ended_at is None and gated:
+            if cand.lead_ms + (cand.frames + 1) * FRAME_MS > self.backchannel.max_ms:
+                out += self._commit(at)  # still speaking: too long for a backchannel
+        elif cand is not None and cand.release_at is not None and at >= cand.release_at and not gated:
+            out += self._let_go(cand, at, agent)
+        if not self.listening:
+            return out
+        ep = self.endpoint
+        if self.listening_ptt:
+            if at - self.utterance_at > ep.max_utterance_ms / 1000:
+                # push-to-talk held too long: the utterance ends, the hold is let go
+                out.append(PttTooLong(ep.max_utterance_ms))
+                out += self.ptt_end(at)
+            return out
+        if utterance_over(ep, at, end=self.endpoint_at, last_speech_at=self.last_speech_at, utterance_at=self.utterance_at):
+            out.append(Announce("end_of_turn"))
+            self.listening = False
+            self.endpoint_at = None
+            out.append(EndOfUtterance(self.speech_end_at if self.speech_end_at is not None else at))
+        return out
+
+    def classified(self, candidate: int, at: float, verdict: dict[str, Any] | None, agent: AgentState) -> list[Decision]:
+        """The answer to :class:`ClassifyBackchannel` for ``candidate``, at
+        ``at`` (clock seconds): ``verdict`` (:func:`voice.backchannel.judge`)
+        if it was a backchannel, else None (it commits). An answer for a
+        candidate that is gone or no longer asked about changes nothing."""
+        cand = self.candidate
+        if cand is None or cand.n != candidate or cand.classification != "running":
+            return []
+        cand.classification = "done"
+        if verdict is None:
+            return self._commit(at)
+        cand.verdict = dict(verdict)
+        ended = cand.ended_at if cand.ended_at is not None else at
+        cand.release_at = ended + self.backchannel.resume_after_ms / 1000
+        if at >= cand.release_at:
+            return self._let_go(cand, at, agent)
+        return []
+
+    def ptt_start(self, at: float) -> list[Decision]:
+        """Push-to-talk pressed at ``at``: an immediate, committed barge-in
+        with no VAD involved (or, if an utterance is already listened to,
+        push-to-talk takes it over). Changes nothing if already held."""
+        if self.ptt_active:
+            return []
+        self.ptt_active = True
+        out: list[Decision] = [ResetDetector()]
+        cand, self.candidate = self.candidate, None
+        if cand is not None and cand.classification == "running":
+            out.append(CancelClassification(cand.n))
+        if self.listening:
+            self.listening_ptt = True
+            self.endpoint_at = None
+            return out
+        out.append(self._open(at, at))
+        out += self._commit(at, initiator="ptt")
+        return out
+
+    def ptt_end(self, at: float) -> list[Decision]:
+        """Push-to-talk released at ``at``: the utterance ends at once (no
+        endpointing wait). Changes nothing if not held."""
+        if not self.ptt_active:
+            return []
+        self.ptt_active = False
+        out: list[Decision] = [ResetDetector()]
+        was, self.listening = self.listening, False
+        self.endpoint_at = None
+        if was:
+            out += [Announce("end_of_turn"), EndOfUtterance(at)]
+        return out
+
+    # -- steps ----------------------------------------------------------------
+
+    def _open(self, onset_at: float, at: float, lead_ms: int = 0) -> Pause:
+        self._serial += 1
+        paused, self.paused = not self.paused, True
+        self.candidate = Candidate(self._serial, onset_at, paused, at, lead_ms=lead_ms)
+        return Pause(self._serial)
+
+    def _commit(self, at: float, initiator: str = "vad") -> list[Decision]:
+        cand = self.candidate
+        assert cand is not None
+        out: list[Decision] = []
+        if cand.classification == "running":
+            out.append(CancelClassification(cand.n))
+        self.candidate = None
+        if self.listening:
+            # Never two utterances at once; should it happen, the unfinished
+            # one ends here and is stopped like any other turn in flight.
+            out.append(EndOfUtterance(at))
+        paused_ms = round((at - cand.paused_at) * 1000, 1) if cand.paused else 0
+        out.append(Commit(at, initiator, cand.onset_at, paused_ms, audio=initiator != "ptt"))
+        self.paused = False  # the commit clears and resumes playout
+        self.listening, self.listening_ptt = True, initiator == "ptt"
+        self.endpoint_at = self.speech_end_at = None
+        self.last_speech_at = self.utterance_at = at
+        if cand.ended_at is not None and not self.listening_ptt:
+            self._arm(at, cand.ended_at)
+        return out
+
+    def _arm(self, stopped_at: float, speech_end: float) -> None:
+        self.speech_end_at = speech_end
+        self.endpoint_at = end_at(self.endpoint, stopped_at, speech_end)
+
+    def _classify(self, cand: Candidate) -> list[Decision]:
+        cand.classification = "running"
+        return [ClassifyBackchannel(cand.n)]
+
+    def _let_go(self, cand: Candidate, at: float, agent: AgentState) -> list[Decision]:
+        """A backchannel: the paused reply goes on, the words are dropped."""
+        self.candidate = None
+        self.backchannel_at = at
+        return self._resume(cand, at, "backchannel", agent, cand.verdict)
+
+    def _resume(
+        self, cand: Candidate, at: float, why: Literal["false_interruption", "backchannel"], agent: AgentState,
+        verdict: dict[str, Any] | None = None,
+    ) -> list[Decision]:
+        if cand.paused:
+            self.paused = False
+        held = cand.paused and agent.replying
+        paused_ms = round((at - cand.paused_at) * 1000, 1) if cand.paused else 0
+        report = held or why != "false_interruption"
+        return [Resume(why, cand.paused, held, report, paused_ms, dict(verdict or {}))]
