@@ -8,6 +8,7 @@ RUN apt-get update \
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY clock ./clock
 COPY turn ./turn
 COPY media ./media
 COPY voice ./voice

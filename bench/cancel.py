@@ -56,9 +56,9 @@ sys.path.insert(0, str(ROOT))
 
 from aiohttp import web  # noqa: E402
 
+from clock import SystemClock  # noqa: E402
 from testkit.faults import CancellationIgnoringModel  # noqa: E402
 from testkit.openai_server import ChatCompletionsServer, ServerOptions  # noqa: E402
-from turn.clock import SystemClock  # noqa: E402
 from turn.manager import TurnManager  # noqa: E402
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus  # noqa: E402
 from turn.sqlite_store import SqliteStore  # noqa: E402

@@ -80,7 +80,7 @@ sys.path.insert(0, str(ROOT))
 
 from local_server import free_port, stop_process  # noqa: E402  (bench/: the script's own folder)
 
-from turn.clock import SystemClock  # noqa: E402
+from clock import SystemClock  # noqa: E402
 from turn.manager import TurnManager  # noqa: E402
 from turn.models import StopReason, StopReasonKind, TurnStatus  # noqa: E402
 from turn.redis_store import RedisStore  # noqa: E402

@@ -41,11 +41,11 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av.audio.frame import AudioFrame
 
 from client.results import BargeInMeasure, CallError, CallResult, TurnView, Utterance
+from clock import Clock, SystemClock
 from media.frames import PLAYOUT_RATE, PcmResampler, Reframer, first_sound_sample, rms_dbfs
 from media.inbound import set_jitter_prefetch
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer, PlayoutFrame
-from turn.clock import Clock, SystemClock
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,9 @@ VERDICT_WAIT_S = 1.5  # events this long after an utterance ends still count as 
 REVIVE_AFTER_S = 5.0  # agent silent this long before a scripted barge-in: say the revive utterance
 
 
-class _OpenGate:
-    """The client's microphone sends everything queued."""
-
-    def passes(self, generation: int) -> bool:
-        return True
+def _send_everything(generation: int) -> bool:
+    """The client's microphone has no delivery gate: everything queued is sent."""
+    return True
 
 
 class _SpeakerphoneMic(PacedAudioTrack):
@@ -69,7 +67,7 @@ class _SpeakerphoneMic(PacedAudioTrack):
     audio it played, attenuated, mixed in."""
 
     def __init__(self, buffer: PlayoutBuffer, clock: Clock, on_sent: Any, echo: deque[np.ndarray] | None) -> None:
-        super().__init__(buffer, _OpenGate(), clock, on_sent=on_sent)
+        super().__init__(buffer, _send_everything, clock, on_sent=on_sent)
         self.echo = echo
 
     def _next_deliverable(self) -> PlayoutFrame | None:

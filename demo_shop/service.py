@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from turn.clock import Clock
+from clock import Clock
 from turn.intents import LookupAnswer
 from turn.ledger import EffectNotApplied
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from clock import Clock
 from demo_shop.service import DemoService
 from demo_shop.tools import demo_handlers, demo_tools, message_sender, weather_tools
-from turn.clock import Clock
 from turn.downstream import DownstreamWorker
 from turn.ledger import EffectHandler
 from turn.store import TurnStore

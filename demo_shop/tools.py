@@ -24,8 +24,8 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from clock import Clock
 from demo_shop.service import DemoService
-from turn.clock import Clock
 from turn.downstream import DownstreamWorker
 from turn.intents import LookupAnswer
 from turn.ledger import EffectHandler

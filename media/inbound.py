@@ -19,11 +19,11 @@ from typing import Any, Protocol
 from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 from aiortc.mediastreams import MediaStreamError
 
+from clock import Clock
 from media.bargein import BargeInConfig, BargeInDetector, DetectorEvent
 from media.echo_guard import EchoReference
 from media.frames import FRAME_MS, VAD_RATE, PcmResampler, Reframer, frame_bytes
 from media.vad import VadConfig
-from turn.clock import Clock
 
 #: shortest stall (ms) filled with silence: well above the jitter of 20 ms packets
 MIN_STALL_MS = 100

@@ -14,25 +14,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av.audio.frame import AudioFrame
 
+from clock import Clock
 from media.declick import Declicker
 from media.frames import FRAME_MS, PLAYOUT_RATE, pcm_to_frame, samples_per_frame
 from media.playout import PlayoutBuffer, PlayoutFrame
-from turn.clock import Clock
 
 #: If the loop stalls longer than this (s), restart pacing instead of bursting.
 MAX_LAG_S = 0.1
 
 
-class Gate(Protocol):
-    """The delivery gate's rule: may output of ``generation`` reach the client?
-    (:class:`turn.generation.GenerationFence` is one.)"""
-
-    def passes(self, generation: int) -> bool: ...
+#: the delivery gate's rule (DESIGN.md): may output of this generation reach the
+#: client? e.g. ``turn.generation.GenerationFence.passes``. A plain predicate, so
+#: media needs nothing of the domain core.
+Passes = Callable[[int], bool]
 
 
 @dataclass
@@ -69,7 +67,8 @@ class PacedAudioTrack(MediaStreamTrack):
 
     Args:
         buffer: where frames wait.
-        gate: delivery gate (only its active generation passes).
+        passes: the delivery gate's rule (True for the session's active
+            generation only); frames of any other generation are dropped.
         clock: pacing time source.
         on_sent: optional hook called with (frame or None for silence, clock
             seconds) right before each frame is handed to the sender.
@@ -77,10 +76,10 @@ class PacedAudioTrack(MediaStreamTrack):
 
     kind = "audio"
 
-    def __init__(self, buffer: PlayoutBuffer, gate: Gate, clock: Clock, on_sent: SentHook | None = None) -> None:
+    def __init__(self, buffer: PlayoutBuffer, passes: Passes, clock: Clock, on_sent: SentHook | None = None) -> None:
         super().__init__()
         self.buffer = buffer
-        self.gate = gate
+        self.passes = passes
         self.clock = clock
         self.on_sent = on_sent
         self.audit = DeliveryAudit()
@@ -135,7 +134,7 @@ class PacedAudioTrack(MediaStreamTrack):
         """The delivery gate: the next frame of the active generation, dropping
         (and counting) any of another generation on the way."""
         while (frame := self.buffer.pop()) is not None:  # None while the buffer is paused
-            if self.gate.passes(frame.generation):
+            if self.passes(frame.generation):
                 self.buffer.note_played(frame)
                 return frame
             self.audit.fenced_frames += 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from turn.clock import Clock
+from clock import Clock
 from turn.usage import Pricing, RequestMeter
 from voice.llm import LlmConfig, choose_reply, prompt_tokens, tokenize
 from voice.providers import Message, ToolCall, ToolSpec
@@ -39,7 +39,7 @@ class CancellationIgnoringModel:
     name = "ignores-cancellation"
 
     def __init__(self, config: LlmConfig | None = None, clock: Clock | None = None) -> None:
-        from turn.clock import SystemClock
+        from clock import SystemClock
 
         self.config = config or LlmConfig()
         self.clock = clock or SystemClock()

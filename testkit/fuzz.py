@@ -57,11 +57,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from clock import VirtualClock
 from demo_shop.service import DemoService
 from demo_shop.tools import MESSAGES_QUEUE, demo_handlers, demo_tools, message_sender
 from testkit.fuzz_report import FuzzReport, print_report
 from testkit.scripted_model import ScriptedModel
-from turn.clock import VirtualClock
 from turn.downstream import turn_stopped
 from turn.intents import RESOLVED, IntentKind, IntentStatus, compensation_key
 from turn.manager import TurnManager

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from turn.clock import VirtualClock
+from clock import VirtualClock
 from turn.usage import Pricing, RequestMeter
 from voice.llm import prompt_tokens, tokenize
 from voice.providers import Message, ToolCall, ToolSpec

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from turn.clock import VirtualClock
+from clock import VirtualClock
 from turn.conformance import CONFORMANCE
 from turn.redis_store import RedisStore
 from turn.sqlite_store import SqliteStore

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from turn.clock import Clock
+from clock import Clock
 from turn.events import EventLogs
 from turn.models import StopReasonKind, Turn, TurnStatus
 from turn.runtime import LOOP_REPEATS, FlagCache, TurnRuntime

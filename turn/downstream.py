@@ -27,7 +27,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from turn.clock import Clock
+from clock import Clock
 from turn.intents import AuditRow, IntentStatus
 from turn.ledger import EffectNotApplied, Ledger
 from turn.models import Turn, TurnStatus

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, wait_exponential
 
-from turn.clock import Clock
+from clock import Clock
 from turn.conformance import CONFORMANCE
 from turn.delivery_gate import OUTPUT_TYPES, Gate, OpenGate, StoppedTurns
 from turn.event_catalogue import Envelope, payload_of

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from turn.clock import Clock
+from clock import Clock
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from turn.clock import Clock
+from clock import Clock
 from turn.ledger import Ledger
 from turn.models import StopReason, StopReasonKind, Turn
 from turn.states import TransitionResult

@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
-from turn.clock import Clock, timeout_after
+from clock import Clock, timeout_after
 from turn.event_catalogue import (
     LedgerEvent,
     ToolAbandoned,

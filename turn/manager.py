@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from clock import Clock
 from turn.checkpoint import Checkpoints
-from turn.clock import Clock
 from turn.event_catalogue import LedgerEvent, StopReasonView, TurnEvent
 from turn.events import EventLogs
 from turn.lease import Leases, default_owner

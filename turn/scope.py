@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from turn.clock import Clock, timeout_after
+from clock import Clock, timeout_after
 from turn.models import ChildOutcome, ChildReport, StopReason, StopReasonKind, StopReport
 from turn.stopped import TurnStopped
 

@@ -20,7 +20,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from turn.clock import Clock
+from clock import Clock
 from turn.ledger import Ledger
 from turn.models import ChildOutcome, StopReason, StopReasonKind, StopReport, Turn, TurnStatus
 from turn.runtime import TurnRuntime

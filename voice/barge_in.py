@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from clock import Clock
 from media.playout import PlayoutBuffer
-from turn.clock import Clock
 from turn.models import StopReason, StopReasonKind
 from voice.turn_handle import TurnHandle
 from voice.turn_taking import Commit

@@ -26,7 +26,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from turn.clock import Clock, SystemClock
+from clock import Clock, SystemClock
 from turn.usage import Pricing, RequestMeter
 from voice.providers import Message, ToolCall, ToolSpec
 

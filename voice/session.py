@@ -34,12 +34,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from clock import Clock
 from media.frames import FRAME_MS
 from media.inbound import InboundFrame
 from media.playout import PlayoutBuffer
 from media.syllables import count_syllable_nuclei
 from media.vad import VadConfig
-from turn.clock import Clock
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import Plan, StopReasonKind, Turn

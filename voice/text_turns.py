@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from turn.clock import Clock
+from clock import Clock
 from turn.event_catalogue import AgentDelta, AgentDone, Transcript
 from turn.events import SessionEventLog
 from turn.generation import GenerationFence

@@ -24,7 +24,7 @@ import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, Field, ValidationError
 
-from turn.clock import Clock, SystemClock
+from clock import Clock, SystemClock
 from turn.ledger import EffectHandler
 from turn.manager import TurnManager
 from turn.models import StopReason, StopReasonKind

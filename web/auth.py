@@ -22,7 +22,7 @@ from aiohttp import web
 from itsdangerous import BadSignature, SignatureExpired, URLSafeTimedSerializer
 from itsdangerous.timed import TimestampSigner
 
-from turn.clock import Clock
+from clock import Clock
 from web.errors import ApiError
 
 RESUME_SALT = "turnkeeper.resume.v1"

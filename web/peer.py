@@ -21,11 +21,11 @@ from typing import Any
 from aiortc import RTCDataChannel, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamTrack
 
+from clock import Clock
 from media.echo_guard import EchoReference
 from media.inbound import InboundAudio, set_jitter_prefetch
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer, PlayoutFrame
-from turn.clock import Clock
 from turn.conformance import CONFORMANCE
 from turn.event_catalogue import AudioEnd, AudioStart
 from turn.events import EventFollower, event_json
@@ -162,7 +162,7 @@ class PeerSession:
         self.events.on_message = self._on_client_message
         self.fence = GenerationFence(clock)
         self.playout = PlayoutBuffer()
-        self.outbound = PacedAudioTrack(self.playout, self.fence, clock, on_sent=self._on_sent)
+        self.outbound = PacedAudioTrack(self.playout, self.fence.passes, clock, on_sent=self._on_sent)
         #: what this session plays, for the echo guard (None: guard off)
         self.echo = EchoReference(settings.bargein.echo_max_delay_ms) if settings.bargein.echo_guard else None
         self._segment: tuple[int, int] | None = None  # (generation, first sample) of the audio going out

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 if TYPE_CHECKING:
-    from turn.clock import Clock
+    from clock import Clock
     from turn.manager import TurnManager
     from turn.store import TurnStore
     from voice.text_turns import TextTurns

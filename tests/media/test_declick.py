@@ -10,11 +10,11 @@ import asyncio
 import numpy as np
 import pytest
 
+from clock import VirtualClock
 from media.declick import Declicker
 from media.frames import PLAYOUT_RATE, samples_per_frame
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer, PlayoutFrame
-from turn.clock import VirtualClock
 from turn.generation import GenerationFence
 
 N = samples_per_frame(PLAYOUT_RATE)
@@ -41,7 +41,7 @@ async def test_a_barge_in_cut_ramps_down_instead_of_clicking() -> None:
     clock = VirtualClock()
     fence = GenerationFence(clock)
     buffer = PlayoutBuffer()
-    track = PacedAudioTrack(buffer, fence, clock)
+    track = PacedAudioTrack(buffer, fence.passes, clock)
     frames = voice_like(10)
     for pcm in frames:
         buffer.push(PlayoutFrame(pcm, fence.active, audible=True))
@@ -62,7 +62,7 @@ async def test_a_resume_after_a_pause_ramps_up() -> None:
     clock = VirtualClock()
     fence = GenerationFence(clock)
     buffer = PlayoutBuffer()
-    track = PacedAudioTrack(buffer, fence, clock)
+    track = PacedAudioTrack(buffer, fence.passes, clock)
     for pcm in voice_like(10):
         buffer.push(PlayoutFrame(pcm, fence.active, audible=True))
     first = await received(track, clock, 3)

@@ -13,10 +13,10 @@ from aiortc.mediastreams import MediaStreamError
 from aiortc.rtp import RtpPacket
 from av.audio.frame import AudioFrame
 
+from clock import SystemClock, VirtualClock
 from media.bargein import DetectorEventKind
 from media.frames import PLAYOUT_RATE, load_pcm
 from media.inbound import AudioJitterBuffer, InboundAudio, jitter_prefetch, set_jitter_prefetch
-from turn.clock import SystemClock, VirtualClock
 
 
 class FakeOpusTrack:

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from aiortc.mediastreams import MediaStreamError
 
+from clock import VirtualClock
 from media.declick import Declicker
 from media.frames import PLAYOUT_RATE, frame_bytes
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer, PlayoutFrame
-from turn.clock import VirtualClock
 from turn.generation import GenerationFence
 
 FB = frame_bytes(PLAYOUT_RATE)
@@ -54,7 +54,7 @@ def make_track(clock: VirtualClock) -> tuple[PacedAudioTrack, PlayoutBuffer, Gen
     fence = GenerationFence(clock)
     fence.advance()
     buf = PlayoutBuffer()
-    return PacedAudioTrack(buf, fence, clock), buf, fence
+    return PacedAudioTrack(buf, fence.passes, clock), buf, fence
 
 
 async def recv_at(track: PacedAudioTrack, clock: VirtualClock):

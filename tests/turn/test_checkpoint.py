@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 
-from turn.clock import VirtualClock
+from clock import VirtualClock
 from turn.manager import TurnManager
 from turn.models import Budget, Plan, StopReason, StopReasonKind, TurnStatus
 from turn.scope import TurnScope

@@ -12,9 +12,9 @@ from typing import Any
 import jsonschema
 import pytest
 
+from clock import SystemClock
 from media.bargein import DetectorEventKind
 from turn import event_catalogue as cat
-from turn.clock import SystemClock
 from turn.conformance import Conformance
 from turn.delivery_gate import OUTPUT_TYPES
 from turn.event_catalogue import EventMismatch, validate_client_message, validate_event

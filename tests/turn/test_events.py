@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from turn.clock import SystemClock
+from clock import SystemClock
 from turn.events import EventFollower, EventLogs, SessionEventLog, event_json
 from turn.generation import GenerationFence
 from turn.models import EventRecord, Session, TurnStatus

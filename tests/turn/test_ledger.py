@@ -11,9 +11,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from clock import VirtualClock
 from demo_shop.service import DemoService
 from demo_shop.tools import demo_tools
-from turn.clock import VirtualClock
 from turn.intents import Intent, IntentKind, IntentStatus, LookupAnswer, compensation_key, effect_key
 from turn.ledger import MAX_ATTEMPTS, Ledger
 from turn.models import StopReasonKind

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from turn.clock import SystemClock, VirtualClock
+from clock import SystemClock, VirtualClock
 from turn.manager import TurnManager
 from turn.models import StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
 from turn.sqlite_store import SqliteStore

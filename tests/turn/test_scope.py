@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 
-from turn.clock import SystemClock, VirtualClock, timeout_after
+from clock import SystemClock, VirtualClock, timeout_after
 from turn.models import ChildOutcome, StopReason, StopReasonKind, TurnStatus
 from turn.scope import NotStarted, TurnScope
 from turn.stop_path import terminal_status

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from turn.clock import SystemClock, VirtualClock
+from clock import SystemClock, VirtualClock
 from turn.generation import GenerationFence
 from turn.models import TERMINAL_STATUSES, TurnStatus
 from turn.states import TRANSITIONS, sources_of

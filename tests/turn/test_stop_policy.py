@@ -13,9 +13,9 @@ from datetime import UTC
 import pytest
 from test_ledger import run
 
+from clock import VirtualClock
 from demo_shop.service import DemoService
 from demo_shop.tools import demo_handlers, demo_tools
-from turn.clock import VirtualClock
 from turn.intents import Intent, IntentKind, IntentStatus, compensation_key
 from turn.ledger import Ledger
 from turn.models import StopReasonKind

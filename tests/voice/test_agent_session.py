@@ -14,13 +14,13 @@ from aiortc.mediastreams import MediaStreamError
 from av.audio.frame import AudioFrame
 from conftest import requires_espeak
 
+from clock import SystemClock
 from demo_shop.service import DemoService
 from demo_shop.tools import demo_tools, weather_tools
 from media.frames import PLAYOUT_RATE, load_pcm
 from media.inbound import InboundAudio
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer, PlayoutFrame
-from turn.clock import SystemClock
 from turn.delivery_gate import OUTPUT_TYPES
 from turn.events import EventFollower, event_json
 from turn.generation import GenerationFence
@@ -77,7 +77,7 @@ class Harness:
         self.manager = TurnManager(store, self.clock)
         self.fence = GenerationFence(self.clock)
         self.playout = PlayoutBuffer()
-        self.track = PacedAudioTrack(self.playout, self.fence, self.clock)
+        self.track = PacedAudioTrack(self.playout, self.fence.passes, self.clock)
         self.tts = EspeakTTS()
         self.events: list[dict[str, Any]] = []
         self.log = self.manager.events.log("sess-1", gate=self.fence)

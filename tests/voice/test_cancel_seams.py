@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from clock import VirtualClock
 from demo_shop.tools import weather_tools
 from testkit.faults import CancellationIgnoringModel
-from turn.clock import VirtualClock
 from turn.manager import TurnManager
 from turn.models import ChildOutcome, EventRecord, Plan, StopReason, StopReasonKind, Turn, TurnStatus
 from turn.scope import Child

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from clock import VirtualClock
 from demo_shop.service import DemoService
 from demo_shop.tools import MESSAGES_QUEUE, demo_tools, message_sender
-from turn.clock import VirtualClock
 from turn.downstream import DownstreamWorker
 from turn.intents import IntentKind, IntentStatus
 from turn.manager import TurnManager

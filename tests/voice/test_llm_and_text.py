@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from turn.clock import VirtualClock
+from clock import VirtualClock
 from voice.llm import COUNT_REPLY, STORY_REPLY, WEATHER_REPLY, LocalAgent, LocalLlmConfig, choose_reply, tokenize
 from voice.providers import Message
 from voice.text import SentenceSplitter

@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from clock import SystemClock
 from demo_shop.tools import weather_tools
 from testkit.openai_server import ChatCompletionsServer, ServerOptions
-from turn.clock import SystemClock
 from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, TurnStatus
 from turn.sqlite_store import SqliteStore

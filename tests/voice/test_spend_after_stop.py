@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from clock import SystemClock
 from testkit.openai_server import ChatCompletionsServer, ServerOptions
-from turn.clock import SystemClock
 from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
 from turn.sqlite_store import SqliteStore

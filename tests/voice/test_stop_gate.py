@@ -18,8 +18,8 @@ import pytest
 from conftest import requires_espeak
 from test_agent_session import Harness, pcm48
 
+from clock import SystemClock
 from testkit.faults import CancellationIgnoringModel
-from turn.clock import SystemClock
 from turn.delivery_gate import OUTPUT_TYPES
 from turn.events import EventFollower
 from turn.manager import TurnManager

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from turn.clock import VirtualClock
+from clock import VirtualClock
 from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, TurnStatus
 from turn.scope import TurnScope

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from conftest import start_app
 
-from turn.clock import VirtualClock
+from clock import VirtualClock
 from turn.event_catalogue import MODEL_OF
 from web.app import MANAGER, create_app
 from web.auth import Auth

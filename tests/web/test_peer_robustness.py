@@ -15,9 +15,9 @@ from aiohttp import web
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from conftest import start_app
 
+from clock import SystemClock
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer
-from turn.clock import SystemClock
 from turn.generation import GenerationFence
 from turn.models import Turn, TurnStatus
 from turn.sqlite_store import SqliteStore
@@ -30,7 +30,7 @@ class RawClient:
 
     def __init__(self) -> None:
         self.pc = RTCPeerConnection()
-        self.mic = PacedAudioTrack(PlayoutBuffer(), GenerationFence(SystemClock()), SystemClock())
+        self.mic = PacedAudioTrack(PlayoutBuffer(), GenerationFence(SystemClock()).passes, SystemClock())
         self.pc.addTrack(self.mic)
         self.channel = self.pc.createDataChannel("events")
         self.events: list[dict[str, Any]] = []

@@ -1,4 +1,8 @@
-"""Injected time.
+"""Injected time, for every layer.
+
+It lives outside the four layers (DESIGN.md: "the injected clock it needs
+lives where every layer may import it, not inside the domain core"): turn,
+media, voice and web all import it, and it imports none of them.
 
 Every component that waits or stamps time takes a :class:`Clock`, so races and
 pacing can be tested deterministically with :class:`VirtualClock`.
