@@ -26,6 +26,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 TurnStatusName = Literal["QUEUED", "RUNNING", "CANCEL_REQUESTED", "CANCELLED", "COMPLETED", "FAILED", "RECONCILE_REQUIRED"]
 StopKindName = Literal["user_cancel", "barge_in", "deadline_exceeded", "budget_exceeded", "max_steps", "loop_detected",
                        "safety_abort", "worker_shutdown", "transport_disconnected"]
+#: what the barge-in detector decided (media.bargein.DetectorEventKind), or the endpointer
+VadEventName = Literal["speech_started", "speech_confirmed", "speech_rejected", "speech_stopped", "end_of_turn"]
+#: who took the turn in a barge-in: voice activity or push-to-talk
+BargeInInitiator = Literal["vad", "ptt"]
+#: what the agent is doing for a voice turn
+AgentPhase = Literal["thinking", "speaking", "idle"]
 #: a tool's declared effect (voice.tools.Effect)
 EffectName = Literal["none", "complete", "compensate"]
 #: every ``error`` code the server sends
@@ -125,7 +131,7 @@ class Vad(_Turnless):
     or the endpointer's ``end_of_turn``."""
 
     type: Literal["vad"] = "vad"
-    event: Literal["speech_started", "speech_confirmed", "speech_rejected", "speech_stopped", "end_of_turn"]
+    event: VadEventName
 
 
 class FalseInterruption(_Turnless):
@@ -151,7 +157,7 @@ class BargeIn(_Turnless):
     type: Literal["barge_in"] = "barge_in"
     old_turn_id: str
     old_generation: int
-    initiator: Literal["vad", "ptt"]
+    initiator: BargeInInitiator
     onset_to_fence_ms: float = Field(description="speech onset to the fence moving, ms (2 decimals)")
     paused_ms: float = Field(description="how long playout had been paused before, ms (1 decimal; 0 if not)")
     cleared_ms: int = Field(description="audio dropped from the playout buffer, ms (20 ms frames)")
@@ -178,7 +184,7 @@ class AgentState(Envelope):
     """What the agent is doing for a voice turn."""
 
     type: Literal["agent.state"] = "agent.state"
-    phase: Literal["thinking", "speaking", "idle"]
+    phase: AgentPhase
 
 
 class Transcript(Envelope):
