@@ -1,5 +1,6 @@
-"""The event catalogue: every event a client sees and every message it may
-send, declared once (issue 12, item 4).
+"""The event catalogue: every event a client sees, declared once (issue 12,
+item 4); what a client may send is :mod:`turn.client_messages`, the JSON
+Schema of both :mod:`turn.catalogue_schema`.
 
 Most server events are logged (:class:`turn.events.SessionEventLog`) and read
 back, so they carry the log's :class:`Envelope` (``seq``, ``turn_id``,
@@ -11,8 +12,7 @@ back, so they carry the log's :class:`Envelope` (``seq``, ``turn_id``,
 Every model is strict (``"3"`` is no integer) and forbids undeclared fields;
 a field an emitter sometimes leaves out has a default, one always sent but
 nullable has none. :data:`Event` is the union on ``type``,
-:func:`validate_event` checks one event, :func:`catalogue_schema` is the JSON
-Schema served at ``/v1/events.schema.json``; what a mismatch does is
+:func:`validate_event` checks one event; what a mismatch does is
 :mod:`turn.conformance`'s. Imports nothing from media, voice or web.
 """
 
@@ -21,14 +21,17 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
-
-#: the JSON Schema dialect pydantic writes
-JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 TurnStatusName = Literal["QUEUED", "RUNNING", "CANCEL_REQUESTED", "CANCELLED", "COMPLETED", "FAILED", "RECONCILE_REQUIRED"]
 StopKindName = Literal["user_cancel", "barge_in", "deadline_exceeded", "budget_exceeded", "max_steps", "loop_detected",
                        "safety_abort", "worker_shutdown", "transport_disconnected"]
+#: what the barge-in detector decided (media.bargein.DetectorEventKind), or the endpointer
+VadEventName = Literal["speech_started", "speech_confirmed", "speech_rejected", "speech_stopped", "end_of_turn"]
+#: who took the turn in a barge-in: voice activity or push-to-talk
+BargeInInitiator = Literal["vad", "ptt"]
+#: what the agent is doing for a voice turn
+AgentPhase = Literal["thinking", "speaking", "idle"]
 #: a tool's declared effect (voice.tools.Effect)
 EffectName = Literal["none", "complete", "compensate"]
 #: every ``error`` code the server sends
@@ -64,13 +67,17 @@ def _type_required(schema: dict[str, Any]) -> None:
         required.insert(0, "type")
 
 
-class _Model(_Strict):
+class CatalogueModel(_Strict):
+    """The base of every catalogue model (server events and client
+    messages): strict, no undeclared fields, frozen, ``type`` required in
+    its JSON Schema."""
+
     model_config = ConfigDict(json_schema_extra=_type_required)
 
     type: str  # each event narrows it to its own Literal
 
 
-class Envelope(_Model):
+class Envelope(CatalogueModel):
     """What the event log adds to every event it delivers (all four are
     present on an event read back from the log; none on a direct send).
     An emitter sets ``turn_id`` and ``generation``, the log ``seq`` and
@@ -124,7 +131,7 @@ class Vad(_Turnless):
     or the endpointer's ``end_of_turn``."""
 
     type: Literal["vad"] = "vad"
-    event: Literal["speech_started", "speech_confirmed", "speech_rejected", "speech_stopped", "end_of_turn"]
+    event: VadEventName
 
 
 class FalseInterruption(_Turnless):
@@ -150,7 +157,7 @@ class BargeIn(_Turnless):
     type: Literal["barge_in"] = "barge_in"
     old_turn_id: str
     old_generation: int
-    initiator: Literal["vad", "ptt"]
+    initiator: BargeInInitiator
     onset_to_fence_ms: float = Field(description="speech onset to the fence moving, ms (2 decimals)")
     paused_ms: float = Field(description="how long playout had been paused before, ms (1 decimal; 0 if not)")
     cleared_ms: int = Field(description="audio dropped from the playout buffer, ms (20 ms frames)")
@@ -177,7 +184,7 @@ class AgentState(Envelope):
     """What the agent is doing for a voice turn."""
 
     type: Literal["agent.state"] = "agent.state"
-    phase: Literal["thinking", "speaking", "idle"]
+    phase: AgentPhase
 
 
 class Transcript(Envelope):
@@ -354,7 +361,7 @@ class ToolHumanRequired(LedgerEvent):
 # -- direct sends ------------------------------------------------------------------
 
 
-class Pong(_Model):
+class Pong(CatalogueModel):
     """The answer to a client's ``ping`` (data channel, no envelope)."""
 
     type: Literal["pong"] = "pong"
@@ -362,7 +369,7 @@ class Pong(_Model):
     id: bool | int | float | str | None = Field(description="the ping's id (null if it had none or one over 64 characters)")
 
 
-class StreamStart(_Model):
+class StreamStart(CatalogueModel):
     """The first message of an SSE event stream (no envelope)."""
 
     type: Literal["stream.start"] = "stream.start"
@@ -380,7 +387,7 @@ class SnapshotTurn(TurnFields):
     owner_lost: bool = Field(description="open, and its worker stopped heartbeating")
 
 
-class Snapshot(_Model):
+class Snapshot(CatalogueModel):
     """A resumed SSE stream's second message: the session's last turns as
     stored (the authority), before the events after the cursor."""
 
@@ -388,7 +395,7 @@ class Snapshot(_Model):
     turns: list[SnapshotTurn]
 
 
-EVENT_MODELS: tuple[type[_Model], ...] = (
+EVENT_MODELS: tuple[type[CatalogueModel], ...] = (
     SessionReady, Vad, FalseInterruption, Backchannel, BargeIn, StopDeferred,
     TurnEvent, AgentState, Transcript, AgentDelta, AgentDone, AgentInterrupted, AudioStart, AudioEnd,
     Usage, ErrorEvent,
@@ -400,38 +407,19 @@ EVENT_MODELS: tuple[type[_Model], ...] = (
 #: every server event: a discriminated union on ``type``
 Event = Annotated[Union[*EVENT_MODELS], Field(discriminator="type")]  # type: ignore[valid-type]
 #: the model of each event type; the types that are logged (carry the envelope)
-MODEL_OF: dict[str, type[_Model]] = {m.model_fields["type"].default: m for m in EVENT_MODELS}
+MODEL_OF: dict[str, type[CatalogueModel]] = {m.model_fields["type"].default: m for m in EVENT_MODELS}
 LOGGED_TYPES = frozenset(t for t, m in MODEL_OF.items() if issubclass(m, Envelope))
 
 
-# -- client -> server (data channel) ---------------------------------------------------
+def validate_as(models: dict[str, type[CatalogueModel]], what: str, type: str, fields: dict[str, Any]) -> CatalogueModel:
+    """The model of ``models`` (type -> model) for ``type``, made from
+    ``fields`` (``type`` in them is ignored); ``what`` names the kind of
+    message in the error.
 
-
-class PttStart(_Model):
-    """Push-to-talk pressed: a committed barge-in; the user's turn begins."""
-
-    type: Literal["ptt.start"] = "ptt.start"
-
-
-class PttEnd(_Model):
-    """Push-to-talk released: the user's turn ends at once."""
-
-    type: Literal["ptt.end"] = "ptt.end"
-
-
-class Ping(_Model):
-    """A round-trip probe; answered by ``pong`` with the same id."""
-
-    type: Literal["ping"] = "ping"
-    id: int | float | str | None = Field(None, description="echoed back if a number or a string of at most 64 characters")
-
-
-CLIENT_MODELS: tuple[type[_Model], ...] = (PttStart, PttEnd, Ping)
-#: every client message: a discriminated union on ``type``
-ClientMessage = Annotated[Union[*CLIENT_MODELS], Field(discriminator="type")]  # type: ignore[valid-type]
-CLIENT_MODEL_OF: dict[str, type[_Model]] = {m.model_fields["type"].default: m for m in CLIENT_MODELS}
-
-def _check(models: dict[str, type[_Model]], what: str, type: str, fields: dict[str, Any]) -> _Model:
+    Raises:
+        EventMismatch: ``type`` is not in ``models``, or a field is
+            missing, of the wrong type or not declared (says which).
+    """
     model = models.get(type) if isinstance(type, str) else None
     if model is None:
         raise EventMismatch(str(type), [f"unknown {what} type (known: {', '.join(sorted(models))})"])
@@ -442,7 +430,7 @@ def _check(models: dict[str, type[_Model]], what: str, type: str, fields: dict[s
         raise EventMismatch(type, problems) from None
 
 
-def validate_event(type: str, payload: dict[str, Any]) -> _Model:
+def validate_event(type: str, payload: dict[str, Any]) -> CatalogueModel:
     """The catalogue model of a server event.
 
     Args:
@@ -455,45 +443,17 @@ def validate_event(type: str, payload: dict[str, Any]) -> _Model:
         EventMismatch: ``type`` is not in the catalogue, or a field is
             missing, of the wrong type or not declared (says which).
     """
-    return _check(MODEL_OF, "event", type, payload)
+    return validate_as(MODEL_OF, "event", type, payload)
 
 
-def validate_client_message(message: dict[str, Any]) -> _Model:
-    """The catalogue model of a client -> server message (a JSON object).
-
-    Raises:
-        EventMismatch: unknown type or bad fields.
-    """
-    return _check(CLIENT_MODEL_OF, "client message", message.get("type"), message)  # type: ignore[arg-type]
-
-
-def payload_of(event: _Model) -> dict[str, Any]:
+def payload_of(event: CatalogueModel) -> dict[str, Any]:
     """What an emitter logs for ``event`` (``SessionEventLog.emit``'s
     ``**payload``): the fields it was given, in JSON form, without ``type``
     and the envelope."""
     return event.model_dump(mode="json", exclude_unset=True, exclude={*Envelope.model_fields, "type"})
 
 
-def wire_of(event: _Model) -> dict[str, Any]:
+def wire_of(event: CatalogueModel) -> dict[str, Any]:
     """A directly sent event as its JSON object: ``type`` and the fields it
     was given."""
     return {"type": event.type, **event.model_dump(mode="json", exclude_unset=True, exclude={"type"})}
-
-
-def catalogue_schema() -> dict[str, Any]:
-    """The JSON Schema (draft 2020-12) of the catalogue: the document
-    validates one server event (:data:`Event`); ``$defs.ClientMessage`` is
-    the union of client messages. Every model is under ``$defs`` by its
-    class name."""
-    ref = "#/$defs/{model}"
-    events = TypeAdapter(Event).json_schema(ref_template=ref)
-    client = TypeAdapter(ClientMessage).json_schema(ref_template=ref)
-    defs = {**events.pop("$defs", {}), **client.pop("$defs", {})}
-    defs["ClientMessage"] = client
-    return {
-        "$schema": JSON_SCHEMA_DIALECT,
-        "title": "turnkeeper events",
-        "description": "Every event the server sends (data channel, SSE); $defs.ClientMessage: what a client sends.",
-        **events,
-        "$defs": defs,
-    }

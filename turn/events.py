@@ -23,7 +23,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, wait_exponential
 
@@ -43,6 +43,18 @@ Retry = Callable[[Callable[[], Awaitable[T]]], Awaitable[T]]
 
 async def _no_retry(fn: Callable[[], Awaitable[T]]) -> T:
     return await fn()
+
+
+class EventSink(Protocol):
+    """Where an emitter's catalogue events go: :meth:`SessionEventLog.emit_event`,
+    or anything shaped like it (the agent session's sink, a test's list).
+
+    ``event`` is a :mod:`turn.event_catalogue` model whose ``generation``
+    and ``turn_id`` the emitter set; ``withheld``: output of a turn already
+    stopped (logged fenced, never delivered).
+    """
+
+    def __call__(self, event: Envelope, *, withheld: bool = False) -> None: ...
 
 
 def event_json(event: EventRecord) -> dict[str, Any]:

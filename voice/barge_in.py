@@ -15,12 +15,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from clock import Clock
 from media.playout import PlayoutBuffer
+from turn.event_catalogue import BargeIn, StopDeferred
+from turn.events import EventSink
 from turn.models import StopReason, StopReasonKind
 from voice.turn_handle import TurnHandle
 from voice.turn_taking import Commit
@@ -75,7 +75,7 @@ def barge_in(
     fenced_at: float,
     cleared_frames: int,
     clock: Clock,
-    send: Callable[..., None],
+    send: EventSink,
 ) -> tuple[BargeInRecord, asyncio.Task[None]]:
     """Stop ``old`` for ``barge_in`` (its generation already fenced and its
     audio cleared) and tell the client: ``stop_deferred`` first if a
@@ -89,7 +89,7 @@ def barge_in(
         fenced_at: clock seconds of the fence.
         cleared_frames: 20 ms playout frames the clear dropped.
         clock: for the stop's time.
-        send: the session's event sink (type, then fields).
+        send: the session's event sink.
 
     Returns:
         The record, and ``old``'s stop task (the new turn is written once it
@@ -99,16 +99,16 @@ def barge_in(
         # A must-complete tool is committing: its audio is silenced (fenced,
         # cleared) now; the turn is stopped when the commit ends, and only
         # then does the new turn start.
-        send("stop_deferred", turn_id=old.turn_id, generation=old_generation, why="must_complete")
+        send(StopDeferred(turn_id=old.turn_id, generation=old_generation, why="must_complete"))
     after = old.stop(StopReason(kind=StopReasonKind.BARGE_IN, initiator=commit.initiator, at=clock.now()))
     rec = BargeInRecord(old.turn_id, old_generation, new_generation, commit.onset_at, fenced_at)
-    payload: dict[str, Any] = {
-        "old_turn_id": old.turn_id,
-        "old_generation": old_generation,
-        "initiator": commit.initiator,
-        "onset_to_fence_ms": round(rec.onset_to_fence_ms, 2),
-        "paused_ms": commit.paused_ms,
-        "cleared_ms": cleared_frames * 20,
-    }
-    send("barge_in", **payload)
+    send(BargeIn(
+        generation=new_generation,
+        old_turn_id=old.turn_id,
+        old_generation=old_generation,
+        initiator=commit.initiator,
+        onset_to_fence_ms=round(rec.onset_to_fence_ms, 2),
+        paused_ms=commit.paused_ms,
+        cleared_ms=cleared_frames * 20,
+    ))
     return rec, after

@@ -5,9 +5,8 @@ and shown to every later model call (:mod:`voice.history`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from media.playout import PlayoutBuffer
+from turn.event_catalogue import AgentInterrupted
 from voice.turn_handle import TurnHandle
 
 
@@ -74,9 +73,9 @@ class Hearing:
         n = len(heard.split())
         return heard, " ".join(words[n:])
 
-    def interrupted(self, run: TurnHandle) -> dict[str, Any] | None:
-        """The payload of the ``agent.interrupted`` event that tells the
-        client, once, how much of ``run``'s interrupted reply was heard
+    def interrupted(self, run: TurnHandle) -> AgentInterrupted | None:
+        """The ``agent.interrupted`` event (of ``run``'s turn and generation)
+        that tells the client, once, how much of ``run``'s interrupted reply was heard
         (``heard``; ``played_ms``; ``reply_chars``, the whole reply's length),
         or None if there is nothing to tell (no transcript, told already, or
         merged into a later turn). That heard part, and only that, is what
@@ -85,7 +84,7 @@ class Hearing:
             return None
         run.told_interrupted = True
         played = self.playout.played_samples(run.generation)
-        return {
-            "turn_id": run.turn_id, "generation": run.generation, "heard": self.heard(run),
-            "played_ms": round(played * 1000 / self.playout.rate), "reply_chars": len("".join(run.reply).strip()),
-        }
+        return AgentInterrupted(
+            turn_id=run.turn_id, generation=run.generation, heard=self.heard(run),
+            played_ms=round(played * 1000 / self.playout.rate), reply_chars=len("".join(run.reply).strip()),
+        )

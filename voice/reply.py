@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from media.frames import PLAYOUT_RATE, Reframer, rms_dbfs, samples_per_frame
 from media.playout import PlayoutBuffer, PlayoutFrame
+from turn.event_catalogue import AgentDelta, AgentDone, ToolStarted, Transcript
 from turn.manager import TurnManager
 from turn.models import Turn
 from turn.scope import TurnScope
 from voice.providers import LanguageModel, Message, TextToSpeech
-from voice.respond import run_agent, sink_to
+from voice.respond import AgentLoopEvent, run_agent, sink_to
 from voice.text import SentenceSplitter
 from voice.tools import Toolbox
 from voice.turn_handle import TurnHandle
@@ -61,7 +61,7 @@ async def answer(
     if run.continues is not None and earlier:
         # its words are this turn's now: no history shows it again
         await manager.record(run.continues.turn_id, merged_into=turn.id)
-    run.output("transcript", role="user", text=transcript)
+    run.output(Transcript(turn_id=run.turn_id, generation=run.generation, role="user", text=transcript))
     if not transcript:
         await manager.fail(turn.id, "no_speech_recognized")
         run.settled = True
@@ -77,7 +77,7 @@ async def answer(
         completed = (await manager.complete(turn_id)).applied
         run.settled = True  # completed now, or already terminal
         if completed:
-            run.output("agent.done", text=reply)
+            run.output(AgentDone(turn_id=run.turn_id, generation=run.generation, text=reply))
 
     await scope.commit(finish(), effect=False)  # the final step commits whole, or not at all
 
@@ -107,23 +107,24 @@ async def generate_reply(
 
     def delivered(token: str) -> None:
         run.reply.append(token)
-        run.output("agent.delta", text=token)
+        run.output(AgentDelta(turn_id=run.turn_id, generation=run.generation, text=token))
         for piece in splitter.feed(token):
             sentences.put_nowait(piece)
 
     def withheld(token: str) -> None:
-        run.output("agent.delta", text=token, withheld=True)
+        run.output(AgentDelta(turn_id=run.turn_id, generation=run.generation, text=token), withheld=True)
 
-    def on_event(type: str, **payload: Any) -> None:
-        if type == "tool.started" and payload.get("effect", "none") != "none":
+    def on_event(event: AgentLoopEvent) -> None:
+        if isinstance(event, ToolStarted) and event.effect != "none":
             run.acted = True  # a read whose result nobody heard does not count
-        run.output(type, **payload)
+        run.output(event)
 
     try:
         await run_agent(
             scope=scope,
             manager=manager,
             turn_id=run.turn_id,
+            generation=run.generation,
             llm=llm,
             messages=messages,
             toolbox=tools,

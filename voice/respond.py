@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from turn.event_catalogue import ToolCancelled, ToolError, ToolNotStarted, ToolStarted, Usage, payload_of
+from turn.event_catalogue import ToolCancelled, ToolError, ToolNotStarted, ToolStarted, Usage
 from turn.intents import IntentStatus, effect_key
 from turn.ledger import EffectNotApplied
 from turn.manager import TurnManager
@@ -50,18 +50,16 @@ class TokenSink(Protocol):
     def __call__(self, token: str, *, withheld: bool = False) -> None: ...
 
 
+#: the agent loop's events (:mod:`turn.event_catalogue`)
+AgentLoopEvent = ToolStarted | ToolError | ToolNotStarted | ToolCancelled | Usage
+
+
 class EventSink(Protocol):
     """Receives the turn's tool and usage events (``tool.started``,
-    ``tool.error``, ``tool.not_started``, ``tool.cancelled``, ``usage``:
-    :mod:`turn.event_catalogue`) as a type and its payload."""
+    ``tool.error``, ``tool.not_started``, ``tool.cancelled``, ``usage``) as
+    catalogue models, their ``turn_id`` and ``generation`` set."""
 
-    def __call__(self, type: str, **payload: Any) -> None: ...
-
-
-def _tell(on_event: EventSink, event: ToolStarted | ToolError | ToolNotStarted | ToolCancelled | Usage) -> None:
-    """Hand a catalogue event to ``on_event`` (which adds the turn and
-    generation)."""
-    on_event(event.type, **payload_of(event))
+    def __call__(self, event: AgentLoopEvent) -> None: ...
 
 
 @dataclass
@@ -83,6 +81,7 @@ async def run_agent(
     scope: TurnScope,
     manager: TurnManager,
     turn_id: str,
+    generation: int,
     llm: LanguageModel,
     messages: list[Message],
     toolbox: Toolbox | None,
@@ -95,6 +94,7 @@ async def run_agent(
     Args:
         scope: the turn's cancel scope (must be entered); model and tool
             calls run as its children.
+        turn_id / generation: the turn's id and generation (its events carry both).
         messages: the conversation so far, ending with the user's request.
         toolbox: the tools the model may call (None: none).
         model_max_s: a model request's own time limit, s (the turn's
@@ -118,13 +118,13 @@ async def run_agent(
                 "model", _model_call(scope, manager, turn_id, llm, history, specs, req, on_token), max_s=model_max_s
             )
         finally:
-            _tell(on_event, Usage(**req.record().model_dump()))  # an aborted request too: it is billed
+            on_event(Usage(turn_id=turn_id, generation=generation, **req.record().model_dump()))  # an aborted request too: it is billed
         await manager.checkpoint(turn_id, "after_model")
         if not calls:
             return AgentResult(text, added)
         step = [Message(role="assistant", content=text, tool_calls=calls)]
         for call in calls:
-            step.append(await _tool_call(scope, manager, turn_id, toolbox, call, on_event))
+            step.append(await _tool_call(scope, manager, turn_id, generation, toolbox, call, on_event))
         history += step
         added += step
 
@@ -165,6 +165,7 @@ async def _tool_call(
     scope: TurnScope,
     manager: TurnManager,
     turn_id: str,
+    generation: int,
     toolbox: Toolbox | None,
     call: ToolCall,
     on_event: EventSink,
@@ -177,12 +178,12 @@ async def _tool_call(
     step = rt.steps if rt is not None else 0
     tool = toolbox.get(call.name) if toolbox else None
     if tool is None:
-        _tell(on_event, ToolError(call_id=call.id, name=call.name, error="unknown tool"))
+        on_event(ToolError(turn_id=turn_id, generation=generation, call_id=call.id, name=call.name, error="unknown tool"))
         return Message(role="tool", tool_call_id=call.id, status="error", content=f"error: there is no tool {call.name!r}")
     try:
         arguments = tool.validate(call.arguments)
     except ToolArgumentsError as exc:
-        _tell(on_event, ToolError(call_id=call.id, name=call.name, error=str(exc)))
+        on_event(ToolError(turn_id=turn_id, generation=generation, call_id=call.id, name=call.name, error=str(exc)))
         return Message(role="tool", tool_call_id=call.id, status="error", content=f"error: {exc}")
     expected = tool.expected_duration_ms / 1000 if tool.expected_duration_ms is not None else None
     limit = tool.max_duration_ms / 1000 if tool.max_duration_ms is not None else None
@@ -190,19 +191,21 @@ async def _tool_call(
     try:
         output = await scope.run(
             f"tool:{tool.name}",
-            _invoke(scope, manager, turn_id, step, tool, arguments, call, on_event, done),
+            _invoke(scope, manager, turn_id, generation, step, tool, arguments, call, on_event, done),
             max_s=limit,
             expected_s=expected,
         )
     except NotStarted as exc:
-        _tell(on_event, ToolNotStarted(call_id=call.id, name=call.name, reason="no_budget", detail=exc.detail or ""))
+        on_event(ToolNotStarted(
+            turn_id=turn_id, generation=generation, call_id=call.id, name=call.name, reason="no_budget", detail=exc.detail or ""
+        ))
         raise
     except (TurnStopped, asyncio.CancelledError):
         if not done and tool.effect != "complete":  # a must-complete call goes on: the ledger tells its end
-            _tell(on_event, ToolCancelled(call_id=call.id, name=call.name))
+            on_event(ToolCancelled(turn_id=turn_id, generation=generation, call_id=call.id, name=call.name))
         raise
     except Exception as exc:
-        _tell(on_event, ToolError(call_id=call.id, name=call.name, error=f"{type(exc).__name__}: {exc}"))
+        on_event(ToolError(turn_id=turn_id, generation=generation, call_id=call.id, name=call.name, error=f"{type(exc).__name__}: {exc}"))
         await manager.checkpoint(turn_id, "after_tool")
         return Message(role="tool", tool_call_id=call.id, status="error", content=f"error: {exc}")
     await manager.checkpoint(turn_id, "after_tool")
@@ -213,6 +216,7 @@ async def _invoke(
     scope: TurnScope,
     manager: TurnManager,
     turn_id: str,
+    generation: int,
     step: int,
     tool: Tool,
     arguments: dict[str, Any],
@@ -227,7 +231,7 @@ async def _invoke(
     a read abandoned, a write effect_unknown (its compensation, or a lookup,
     settles it). A step already done is never run again."""
     ledger = manager.ledger
-    _tell(on_event, ToolStarted(call_id=call.id, name=call.name, arguments=arguments, effect=tool.effect))
+    on_event(ToolStarted(turn_id=turn_id, generation=generation, call_id=call.id, name=call.name, arguments=arguments, effect=tool.effect))
     key = effect_key(turn_id, step)
     pending = frozenset({IntentStatus.PENDING})
     unsure = IntentStatus.ABANDONED if tool.effect == "none" else IntentStatus.EFFECT_UNKNOWN

@@ -32,7 +32,6 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 from clock import Clock
 from media.frames import FRAME_MS
@@ -40,6 +39,8 @@ from media.inbound import InboundFrame
 from media.playout import PlayoutBuffer
 from media.syllables import count_syllable_nuclei
 from media.vad import VadConfig
+from turn.event_catalogue import Backchannel, Envelope, ErrorEvent, FalseInterruption, SessionReady, Vad
+from turn.events import EventSink
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import Plan, StopReasonKind, Turn
@@ -71,13 +72,6 @@ from voice.turn_taking import (
 
 log = logging.getLogger(__name__)
 
-class EventSink(Protocol):
-    """Where the session's events go (``turn.events.SessionEventLog.emit``):
-    logged, then read by the client's follower."""
-
-    def __call__(self, type: str, *, generation: int, turn_id: str | None = None, **payload: Any) -> None: ...
-
-
 @dataclass
 class Providers:
     """The session's STT, LLM, TTS and the tools the model may call."""
@@ -98,7 +92,9 @@ class AgentSession:
         playout: the outbound playout buffer of this session.
         fence: this session's generation fence (the delivery gate's rule).
         clock: time source.
-        emit: where events go (see :class:`EventSink`); must not block.
+        emit: where events go (:class:`turn.events.EventSink`, e.g.
+            ``SessionEventLog.emit_event``: logged, then read by the
+            client's follower); must not block.
         vad: VAD settings (for the pre-roll length).
         config: session settings.
         plan: the limits of every turn (deadline, budget, max steps).
@@ -178,7 +174,7 @@ class AgentSession:
                 self._tg = tg
                 try:
                     await self.providers.stt.start()
-                    self._send("session.ready", session_id=self.session_id)
+                    self._send(SessionReady(generation=self.fence.active, session_id=self.session_id))
                     async for frame in frames:
                         self._on_frame(frame)
                 finally:
@@ -223,7 +219,7 @@ class AgentSession:
         """Do what turn-taking decided, in its order (see :mod:`voice.turn_taking`)."""
         for d in decisions:
             if isinstance(d, Announce):
-                self._send("vad", event=d.event)
+                self._send(Vad(generation=self.fence.active, event=d.event))
             elif isinstance(d, Pause):
                 self.playout.pause()
                 self._held = [*self._preroll]
@@ -244,7 +240,9 @@ class AgentSession:
                 if run is not None:
                     run.end_utterance(d.speech_end_at)
             elif isinstance(d, PttTooLong):
-                self._send("error", code="ptt_too_long", message=f"push-to-talk held over {d.max_ms} ms")
+                self._send(ErrorEvent(
+                    generation=self.fence.active, code="ptt_too_long", message=f"push-to-talk held over {d.max_ms} ms"
+                ))
             elif isinstance(d, ResetDetector):
                 if self.reset_detector is not None:
                     self.reset_detector()
@@ -268,8 +266,10 @@ class AgentSession:
             self.false_interruptions += d.held
         else:
             self.backchannels += 1
-        if d.report:
-            self._send(d.reason, paused_ms=d.paused_ms, **d.verdict)
+        if d.report and d.reason == "backchannel":
+            self._send(Backchannel(generation=self.fence.active, paused_ms=d.paused_ms, **d.verdict))
+        elif d.report:
+            self._send(FalseInterruption(generation=self.fence.active, paused_ms=d.paused_ms))  # no verdict: it had none
 
     async def _classify_backchannel(self, candidate: int, held: list[bytes]) -> None:
         """Was candidate ``candidate`` (its audio: ``held``) a backchannel?
@@ -403,6 +403,7 @@ class AgentSession:
             clock=self.clock,
             grace_ms=self.config.stop_grace_ms,
             spawn=self._tg.create_task,
+            fence=self.fence,
             report=self._send,
             shutdown_reserve_s=self.plan.shutdown_reserve_ms / 1000,
             heard_split=self.hearing.split,
@@ -424,9 +425,9 @@ class AgentSession:
     def _tell_interrupted(self, run: TurnHandle) -> None:
         """Tell the client, once, how much of an interrupted reply was heard
         (:meth:`voice.heard.Hearing.interrupted`)."""
-        payload = self.hearing.interrupted(run)
-        if payload is not None:
-            self._send("agent.interrupted", **payload)
+        event = self.hearing.interrupted(run)
+        if event is not None:
+            self._send(event)
 
     async def history(self) -> list[Message]:
         """The session's history as the next turn's model would be given it
@@ -451,9 +452,11 @@ class AgentSession:
         wait_s = max(1.0, 4 * self.config.stop_grace_ms / 1000)
         return await history_after(self.manager, turn, earlier, wait_s=wait_s, max_messages=self.config.history_messages)
 
-    def _send(self, type: str, *, generation: int | None = None, **payload: Any) -> None:
+    def _send(self, event: Envelope, *, withheld: bool = False) -> None:
+        """Hand ``event`` (its generation and turn set by its emitter) to the
+        sink; a failing sink is logged, never raised into the session."""
         try:
-            self._emit(type, generation=self.fence.active if generation is None else generation, **payload)
+            self._emit(event, withheld=withheld)
         except Exception:
             log.exception("event sink failed")
 

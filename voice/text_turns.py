@@ -249,9 +249,6 @@ class TextTurns:
             unheard.append(token)
             events.emit_event(AgentDelta(generation=turn.generation, turn_id=turn.id, text=token), withheld=True)
 
-        def on_event(type: str, **payload: Any) -> None:  # run_agent's tool and usage events, checked by emit
-            events.emit(type, generation=turn.generation, turn_id=turn.id, **payload)
-
         events.emit_event(Transcript(generation=turn.generation, turn_id=turn.id, role="user", text=turn.transcript or ""))
         final = False
         try:
@@ -262,11 +259,12 @@ class TextTurns:
                 scope=scope,
                 manager=self.manager,
                 turn_id=turn.id,
+                generation=turn.generation,
                 llm=llm,
                 messages=messages,
                 toolbox=self.tools() if self.tools else None,
                 on_token=sink_to(delivered, withheld),
-                on_event=on_event,
+                on_event=events.emit_event,
             )
             generated = result.text.strip()
 

@@ -14,7 +14,7 @@ came in on. Protocol parsing lives in ``web/``, codecs in ``media/``:
    (:meth:`OutputSink.played_samples`: what "heard" is cut at);
 4. control input: push-to-talk, abort, DTMF (:class:`Control`);
 5. event output: the session emits into its log
-   (:class:`voice.session.EventSink`); the transport's follower of that log
+   (:class:`turn.events.EventSink`); the transport's follower of that log
    (:class:`turn.events.EventFollower`) hands each event read back to
    :meth:`Transport.deliver`, so a client only sees what was persisted.
 """

@@ -29,11 +29,14 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from clock import Clock
+from turn.event_catalogue import AgentPhase, AgentState, Envelope, ErrorCode, ErrorEvent
+from turn.events import EventSink
+from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
 from turn.scope import TurnScope
@@ -61,7 +64,10 @@ class TurnContext:
         shutdown_reserve_s: time kept back from every child of a turn for
             its own wind-down, s (``turn.models.Plan.shutdown_reserve_ms``).
         spawn: starts a task in the session's task group.
-        report: sends a session event (``type``, then the payload's fields).
+        fence: the session's generation fence (a turn's ``error`` is told
+            in its active generation).
+        report: sends a session event (a catalogue model, its generation
+            and turn set).
         heard_split: a turn's reply as (heard, unheard) text
             (:meth:`voice.heard.Hearing.split`).
         silence: a stop from outside, or found by a checkpoint: silences the
@@ -78,7 +84,8 @@ class TurnContext:
     grace_ms: int
     shutdown_reserve_s: float
     spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]]
-    report: Callable[..., None]
+    fence: GenerationFence
+    report: EventSink
     heard_split: Callable[[TurnHandle], tuple[str, str]]
     silence: Callable[[TurnHandle], None]
     on_stopping: Callable[[TurnHandle], None]
@@ -133,7 +140,7 @@ class TurnHandle:
     acted: bool = False
     #: clock seconds when the user's speech in it ended (None: not yet)
     speech_end_at: float | None = None
-    phase: str = "listening"
+    phase: AgentPhase | Literal["listening"] = "listening"
     finished: bool = False
     #: the client was told how much of its interrupted reply was heard
     told_interrupted: bool = False
@@ -156,7 +163,7 @@ class TurnHandle:
             )
         except Exception as exc:
             log.exception("turn %s could not be written", self.turn_id)
-            self.ctx.report("error", turn_id=self.turn_id, code="store_error", message=describe_error(exc))
+            self._tell_error("store_error", describe_error(exc))
             return None
 
 
@@ -216,7 +223,7 @@ class TurnHandle:
                     self.settled = True
                 except Exception:
                     log.exception("turn %s: could not record its failure", self.turn_id)
-            self.ctx.report("error", turn_id=self.turn_id, code="turn_failed", message=error)
+            self._tell_error("turn_failed", error)
         finally:
             self.finished = True
             if self.watch_task is not None:
@@ -226,19 +233,25 @@ class TurnHandle:
 
     # -- what it says and hears ---------------------------------------------------
 
-    def output(self, type: str, **payload: Any) -> None:
-        """Send an event of this turn (``turn_id`` and ``generation`` added);
-        the delivery gate withholds its output (``turn.events.OUTPUT_TYPES``)
-        once its generation is obsolete (still logged, fenced)."""
-        self.ctx.report(type, turn_id=self.turn_id, generation=self.generation, **payload)
+    def output(self, event: Envelope, *, withheld: bool = False) -> None:
+        """Send an event of this turn (``event``: a catalogue model, its
+        ``turn_id`` and ``generation`` this turn's); the delivery gate
+        withholds its output (``turn.delivery_gate.OUTPUT_TYPES``) once its
+        generation is obsolete (still logged, fenced), and so does
+        ``withheld`` (output of a turn already stopped)."""
+        self.ctx.report(event, withheld=withheld)
 
-    def enter(self, phase: str) -> None:
+    def _tell_error(self, code: ErrorCode, message: str) -> None:
+        """Tell the client this turn's ``error`` (in the session's active generation)."""
+        self.ctx.report(ErrorEvent(turn_id=self.turn_id, generation=self.ctx.fence.active, code=code, message=message))
+
+    def enter(self, phase: AgentPhase) -> None:
         """Move to ``phase`` ("thinking", "speaking", "idle"), telling the
         client (``agent.state``) if it changed."""
         if self.phase == phase:
             return
         self.phase = phase
-        self.output("agent.state", phase=phase)
+        self.output(AgentState(turn_id=self.turn_id, generation=self.generation, phase=phase))
 
     def end_utterance(self, speech_end_at: float) -> None:
         """The user's utterance is complete (their speech ended at clock
@@ -376,12 +389,12 @@ class TurnHandle:
                         if not told:
                             told = True
                             log.warning("turn %s: stop not recorded yet (%s); retrying", turn.id, exc)
-                            self.ctx.report("error", turn_id=turn.id, code="store_error", message=describe_error(exc))
+                            self._tell_error("store_error", describe_error(exc))
                         raise
         except Exception as exc:
             log.exception("turn %s: could not record its stop", turn.id)
             if not told:
-                self.ctx.report("error", turn_id=turn.id, code="store_error", message=describe_error(exc))
+                self._tell_error("store_error", describe_error(exc))
 
     async def _write_stop(self, turn_id: str, reason: StopReason | None) -> None:
         """Stop ``turn_id`` with ``reason`` (None: the stored reason or the

@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 from media.bargein import DetectorEvent, DetectorEventKind
 from media.frames import FRAME_MS
+from turn.event_catalogue import BargeInInitiator, VadEventName
 from voice.backchannel import BackchannelConfig
 from voice.endpointing import EndpointConfig, end_at, utterance_over
 
@@ -71,7 +72,16 @@ class Announce:
     """Tell the client: event ``vad`` with ``event`` (a detector decision's
     name, or ``"end_of_turn"``)."""
 
-    event: str
+    event: VadEventName
+
+
+#: the ``vad`` event that announces each detector decision
+ANNOUNCED: dict[DetectorEventKind, VadEventName] = {
+    DetectorEventKind.SPEECH_STARTED: "speech_started",
+    DetectorEventKind.SPEECH_CONFIRMED: "speech_confirmed",
+    DetectorEventKind.SPEECH_REJECTED: "speech_rejected",
+    DetectorEventKind.SPEECH_STOPPED: "speech_stopped",
+}
 
 
 @dataclass(frozen=True)
@@ -133,7 +143,7 @@ class Commit:
     """
 
     at: float
-    initiator: str
+    initiator: BargeInInitiator
     onset_at: float
     paused_ms: float
     audio: bool = True
@@ -246,7 +256,7 @@ class TurnTaking:
         """One detector decision (ignored while push-to-talk is held)."""
         if self.ptt_active:
             return []
-        out: list[Decision] = [Announce(ev.kind.value)]
+        out: list[Decision] = [Announce(ANNOUNCED[ev.kind])]
         cand = self.candidate
         bc = self.backchannel
         kind = ev.kind
@@ -394,7 +404,7 @@ class TurnTaking:
         self.candidate = Candidate(self._serial, onset_at, paused, at, lead_ms=lead_ms)
         return Pause(self._serial)
 
-    def _commit(self, at: float, initiator: str = "vad") -> list[Decision]:
+    def _commit(self, at: float, initiator: BargeInInitiator = "vad") -> list[Decision]:
         cand = self.candidate
         assert cand is not None
         out: list[Decision] = []

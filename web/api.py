@@ -10,7 +10,7 @@
                                        ?after_seq=N&resume_token=T
     GET  /v1/openapi.json              this API described (OpenAPI 3.1)
     GET  /v1/events.schema.json        every event a client may receive or send
-                                       (JSON Schema of turn.event_catalogue)
+                                       (turn.catalogue_schema)
 
 A turn or session of another tenant answers 404, exactly like one that does
 not exist: nothing about other tenants leaks. A resume token of another
@@ -29,7 +29,8 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from turn.event_catalogue import Snapshot, SnapshotTurn, StreamStart, catalogue_schema, wire_of
+from turn.catalogue_schema import catalogue_schema
+from turn.event_catalogue import Snapshot, SnapshotTurn, StreamStart, wire_of
 from turn.events import EventFollower, event_json
 from turn.manager import TurnManager, turn_fields
 from turn.models import Budget, Session, StopReason, StopReasonKind, Turn

@@ -178,7 +178,7 @@ class PeerSession:
             playout=self.playout,
             fence=self.fence,
             clock=clock,
-            emit=self.log.emit,
+            emit=self.log.emit_event,
             vad=settings.vad,
             config=settings.session,
             plan=settings.plan_for("default"),

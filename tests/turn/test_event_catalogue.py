@@ -15,9 +15,11 @@ import pytest
 from clock import SystemClock
 from media.bargein import DetectorEventKind
 from turn import event_catalogue as cat
+from turn.catalogue_schema import catalogue_schema
+from turn.client_messages import validate_client_message
 from turn.conformance import Conformance
 from turn.delivery_gate import OUTPUT_TYPES
-from turn.event_catalogue import EventMismatch, validate_client_message, validate_event
+from turn.event_catalogue import EventMismatch, validate_event
 from turn.events import SessionEventLog, event_json
 from turn.intents import IntentStatus
 from turn.ledger import LEDGER_EVENTS
@@ -66,7 +68,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "snapshot": {"turns": [{"turn_id": "t1", "generation": 1, **TURN, "owner_lost": False}]},
 }
 
-SCHEMA = cat.catalogue_schema()
+SCHEMA = catalogue_schema()
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
 
 

@@ -95,7 +95,7 @@ class Harness:
             playout=self.playout,
             fence=self.fence,
             clock=self.clock,
-            emit=self.log.emit,
+            emit=self.log.emit_event,
         )
         self.sent_audio: list[tuple[int | None, float]] = []
 

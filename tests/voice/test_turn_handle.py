@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from clock import VirtualClock
+from turn.event_catalogue import Envelope
+from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, TurnStatus
 from turn.scope import TurnScope
@@ -45,10 +47,13 @@ class Session:
         self.told: list[TurnHandle] = []
         self.ctx = TurnContext(
             session_id="s1", manager=manager, clock=clock, grace_ms=250, shutdown_reserve_s=0.0,
-            spawn=tg.create_task, report=lambda type, **p: self.events.append((type, p)),
+            spawn=tg.create_task, fence=GenerationFence(clock), report=self.report,
             heard_split=lambda run: ("", ""), silence=self.silenced.append, on_stopping=lambda run: None,
             tell_interrupted=self.told.append,
         )
+
+    def report(self, event: Envelope, *, withheld: bool = False) -> None:
+        self.events.append((event.type, event.model_dump(exclude_unset=True, exclude={"type"})))
 
     def turn(self, generation: int = 1) -> TurnHandle:
         return TurnHandle(self.ctx, generation, Stt())

@@ -10,6 +10,7 @@ import ast
 import re
 from pathlib import Path
 
+from turn import client_messages
 from turn import event_catalogue as cat
 from web.peer import PTT_ERRORS
 
@@ -99,7 +100,7 @@ def test_client_js_sends_only_catalogue_messages() -> None:
     src = CLIENT_JS.read_text()
     sent = set(re.findall(r'sendPtt\(\w+, "([^"]+)"\)', src)) | set(re.findall(r'JSON\.stringify\(\{\s*type:\s*"([^"]+)"', src))
     assert sent == {"ptt.start", "ptt.end", "ping"}
-    assert sent <= set(cat.CLIENT_MODEL_OF)
+    assert sent <= set(client_messages.CLIENT_MODEL_OF)
     refusals = re.search(r"const PTT_ERRORS = new Set\(\[([^\]]*)\]\)", src)
     assert refusals is not None
     codes = set(re.findall(r'"([^"]+)"', refusals.group(1)))
@@ -166,4 +167,4 @@ def test_headless_client_reads_catalogue_names() -> None:
         and isinstance(msg.keys[0], ast.Constant) and msg.keys[0].value == "type" and isinstance(msg.values[0], ast.Constant)
     }
     assert {"ptt.start", "ptt.end"} <= sent
-    assert sent <= set(cat.CLIENT_MODEL_OF), sent - set(cat.CLIENT_MODEL_OF)
+    assert sent <= set(client_messages.CLIENT_MODEL_OF), sent - set(client_messages.CLIENT_MODEL_OF)
