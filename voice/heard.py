@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from media.playout import PlayoutBuffer
+from voice.transport import OutputSink
 from voice.turn_handle import TurnHandle
 
 
@@ -56,7 +56,7 @@ class Hearing:
             generation, samples at ``playout.rate``).
     """
 
-    def __init__(self, playout: PlayoutBuffer) -> None:
+    def __init__(self, playout: OutputSink) -> None:
         self.playout = playout
 
     def heard(self, run: TurnHandle) -> str:
