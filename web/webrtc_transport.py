@@ -175,7 +175,10 @@ class WebRtcTransport:
 
     def refuse(self, control: Control, code: str) -> None:
         """An ``error`` event on the data channel (not logged)."""
-        self.tell("error", code=code, message=PTT_ERRORS.get(code, code))
+        try:
+            self.tell("error", code=code, message=PTT_ERRORS.get(code, code))
+        except Exception:  # an uncatalogued code: never into the session
+            log.exception("session %s: could not refuse %s", self.name, control.kind)
 
     def deliver(self, event: dict[str, Any]) -> None:
         """One logged event on the data channel (:meth:`EventChannel.send`)."""
