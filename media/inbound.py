@@ -5,7 +5,8 @@ aiortc decodes Opus/PCMU to ``av.AudioFrame`` (Opus: 48 kHz stereo s16, 960
 samples). :class:`InboundAudio` resamples each to 16 kHz mono with PyAV,
 reframes to exact 20 ms and runs the stream's own
 :class:`media.bargein.BargeInDetector` (webrtcvad gate, Silero confirmation,
-echo guard), yielding :class:`InboundFrame` items stamped with the injected
+echo guard, :func:`media.inbound_frame.analyse_frame`), yielding
+:class:`media.inbound_frame.InboundFrame` items stamped with the injected
 clock.
 """
 
@@ -13,16 +14,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 from aiortc.mediastreams import MediaStreamError
 
 from clock import Clock
-from media.bargein import BargeInConfig, BargeInDetector, DetectorEvent
+from media.bargein import BargeInConfig, BargeInDetector
 from media.echo_guard import EchoReference
 from media.frames import FRAME_MS, VAD_RATE, PcmResampler, Reframer, frame_bytes
+from media.inbound_frame import InboundFrame, analyse_frame
 from media.vad import VadConfig
 
 #: shortest stall (ms) filled with silence: well above the jitter of 20 ms packets
@@ -34,31 +35,6 @@ class AudioSource(Protocol):
     kind audio, or anything with the same ``recv``."""
 
     async def recv(self) -> Any: ...
-
-
-@dataclass(frozen=True)
-class InboundFrame:
-    """One 20 ms frame of user audio.
-
-    Attributes:
-        pcm: 640 bytes, 16 kHz mono s16.
-        at: clock seconds when it was taken off the track.
-        voiced: webrtcvad's verdict on this frame.
-        gated: it passed the detector's gate (voiced, above the noise floor,
-            not the agent's own echo).
-        echo: the echo guard found it explained by the agent's own audio.
-        events: the detector's decisions made on this frame, in order.
-        filled: silence put in for a stretch in which the track gave no
-            audio (see ``InboundAudio``'s ``stall_ms``), not received audio.
-    """
-
-    pcm: bytes
-    at: float
-    voiced: bool
-    gated: bool = False
-    echo: bool = False
-    events: tuple[DetectorEvent, ...] = ()
-    filled: bool = False
 
 
 class InboundAudio:
@@ -171,11 +147,7 @@ class InboundAudio:
         self.detector.close()
 
     def _analyse(self, pcm: bytes, at: float, filled: bool = False) -> InboundFrame:
-        verdict, events = self.detector.feed(pcm, at, received=not filled)
-        return InboundFrame(
-            pcm=pcm, at=at, voiced=verdict.voiced, gated=verdict.gated, echo=verdict.echo, events=tuple(events),
-            filled=filled,
-        )
+        return analyse_frame(self.detector, pcm, at, filled=filled)
 
 
 def _drop_outcome(fut: asyncio.Future[Any]) -> None:

@@ -18,10 +18,10 @@ import asyncio
 from dataclasses import dataclass
 
 from clock import Clock
-from media.playout import PlayoutBuffer
 from turn.event_catalogue import BargeIn, StopDeferred
 from turn.events import EventSink
 from turn.models import StopReason, StopReasonKind
+from voice.transport import OutputSink
 from voice.turn_handle import TurnHandle
 from voice.turn_taking import Commit
 
@@ -42,7 +42,7 @@ class BargeInRecord:
         return (self.fenced_at - self.onset_at) * 1000
 
 
-def interrupted_turn(active: TurnHandle | None, playout: PlayoutBuffer) -> TurnHandle | None:
+def interrupted_turn(active: TurnHandle | None, playout: OutputSink) -> TurnHandle | None:
     """The turn a commit barges in on: ``active`` (the turn thinking or
     speaking), unless every frame of its reply is queued and none of those
     left has sound (the user heard it in full: it completes)."""

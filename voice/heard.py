@@ -5,8 +5,8 @@ and shown to every later model call (:mod:`voice.history`)."""
 
 from __future__ import annotations
 
-from media.playout import PlayoutBuffer
 from turn.event_catalogue import AgentInterrupted
+from voice.transport import OutputSink
 from voice.turn_handle import TurnHandle
 
 
@@ -55,7 +55,7 @@ class Hearing:
             generation, samples at ``playout.rate``).
     """
 
-    def __init__(self, playout: PlayoutBuffer) -> None:
+    def __init__(self, playout: OutputSink) -> None:
         self.playout = playout
 
     def heard(self, run: TurnHandle) -> str:

@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from media.frames import PLAYOUT_RATE, Reframer, rms_dbfs, samples_per_frame
-from media.playout import PlayoutBuffer, PlayoutFrame
+from media.playout import PlayoutFrame
 from turn.event_catalogue import AgentDelta, AgentDone, ToolStarted, Transcript
 from turn.manager import TurnManager
 from turn.models import Turn
@@ -25,6 +25,7 @@ from voice.providers import LanguageModel, Message, TextToSpeech
 from voice.respond import AgentLoopEvent, run_agent, sink_to
 from voice.text import SentenceSplitter
 from voice.tools import Toolbox
+from voice.transport import OutputSink
 from voice.turn_handle import TurnHandle
 
 #: a playout frame quieter than this (dBFS) is a pause, not speech
@@ -40,7 +41,7 @@ async def answer(
     llm: LanguageModel,
     tts: TextToSpeech,
     tools: Toolbox | None,
-    playout: PlayoutBuffer,
+    playout: OutputSink,
     history: Callable[[TurnHandle, Turn], Awaitable[list[Message]]],
 ) -> None:
     """Answer ``run``'s utterance (``turn``: its record) inside its cancel
@@ -91,7 +92,7 @@ async def generate_reply(
     llm: LanguageModel,
     tts: TextToSpeech,
     tools: Toolbox | None,
-    playout: PlayoutBuffer,
+    playout: OutputSink,
 ) -> None:
     """Run the agent loop for ``run`` (model and tool calls, in ``scope``)
     on ``messages`` and speak its answer sentence by sentence; returns when
@@ -139,7 +140,7 @@ async def generate_reply(
     await scope.wait(speaking)
 
 
-async def speak(run: TurnHandle, sentences: asyncio.Queue[str | None], *, tts: TextToSpeech, playout: PlayoutBuffer) -> None:
+async def speak(run: TurnHandle, sentences: asyncio.Queue[str | None], *, tts: TextToSpeech, playout: OutputSink) -> None:
     """TTS each sentence from ``sentences`` (until None) into 20 ms playout
     frames at 48 kHz tagged with ``run``'s generation, each marked audible
     if louder than ``SILENCE_DBFS``; sets ``run.tts_done`` once all are

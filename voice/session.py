@@ -1,7 +1,8 @@
 """The agent session: one per connected client.
 
-It wires the inbound audio (detector events and 16 kHz frames) to the Turn
-Manager and the providers::
+It runs on one :class:`voice.transport.Transport` (WebRTC, a phone bridge, a
+test's WAV) and uses that seam only, wiring the inbound audio (detector
+events and 16 kHz frames) to the Turn Manager and the providers::
 
     speech_started   -> pause playout (stage 1), hold the candidate's audio
     speech_confirmed -> commit: advance generation, clear playout, stop the
@@ -17,7 +18,8 @@ the turn in flight by :mod:`voice.barge_in`; a turn's answer by
 :mod:`voice.heard`; the model's history by :mod:`voice.history`.
 
 Concurrency: everything runs in one TaskGroup owned by :meth:`AgentSession.run`.
-For each turn there is a *work* task (the pipeline, cancelled on stop), an
+A task takes the transport's controls. For each turn there is a *work* task
+(the pipeline, cancelled on stop), an
 *open* task (writes the turn; never cancelled by a barge-in, so a turn is
 never half-written) and, once stopped, a *stop* task that writes
 CANCEL_REQUESTED, waits a bounded grace for the work to end and then writes
@@ -30,20 +32,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from clock import Clock
 from media.frames import FRAME_MS
-from media.inbound import InboundFrame
-from media.playout import PlayoutBuffer
+from media.inbound_frame import InboundFrame
 from media.syllables import count_syllable_nuclei
 from media.vad import VadConfig
 from turn.event_catalogue import Backchannel, Envelope, ErrorEvent, FalseInterruption, SessionReady, Vad
 from turn.events import EventSink
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
-from turn.models import Plan, StopReasonKind, Turn
+from turn.models import Plan, StopReason, StopReasonKind, Turn
 from turn.scope import TurnScope
 from voice.backchannel import BackchannelConfig, judge, recognise
 from voice.barge_in import BargeInRecord, barge_in, continues, interrupted_turn
@@ -54,6 +54,7 @@ from voice.providers import LanguageModel, Message, SpeechToText, SttAdaptation,
 from voice.reply import answer
 from voice.session_config import SessionConfig
 from voice.tools import Toolbox
+from voice.transport import Control, ControlKind, OutputSink, Transport
 from voice.turn_handle import TurnContext, TurnHandle
 from voice.turn_taking import (
     AgentState,
@@ -89,7 +90,9 @@ class AgentSession:
         session_id: the session's id (also the turns' session_id).
         manager: the Turn Manager (authority for turn states).
         providers: STT, LLM, TTS.
-        playout: the outbound playout buffer of this session.
+        transport: how the client is reached (:class:`voice.transport.Transport`):
+            its frames, controls and output sink are this session's; the
+            session's ``close_reason`` becomes the reason it closes for.
         fence: this session's generation fence (the delivery gate's rule).
         clock: time source.
         emit: where events go (:class:`turn.events.EventSink`, e.g.
@@ -106,7 +109,7 @@ class AgentSession:
         session_id: str,
         manager: TurnManager,
         providers: Providers,
-        playout: PlayoutBuffer,
+        transport: Transport,
         fence: GenerationFence,
         clock: Clock,
         emit: EventSink,
@@ -120,8 +123,10 @@ class AgentSession:
         self.providers = providers
         #: the recogniser's state for this session's voice (its requests only)
         self.stt_adaptation = SttAdaptation()
-        self.playout = playout
-        self.hearing = Hearing(playout)
+        self.transport = transport
+        #: the transport's output sink (the reply's audio, its played position)
+        self.playout: OutputSink = transport.output
+        self.hearing = Hearing(self.playout)
         self.fence = fence
         self.clock = clock
         self._emit = emit
@@ -138,11 +143,16 @@ class AgentSession:
         self._held: list[bytes] = []
         #: the recogniser deciding whether the candidate is a backchannel
         self._classifying: asyncio.Task[None] | None = None
-        #: forgets the detector's current run (set by whoever owns it)
-        self.reset_detector: Callable[[], None] | None = None
+        #: DTMF keys pressed so far, in order (nothing acts on them yet)
+        self.dtmf_digits = ""
         self.false_interruptions = 0
         self.backchannels = 0
         self._tg: asyncio.TaskGroup | None = None
+        transport.on_close(self._on_close)
+
+    def _on_close(self, reason: StopReasonKind) -> None:
+        """The transport's call ended: open turns settle for ``reason``."""
+        self.close_reason = reason
 
     @property
     def config(self) -> SessionConfig:
@@ -162,9 +172,10 @@ class AgentSession:
 
     # -- main loop -------------------------------------------------------------
 
-    async def run(self, frames: AsyncIterator[InboundFrame]) -> None:
-        """Consume inbound frames until they end (client gone) or this task
-        is cancelled; then stop every open turn with ``close_reason``.
+    async def run(self) -> None:
+        """Consume the transport's frames until they end (client gone) or
+        this task is cancelled, and its controls meanwhile; then stop every
+        open turn with ``close_reason``.
 
         Raises:
             asyncio.CancelledError: when cancelled, after the turns are settled.
@@ -172,12 +183,16 @@ class AgentSession:
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
+                controls: asyncio.Task[None] | None = None
                 try:
                     await self.providers.stt.start()
                     self._send(SessionReady(generation=self.fence.active, session_id=self.session_id))
-                    async for frame in frames:
+                    controls = tg.create_task(self._take_controls())
+                    async for frame in self.transport.frames():
                         self._on_frame(frame)
                 finally:
+                    if controls is not None:
+                        controls.cancel()
                     for run in self._runs:
                         for task in (run.work, run.watch_task):
                             if task is not None:
@@ -244,8 +259,7 @@ class AgentSession:
                     generation=self.fence.active, code="ptt_too_long", message=f"push-to-talk held over {d.max_ms} ms"
                 ))
             elif isinstance(d, ResetDetector):
-                if self.reset_detector is not None:
-                    self.reset_detector()
+                self.transport.reset_detector()
 
     def _agent_state(self) -> AgentState:
         """What turn-taking needs to know of the agent: is a reply on the way
@@ -283,6 +297,33 @@ class AgentSession:
         spoken = held[-(cand.lead_ms // FRAME_MS + cand.frames) :]
         verdict = judge(self.config.backchannel, text, cand.speech_ms, count_syllable_nuclei(spoken))
         self._carry_out(self.turn_taking.classified(candidate, self.clock.monotonic(), verdict, self._agent_state()))
+
+    # -- control input ---------------------------------------------------------
+
+    async def _take_controls(self) -> None:
+        """The transport's control input, each carried out as it comes."""
+        async for control in self.transport.controls():
+            self._on_control(control)
+
+    def _on_control(self, control: Control) -> None:
+        """Carry out one control (:class:`voice.transport.Control`); one
+        the session refuses goes back to the transport with its error code."""
+        error = None
+        if control.kind in (ControlKind.PTT_START, ControlKind.PTT_END):
+            error = self.ptt_start() if control.kind is ControlKind.PTT_START else self.ptt_end()
+        elif control.kind is ControlKind.ABORT:
+            self.abort()
+        elif control.kind is ControlKind.DTMF:
+            self.dtmf_digits += control.digit or ""
+        if error is not None:
+            self.transport.refuse(control, error)
+
+    def abort(self) -> None:
+        """Stop the turn thinking or speaking (``user_cancel`` by the ``user``),
+        silenced at once; nothing if there is none or it is stopping already."""
+        if (run := self._active_run()) is not None and run.stop_task is None:
+            self._silence(run)
+            run.stop(StopReason(kind=StopReasonKind.USER_CANCEL, initiator="user", at=self.clock.now(), detail="abort"))
 
     # -- push-to-talk ----------------------------------------------------------
 
@@ -363,11 +404,7 @@ class AgentSession:
         self._runs.append(run)
         run.open_task = self._tg.create_task(run.write(after, plan=self.plan, pricing=self.providers.llm.pricing))
         run.work = self._tg.create_task(run.work_on(self._answer))
-        self._forget_finished()
-
-    def _forget_finished(self) -> None:
-        """Drop runs whose terminal state is recorded; the rest are settled
-        again when the session ends."""
+        # forget runs whose terminal state is recorded; the rest settle again at the end
         self._runs = [r for r in self._runs if not (r.settled and r.finished)]
 
     # -- per-turn tasks --------------------------------------------------------

@@ -1,32 +1,41 @@
 """The transport seam (DESIGN.md, "Transports"): how one kind of client
-reaches a voice session. A sketch: nothing implements or uses it yet.
+reaches a voice session.
 
-Every transport (WebRTC for browsers, a telephony media stream, a device
-socket) gives the agent session the same five things, so the session, the
-Turn Manager, barge-in policy, budget and ledger never know which one a call
-came in on. Protocol parsing lives in ``web/``, codecs in ``media/``:
+Every transport (WebRTC for browsers, :class:`web.webrtc_transport.WebRtcTransport`;
+a telephony media stream; a device socket; a WAV file in tests,
+:class:`testkit.wav_transport.WavTransport`) gives the agent session the same
+things, so the session, the Turn Manager, barge-in policy, budget and ledger
+never know which one a call came in on. Protocol parsing lives in ``web/``,
+codecs in ``media/``; nothing here knows aiortc:
 
 1. inbound audio: 16 kHz mono 20 ms frames with their media time and the
-   barge-in detector's decisions (:class:`media.inbound.InboundFrame`);
+   barge-in detector's decisions (:class:`media.inbound_frame.InboundFrame`,
+   made by :func:`media.inbound_frame.analyse_frame`);
 2. an output sink of generation-tagged 20 ms frames (48 kHz) that can pause,
    resume and clear (:class:`OutputSink`);
 3. the playout position the far end has actually played, per generation
    (:meth:`OutputSink.played_samples`: what "heard" is cut at);
-4. control input: push-to-talk, abort, DTMF (:class:`Control`);
+4. control input: push-to-talk, abort, DTMF (:class:`Control`), with a way
+   to refuse one (:meth:`Transport.refuse`);
 5. event output: the session emits into its log
-   (:class:`turn.events.EventSink`); the transport's follower of that log
+   (:class:`turn.events.EventSink`); whoever follows that log
    (:class:`turn.events.EventFollower`) hands each event read back to
-   :meth:`Transport.deliver`, so a client only sees what was persisted.
+   :meth:`Transport.deliver`, so a client only sees what was persisted;
+6. the end of the call (:meth:`Transport.on_close`).
+
+:class:`ControlInbox` and :class:`CloseNotice` are the plumbing every
+transport needs for 4 and 6.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
-from media.inbound import InboundFrame
+from media.inbound_frame import InboundFrame
 from media.playout import PlayoutFrame
 from turn.models import StopReasonKind
 
@@ -56,14 +65,20 @@ class Control:
 
 
 class OutputSink(Protocol):
-    """Where the agent's audio goes: 20 ms frames at ``rate`` Hz, tagged
-    with their generation, paced out by the transport. The agent session
-    uses exactly this (today's :class:`media.playout.PlayoutBuffer`)."""
+    """Where the agent's audio goes: 20 ms frames at ``rate`` Hz (48 kHz),
+    tagged with their generation, paced out by the transport. The agent
+    session uses exactly this; :class:`media.playout.PlayoutBuffer` is one
+    (its frames' way out, e.g. :class:`media.outbound.PacedAudioTrack`,
+    calls its ``note_played``)."""
 
     rate: int
 
     def push(self, frame: PlayoutFrame) -> None:
-        """Queue one frame (never blocks)."""
+        """Queue one frame (never blocks).
+
+        Raises:
+            ValueError: the frame is not exactly 20 ms at ``rate``.
+        """
         ...
 
     def pause(self) -> bool:
@@ -81,8 +96,8 @@ class OutputSink(Protocol):
 
     def played_samples(self, generation: int) -> int:
         """How far the far end got into ``generation``'s audio, in samples
-        at ``rate`` (0 if none was played): the wire position for WebRTC,
-        the last acknowledged ``mark`` for telephony."""
+        at ``rate`` (0 if none was played): what left the delivery gate for
+        WebRTC, the last acknowledged ``mark`` for telephony."""
         ...
 
     def audible_pending(self, generation: int) -> bool:
@@ -102,22 +117,33 @@ class Transport(Protocol):
     """One connected client, as the agent session sees it.
 
     Attributes:
-        kind: ``"webrtc"``, ``"telephony"`` or ``"device"`` (for metrics and
-            logs only: nothing may branch on it).
+        kind: ``"webrtc"``, ``"telephony"``, ``"device"``, ``"wav"`` (for
+            metrics and logs only: nothing may branch on it).
         output: the client's output sink.
     """
 
-    kind: str
-    output: OutputSink
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def output(self) -> OutputSink: ...
 
     def frames(self) -> AsyncIterator[InboundFrame]:
         """Inbound audio until the client goes away (then the iterator
         ends). A stretch with no audio is filled with silence, so the
-        detector's timers run on."""
+        detector's timers run on. Iterated once, by the session."""
         ...
 
     def controls(self) -> AsyncIterator[Control]:
-        """Control input, in arrival order, until the client goes away."""
+        """Control input, in arrival order, while the session takes it
+        (:class:`ControlInbox`). Iterated once, by the session."""
+        ...
+
+    def refuse(self, control: Control, code: str) -> None:
+        """Tell the client ``control`` was refused, with an ``error`` code
+        of :data:`turn.event_catalogue.ErrorCode` (``ptt_already_active``,
+        ``ptt_not_active``), in the transport's own framing and not through
+        the log. Never raises."""
         ...
 
     def deliver(self, event: dict[str, Any]) -> None:
@@ -133,7 +159,72 @@ class Transport(Protocol):
         ...
 
     def on_close(self, callback: Callable[[StopReasonKind], None]) -> None:
-        """Call ``callback`` once with the reason when the client is gone
-        (``transport_disconnected``) or the server ends it; the session
-        stops its turns for that reason."""
+        """Call ``callback`` once with the reason when the call ends (the
+        client is gone: ``transport_disconnected``; the server ends it),
+        before the session is stopped; the session settles its turns with
+        that reason (:class:`CloseNotice`)."""
         ...
+
+
+class ControlInbox:
+    """Control input waiting for the session: what a transport puts in
+    (:meth:`put`) comes out of :meth:`items` (its ``controls()``) in order.
+
+    A control put while no session takes them (before the session runs,
+    after it ended) is not kept: :meth:`put` says so, and the transport
+    refuses it (``session_not_ready``). Not thread-safe: one event loop.
+    """
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[Control | None] = asyncio.Queue()
+        #: a session is iterating :meth:`items`
+        self.taking = False
+
+    def put(self, control: Control) -> bool:
+        """Queue ``control`` for the session. Returns False (and drops it)
+        if no session takes controls now."""
+        if not self.taking:
+            return False
+        self._queue.put_nowait(control)
+        return True
+
+    def end(self) -> None:
+        """The call is over: :meth:`items` ends after what is queued."""
+        self._queue.put_nowait(None)
+
+    async def items(self) -> AsyncIterator[Control]:
+        """The controls, in order, until :meth:`end` (or the iterating task
+        is cancelled)."""
+        self.taking = True
+        try:
+            while (control := await self._queue.get()) is not None:
+                yield control
+        finally:
+            self.taking = False
+
+
+class CloseNotice:
+    """The end of a call, told once: :meth:`Transport.on_close` registers
+    with :meth:`subscribe`; the transport calls :meth:`close`."""
+
+    def __init__(self) -> None:
+        self._callbacks: list[Callable[[StopReasonKind], None]] = []
+        #: why the call ended (None: it has not)
+        self.reason: StopReasonKind | None = None
+
+    def subscribe(self, callback: Callable[[StopReasonKind], None]) -> None:
+        """Call ``callback`` with the reason when the call ends (at once if
+        it already has)."""
+        self._callbacks.append(callback)
+        if self.reason is not None:
+            callback(self.reason)
+
+    def close(self, reason: StopReasonKind) -> bool:
+        """The call ends for ``reason``: tell every subscriber, the first
+        time only. Returns False if it had already ended."""
+        if self.reason is not None:
+            return False
+        self.reason = reason
+        for callback in self._callbacks:
+            callback(reason)
+        return True

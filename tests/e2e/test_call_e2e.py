@@ -82,10 +82,10 @@ async def test_barge_in_mid_answer(server: Server, say: Callable[..., Path], tmp
     # server side: nothing of the old generation left after the fence
     [peer] = server.seen.values()
     fenced_at = peer.fence.fenced_at(old.generation)
-    sent_old = peer.outbound.audit.per_generation[old.generation]
+    sent_old = peer.transport.outbound.audit.per_generation[old.generation]
     assert fenced_at is not None and sent_old.frames > 0
     assert sent_old.last_sent_at is not None and sent_old.last_sent_at <= fenced_at
-    assert peer.outbound.audit.per_generation[new.generation].frames > 50
+    assert peer.transport.outbound.audit.per_generation[new.generation].frames > 50
     # audio segments were logged and delivered: the new turn's start and end
     kinds = [(e["type"], e["generation"]) for e in result.events if e["type"].startswith("audio.")]
     assert ("audio.start", old.generation) in kinds
@@ -113,7 +113,7 @@ async def test_human_voice_gets_an_answer(server: Server, alsa_wav: Callable[[st
     assert turn.status == "COMPLETED" and turn.reply == "You said: front center."
     assert result.received_audio_ms > 0
     [peer] = server.seen.values()
-    assert peer.outbound.audit.per_generation[turn.generation].frames > 25  # about a second of speech
+    assert peer.transport.outbound.audit.per_generation[turn.generation].frames > 25  # about a second of speech
 
 
 async def test_cli_call_local_json(say: Callable[..., Path], grammar_file: Path, tmp_path: Path) -> None:
@@ -195,5 +195,5 @@ async def test_rest_stop_silences_a_voice_turn(server: Server, say: Callable[...
     assert stored.terminal_at is not None
     # the audio stopped within a sanity bound of the stop request (the stop
     # may even land before the first frame went out)
-    sent = peer.outbound.audit.per_generation.get(turn.generation)
+    sent = peer.transport.outbound.audit.per_generation.get(turn.generation)
     assert sent is None or sent.frames < 25 * 50  # far less than the whole story (about a minute)

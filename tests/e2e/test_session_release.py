@@ -53,16 +53,17 @@ class Tracker:
             keep = lambda name, obj, peer=peer: self._keep(peer.id, name, obj)  # noqa: E731
             keep("PeerSession", peer)
             keep("RTCPeerConnection", peer.pc)
-            keep("PacedAudioTrack", peer.outbound)
-            keep("PlayoutBuffer", peer.playout)
+            keep("WebRtcTransport", peer.transport)
+            keep("PacedAudioTrack", peer.transport.outbound)
+            keep("PlayoutBuffer", peer.transport.output)
             keep("AgentSession", peer.agent)
             keep("SessionEventLog", peer.log)
             keep("EspeakTTS", peer.agent.providers.tts)
             keep("LocalAgent", peer.agent.providers.llm)
-            if peer.inbound is not None:
-                keep("InboundAudio", peer.inbound)
-                keep("BargeInDetector", peer.inbound.detector)
-                keep("Silero", peer.inbound.detector._confirmation.model)
+            if (inbound := peer.transport.inbound) is not None:
+                keep("InboundAudio", inbound)
+                keep("BargeInDetector", inbound.detector)
+                keep("Silero", inbound.detector._confirmation.model)
             for i, run in enumerate(list(peer.agent._runs)):
                 keep(f"TurnHandle{i}", run)
                 keep(f"TurnScope{i}", run.scope)

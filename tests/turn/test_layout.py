@@ -1,7 +1,9 @@
 """The layout rules of DESIGN.md "Layout", read from the source files
 (nothing is imported): ``turn/`` imports nothing from ``media/``,
 ``voice/`` or ``web/``, ``media/`` nothing from the other three, ``voice/``
-nothing from ``web/``, the shared ``clock`` none of them; its modules import each other without a cycle; no
+nothing from ``web/`` and nothing of aiortc (the agent session knows only
+the transport seam, ``voice.transport``; DESIGN.md "Transports"), the shared
+``clock`` none of them; its modules import each other without a cycle; no
 module of the four packages is longer than 500 lines (the project's
 standard: one concept, one module).
 
@@ -12,6 +14,8 @@ Every import counts: at module level, inside functions and under
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,7 +91,7 @@ def test_turn_imports_nothing_from_the_layers_above() -> None:
 MAY_NOT_IMPORT = {
     "clock": {"turn", "media", "voice", "web"},
     "media": {"turn", "voice", "web"},
-    "voice": {"web"},
+    "voice": {"web", "aiortc"},  # aiohttp stays allowed: voice.openai_llm is an HTTP client
 }
 
 
@@ -99,6 +103,18 @@ def test_no_layer_imports_one_above_it(package: str) -> None:
             if mod.split(".")[0] in MAY_NOT_IMPORT[package]:
                 offenders.append(f"{path.relative_to(ROOT)} imports {mod}")
     assert offenders == []
+
+
+def test_voice_loads_no_aiortc_even_indirectly() -> None:
+    """Importing every voice module (so everything they import, e.g. the
+    media modules the session uses) loads no aiortc module."""
+    code = (
+        "import importlib, pkgutil, sys, voice\n"
+        "for m in pkgutil.iter_modules(voice.__path__): importlib.import_module('voice.' + m.name)\n"
+        "print(len([m for m in sys.modules if m.startswith('voice.')]), sorted(m for m in sys.modules if m.split('.')[0] == 'aiortc'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True).stdout.split(maxsplit=1)
+    assert int(out[0]) > 10 and out[1].strip() == "[]"  # it imported the package; no aiortc
 
 
 def test_turn_has_no_import_cycle() -> None:

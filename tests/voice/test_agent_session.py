@@ -19,6 +19,7 @@ from demo_shop.service import DemoService
 from demo_shop.tools import demo_tools, weather_tools
 from media.frames import PLAYOUT_RATE, load_pcm
 from media.inbound import InboundAudio
+from media.inbound_frame import InboundFrame
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer, PlayoutFrame
 from turn.delivery_gate import OUTPUT_TYPES
@@ -30,6 +31,7 @@ from turn.sqlite_store import SqliteStore
 from voice.llm import LocalAgent, LocalLlmConfig
 from voice.session import AgentSession, Providers
 from voice.stt import PocketsphinxConfig, PocketsphinxSTT
+from voice.transport import CloseNotice, Control, ControlInbox
 from voice.tts import EspeakConfig, EspeakTTS
 
 pytestmark = requires_espeak
@@ -71,6 +73,41 @@ class Mic:
         return frame
 
 
+class MicTransport:
+    """The transport seam over a :class:`Mic` read by an
+    :class:`media.inbound.InboundAudio` (the WebRTC inbound path without a
+    peer) and a playout buffer drained by the harness's paced track."""
+
+    kind = "test"
+
+    def __init__(self, output: PlayoutBuffer) -> None:
+        self.output = output
+        self.inbound: InboundAudio | None = None
+        self.inbox = ControlInbox()
+        self.closed = CloseNotice()
+        self.refused: list[tuple[Control, str]] = []
+
+    def frames(self) -> AsyncIterator[InboundFrame]:
+        assert self.inbound is not None
+        return self.inbound.frames()
+
+    def controls(self) -> AsyncIterator[Control]:
+        return self.inbox.items()
+
+    def refuse(self, control: Control, code: str) -> None:
+        self.refused.append((control, code))
+
+    def deliver(self, event: dict[str, Any]) -> None:
+        raise AssertionError("the harness follows the log itself")
+
+    def reset_detector(self) -> None:
+        assert self.inbound is not None
+        self.inbound.detector.reset()
+
+    def on_close(self, callback: Callable[[StopReasonKind], None]) -> None:
+        self.closed.subscribe(callback)
+
+
 class Harness:
     def __init__(self, store: SqliteStore, grammar: Path) -> None:
         self.clock = SystemClock()
@@ -83,6 +120,7 @@ class Harness:
         self.log = self.manager.events.log("sess-1", gate=self.fence)
         self.follower = EventFollower(store, "sess-1", gate=self.fence, poll_s=0.5)
         self.mic = Mic()
+        self.transport = MicTransport(self.playout)
         self.session = AgentSession(
             session_id="sess-1",
             manager=self.manager,
@@ -92,7 +130,7 @@ class Harness:
                 tts=self.tts,
                 tools=weather_tools(self.clock),
             ),
-            playout=self.playout,
+            transport=self.transport,
             fence=self.fence,
             clock=self.clock,
             emit=self.log.emit_event,
@@ -110,9 +148,8 @@ class Harness:
 
     async def start(self, inbound: InboundAudio | None = None) -> None:
         await self.manager.ensure_session("sess-1")
-        self.inbound = inbound or InboundAudio(self.mic, self.clock)
-        self.session.reset_detector = self.inbound.detector.reset
-        self.run_task = asyncio.create_task(self.session.run(self.inbound.frames()))
+        self.inbound = self.transport.inbound = inbound or InboundAudio(self.mic, self.clock)
+        self.run_task = asyncio.create_task(self.session.run())
         self.drain_task = asyncio.create_task(self._drain())
         self.follow_task = asyncio.create_task(self._follow())
 

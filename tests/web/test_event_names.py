@@ -12,7 +12,7 @@ from pathlib import Path
 
 from turn import client_messages
 from turn import event_catalogue as cat
-from web.peer import PTT_ERRORS
+from web.webrtc_transport import PTT_ERRORS
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT_JS = ROOT / "web" / "static" / "client.js"

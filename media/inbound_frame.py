@@ -1,0 +1,59 @@
+"""One analysed 20 ms frame of user audio, and the analysis every transport
+runs on its inbound audio (no transport's protocol here: WebRTC's track
+reading is :class:`media.inbound.InboundAudio`).
+
+Whatever a client sends (Opus over RTP, G.711 over a WebSocket, a WAV in a
+test) becomes 16 kHz mono s16 20 ms frames; :func:`analyse_frame` runs each
+through the stream's :class:`media.bargein.BargeInDetector` and stamps it as
+an :class:`InboundFrame`, which is what the agent session consumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from media.bargein import BargeInDetector, DetectorEvent
+
+
+@dataclass(frozen=True)
+class InboundFrame:
+    """One 20 ms frame of user audio.
+
+    Attributes:
+        pcm: 640 bytes, 16 kHz mono s16.
+        at: clock seconds when it was taken off the transport.
+        voiced: webrtcvad's verdict on this frame.
+        gated: it passed the detector's gate (voiced, above the noise floor,
+            not the agent's own echo).
+        echo: the echo guard found it explained by the agent's own audio.
+        events: the detector's decisions made on this frame, in order.
+        filled: silence put in for a stretch in which the transport gave no
+            audio (see ``InboundAudio``'s ``stall_ms``), not received audio.
+    """
+
+    pcm: bytes
+    at: float
+    voiced: bool
+    gated: bool = False
+    echo: bool = False
+    events: tuple[DetectorEvent, ...] = ()
+    filled: bool = False
+
+
+def analyse_frame(detector: BargeInDetector, pcm: bytes, at: float, *, filled: bool = False) -> InboundFrame:
+    """Run one frame through the stream's barge-in detector.
+
+    Args:
+        detector: the stream's own detector (one per inbound stream).
+        pcm: 640 bytes, 16 kHz mono s16 (20 ms).
+        at: clock seconds when it arrived.
+        filled: it is silence put in for a stall, not received audio.
+
+    Raises:
+        ValueError: ``pcm`` is not one 20 ms frame (from the detector).
+    """
+    verdict, events = detector.feed(pcm, at, received=not filled)
+    return InboundFrame(
+        pcm=pcm, at=at, voiced=verdict.voiced, gated=verdict.gated, echo=verdict.echo, events=tuple(events),
+        filled=filled,
+    )
