@@ -365,8 +365,7 @@ class Pong(CatalogueModel):
     """The answer to a client's ``ping`` (data channel, no envelope)."""
 
     type: Literal["pong"] = "pong"
-    #: bool too: web.peer echoes any int (Python's bool is one)
-    id: bool | int | float | str | None = Field(description="the ping's id (null if it had none or one over 64 characters)")
+    id: int | float | str | None = Field(description="the ping's id (null if it had none or one over 64 characters)")
 
 
 class StreamStart(CatalogueModel):

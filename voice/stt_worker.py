@@ -69,6 +69,8 @@ def init(grammar: str | None, cmn_start: str = "model") -> None:
 
     from pocketsphinx import Decoder
 
+    _exit_with_parent(os.getppid())
+
     kwargs: dict[str, Any] = {"samprate": SAMPLE_RATE, "loglevel": "FATAL"}
     if grammar is not None:
         if not os.path.isfile(grammar):
@@ -146,3 +148,24 @@ def abandon() -> None:
     if _in_utterance:
         _in_utterance = False
         _decoder.end_utt()
+
+
+def _exit_with_parent(parent: int, every_s: float = 0.5) -> None:
+    """Exit this worker once the server that started it is gone.
+
+    A server killed outright (SIGKILL, an OOM kill) runs no cleanup, and a
+    pool worker would live on as an orphan holding its model (about 200 MB):
+    the kernel gives it a new parent, so a daemon thread checks
+    ``os.getppid()`` every ``every_s`` seconds and ends the process (with
+    ``os._exit``, as nothing of it needs saving) when it changed.
+    """
+    import os
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()

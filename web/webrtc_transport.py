@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -31,7 +32,9 @@ from media.inbound import InboundAudio
 from media.inbound_frame import InboundFrame
 from media.outbound import PacedAudioTrack, Passes, SentHook
 from media.playout import PlayoutBuffer
+from turn.client_messages import CLIENT_MODEL_OF, Ping, validate_client_message
 from turn.conformance import CONFORMANCE
+from turn.event_catalogue import EventMismatch
 from turn.models import StopReasonKind
 from voice.transport import CloseNotice, Control, ControlInbox, ControlKind
 
@@ -84,7 +87,7 @@ class EventChannel:
         Events larger than ``MAX_EVENT_BYTES`` or not JSON-serialisable are
         dropped (and counted in ``dropped``)."""
         try:
-            text = json.dumps(event, separators=(",", ":"))
+            text = json.dumps(event, separators=(",", ":"), allow_nan=False)  # NaN is not JSON (RFC 8259)
         except (TypeError, ValueError):
             log.exception("event is not JSON: %r", event.get("type"))
             self.dropped += 1
@@ -240,22 +243,50 @@ class WebRtcTransport:
             self.tell("error", code="message_too_large", message=f"messages are at most {MAX_CLIENT_MESSAGE} characters")
             return
         try:
-            msg = json.loads(message)
+            msg = json.loads(message, parse_constant=_no_constant, parse_float=_finite_float)
         except (ValueError, RecursionError):
             msg = None
         if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
             self.tell("error", code="bad_message", message="expected a JSON object with a string type")
             return
         kind = msg["type"]
-        if kind in ("ptt.start", "ptt.end"):
+        if kind not in CLIENT_MODEL_OF:
+            shown = kind if len(kind) <= 64 else kind[:61] + "..."
+            self.tell("error", code="unknown_type", message=f"unknown message type {shown!r}")
+            return
+        try:
+            parsed = validate_client_message(msg)  # the catalogue: turn/client_messages.py
+        except EventMismatch as exc:
+            self.tell("error", code="bad_message", message="; ".join(exc.problems)[:200])
+            return
+        if isinstance(parsed, Ping):
+            ping_id = parsed.id
+            self.tell("pong", id=ping_id if not isinstance(ping_id, str) or len(ping_id) <= 64 else None)
+        else:
             # Push-to-talk: start is a committed barge-in, end ends the
             # user's turn at once (voice.session.AgentSession.ptt_start/_end).
             control = Control(ControlKind(kind), self.clock.monotonic())
             if not self._controls.put(control):
                 self.refuse(control, "session_not_ready")
-        elif kind == "ping":
-            ping_id = msg.get("id")
-            self.tell("pong", id=ping_id if isinstance(ping_id, (int, float, str)) and len(str(ping_id)) <= 64 else None)
-        else:
-            shown = kind if len(kind) <= 64 else kind[:61] + "..."
-            self.tell("error", code="unknown_type", message=f"unknown message type {shown!r}")
+
+
+def _no_constant(name: str) -> float:
+    """``json.loads`` hook: NaN and Infinity are not JSON (RFC 8259 section 6).
+
+    Raises:
+        ValueError: always.
+    """
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    """``json.loads`` hook: a number too large for a double (``1e999``) is refused,
+    not read as infinity.
+
+    Raises:
+        ValueError: the number is not finite as a double.
+    """
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:20]} does not fit a double")
+    return value

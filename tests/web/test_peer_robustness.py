@@ -81,6 +81,13 @@ async def server(tmp_path: Path) -> AsyncIterator[tuple[web.Application, str]]:
         ("[1, 2]", "bad_message"),
         ('{"type": 5}', "bad_message"),
         ('{"type": "ptt.squeeze"}', "unknown_type"),
+        # the catalogue (turn/client_messages.py) is the contract: no NaN or
+        # infinity (not JSON, RFC 8259), no bool id, no undeclared field
+        ('{"type": "ping", "id": NaN}', "bad_message"),
+        ('{"type": "ping", "id": 1e999}', "bad_message"),
+        ('{"type": "ping", "id": true}', "bad_message"),
+        ('{"type": "ping", "id": 1, "extra": [1, 2]}', "bad_message"),
+        ('{"type": "ptt.start", "at": 5}', "bad_message"),
     ],
 )
 async def test_hostile_client_messages_get_errors_and_session_lives(
@@ -115,7 +122,10 @@ async def test_push_to_talk_out_of_order_gets_errors_and_loses_nothing(server: t
         err = await client.wait_event(lambda e: e.get("type") == "error")
         assert err["code"] == "ptt_not_active"
         client.channel.send(json.dumps({"type": "ptt.start"}))
-        client.channel.send(json.dumps({"type": "ptt.start", "extra": [1, 2, 3]}))
+        client.channel.send(json.dumps({"type": "ptt.start", "extra": [1, 2, 3]}))  # undeclared field: refused
+        err = await client.wait_event(lambda e: e.get("type") == "error" and e.get("code") == "bad_message")
+        assert "extra" in err["message"]
+        client.channel.send(json.dumps({"type": "ptt.start"}))
         err = await client.wait_event(lambda e: e.get("type") == "error" and e.get("code") == "ptt_already_active")
         assert peer.agent.ptt_active
         client.channel.send(json.dumps({"type": "ptt.end"}))
