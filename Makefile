@@ -17,8 +17,8 @@ TEST_WORKERS ?= 2
 run: deps
 	$(BIN)/turnkeeper serve
 
-LINT_PATHS := turn media voice web testkit client demo_shop tests bench
-TYPED_PATHS := turn media voice web
+LINT_PATHS := clock turn media voice web testkit client demo_shop tests bench
+TYPED_PATHS := clock turn media voice web testkit client demo_shop
 
 test: deps
 	$(BIN)/ruff check $(LINT_PATHS)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import random
@@ -177,17 +178,15 @@ async def fuzz(iterations: int, seed: int = 1, *, folder: Path | None = None) ->
                     injector.arm(turn.id, -1, None)
                 if mode == "moment":
                     delay = rng.uniform(0, 0.2 + 0.1 * len(script))
-                    asyncio.get_running_loop().call_soon(
-                        lambda t=turn.id, d=delay, r=reason: asyncio.ensure_future(_stop_later(manager, clock, t, d, r))
-                    )
+                    asyncio.get_running_loop().call_soon(_start_stop_later, manager, clock, turn.id, delay, reason)
                 follow: Turn | None = None
                 sent_before = len(requests)
                 if mode == "supersede":  # a newer message in the session: a real barge-in
                     t0, delay = clock.monotonic(), rng.uniform(0, 0.2 + 0.1 * len(script))
-                    await _drive(clock, lambda t0=t0, delay=delay: clock.monotonic() - t0 >= delay)
+                    await _drive(clock, functools.partial(_elapsed, clock, t0, delay))
                     script[:] = []
                     follow = await turns.start(tenant_id="fuzz", text=FOLLOW_UP, session_id=session)
-                await _drive(clock, lambda t=turn.id: t not in turns.scopes and not _running(turns, t))
+                await _drive(clock, functools.partial(_finished, turns, turn.id))
                 service.clear_faults()
                 await _settle_workers(clock, store, sender, worker)
                 await _check(manager, store, service, turn.id, report)
@@ -196,7 +195,7 @@ async def fuzz(iterations: int, seed: int = 1, *, folder: Path | None = None) ->
                     script[:] = []
                     sent_before = len(requests)
                     follow = await turns.start(tenant_id="fuzz", text=FOLLOW_UP, session_id=session)
-                await _drive(clock, lambda t=follow.id: t not in turns.scopes and not _running(turns, t))
+                await _drive(clock, functools.partial(_finished, turns, follow.id))
                 await _check_history(manager, store, service, turn.id, requests[sent_before:], report)
             report.messages_sent = sender.done
             report.messages_skipped = len(skipped)
@@ -213,6 +212,21 @@ async def fuzz(iterations: int, seed: int = 1, *, folder: Path | None = None) ->
 
 def _running(turns: TextTurns, turn_id: str) -> bool:
     return any(turn_id in s.running for s in turns._sessions.values())
+
+
+def _finished(turns: TextTurns, turn_id: str) -> bool:
+    """The text turn has no scope and no task left."""
+    return turn_id not in turns.scopes and not _running(turns, turn_id)
+
+
+def _elapsed(clock: VirtualClock, t0: float, delay_s: float) -> bool:
+    """``delay_s`` of virtual time passed since ``t0``."""
+    return clock.monotonic() - t0 >= delay_s
+
+
+def _start_stop_later(manager: TurnManager, clock: VirtualClock, turn_id: str, delay_s: float, reason: StopReason) -> None:
+    """Loop callback: request the stop ``delay_s`` from now (fire and forget, as a client would)."""
+    asyncio.ensure_future(_stop_later(manager, clock, turn_id, delay_s, reason))
 
 
 async def _stop_later(manager: TurnManager, clock: VirtualClock, turn_id: str, delay: float, reason: StopReason) -> None:
@@ -308,12 +322,12 @@ async def _check(manager: TurnManager, store: SqliteStore, service: DemoService,
     for i in intents:
         if i.kind is not IntentKind.EFFECT or i.effect == "none":
             continue
-        eff = applied.get(i.key)
-        if i.status is IntentStatus.DONE and (eff is None or eff["reversed"]):
+        found = applied.get(i.key)
+        if i.status is IntentStatus.DONE and (found is None or found["reversed"]):
             bad(f"one_terminal_state_consistent_with_ledger: {i.key} is done but not applied")
-        if i.status is IntentStatus.COMPENSATED and eff is not None and not eff["reversed"]:
+        if i.status is IntentStatus.COMPENSATED and found is not None and not found["reversed"]:
             bad(f"one_terminal_state_consistent_with_ledger: {i.key} is compensated but still applied")
-        if i.status is IntentStatus.ABANDONED and eff is not None and not eff["reversed"]:
+        if i.status is IntentStatus.ABANDONED and found is not None and not found["reversed"]:
             bad(f"one_terminal_state_consistent_with_ledger: {i.key} is abandoned but was applied")
     cancelled_like = turn.status is TurnStatus.CANCELLED or (
         turn.status is TurnStatus.FAILED and stop is not None and stop.kind in LIMIT_KINDS
@@ -338,8 +352,8 @@ async def _check(manager: TurnManager, store: SqliteStore, service: DemoService,
             if i.kind is not IntentKind.EFFECT or stage_at_stop(i, stop.at) is not Stage.DONE_BEFORE_STOP:
                 continue
             report.kept_through_stop += 1
-            eff = applied.get(i.key)
-            if i.status is IntentStatus.COMPENSATED or compensation_key(i.key) in jobs or (eff is not None and eff["reversed"]):
+            found = applied.get(i.key)
+            if i.status is IntentStatus.COMPENSATED or compensation_key(i.key) in jobs or (found is not None and found["reversed"]):
                 bad(
                     f"stop_keeps_done_effects: {i.key} was done before the {stop.kind.value} of turn {turn_id}"
                     f" and was reversed ({i.status.value})"

@@ -57,7 +57,7 @@ from voice.tools import Toolbox
 from voice.transport import Control, ControlKind, OutputSink, Transport
 from voice.turn_handle import TurnContext, TurnHandle
 from voice.turn_taking import (
-    AgentState,
+    AgentActivity,
     Announce,
     CancelClassification,
     ClassifyBackchannel,
@@ -261,13 +261,13 @@ class AgentSession:
             elif isinstance(d, ResetDetector):
                 self.transport.reset_detector()
 
-    def _agent_state(self) -> AgentState:
+    def _agent_state(self) -> AgentActivity:
         """What turn-taking needs to know of the agent: is a reply on the way
         out (queued or being produced), is a turn thinking or speaking."""
         run = self._active_run()
         if run is None:
-            return AgentState()
-        return AgentState(speaking=len(self.playout) > 0 or (run.phase == "speaking" and not run.tts_done), replying=True)
+            return AgentActivity()
+        return AgentActivity(speaking=len(self.playout) > 0 or (run.phase == "speaking" and not run.tts_done), replying=True)
 
     def _resume(self, d: Resume) -> None:
         """Speech that was no barge-in: play on from where playout paused;

@@ -50,7 +50,7 @@ from voice.endpointing import EndpointConfig, end_at, utterance_over
 
 
 @dataclass(frozen=True)
-class AgentState:
+class AgentActivity:
     """What the agent is doing when an event arrives.
 
     Attributes:
@@ -252,7 +252,7 @@ class TurnTaking:
 
     # -- inputs ---------------------------------------------------------------
 
-    def on_event(self, ev: DetectorEvent, agent: AgentState) -> list[Decision]:
+    def on_event(self, ev: DetectorEvent, agent: AgentActivity) -> list[Decision]:
         """One detector decision (ignored while push-to-talk is held)."""
         if self.ptt_active:
             return []
@@ -316,7 +316,7 @@ class TurnTaking:
                 out += self._classify(cand)
         return out
 
-    def on_frame(self, at: float, gated: bool, agent: AgentState) -> list[Decision]:
+    def on_frame(self, at: float, gated: bool, agent: AgentActivity) -> list[Decision]:
         """Once per 20 ms frame, after its events (``at``: its clock seconds;
         ``gated``: it passed the detector's gate): counts the candidate's
         frames and checks the timers: a backchannel grown too long, a
@@ -346,7 +346,7 @@ class TurnTaking:
             out.append(EndOfUtterance(self.speech_end_at if self.speech_end_at is not None else at))
         return out
 
-    def classified(self, candidate: int, at: float, verdict: dict[str, Any] | None, agent: AgentState) -> list[Decision]:
+    def classified(self, candidate: int, at: float, verdict: dict[str, Any] | None, agent: AgentActivity) -> list[Decision]:
         """The answer to :class:`ClassifyBackchannel` for ``candidate``, at
         ``at`` (clock seconds): ``verdict`` (:func:`voice.backchannel.judge`)
         if it was a backchannel, else None (it commits). An answer for a
@@ -433,14 +433,14 @@ class TurnTaking:
         cand.classification = "running"
         return [ClassifyBackchannel(cand.n)]
 
-    def _let_go(self, cand: Candidate, at: float, agent: AgentState) -> list[Decision]:
+    def _let_go(self, cand: Candidate, at: float, agent: AgentActivity) -> list[Decision]:
         """A backchannel: the paused reply goes on, the words are dropped."""
         self.candidate = None
         self.backchannel_at = at
         return self._resume(cand, at, "backchannel", agent, cand.verdict)
 
     def _resume(
-        self, cand: Candidate, at: float, why: Literal["false_interruption", "backchannel"], agent: AgentState,
+        self, cand: Candidate, at: float, why: Literal["false_interruption", "backchannel"], agent: AgentActivity,
         verdict: dict[str, Any] | None = None,
     ) -> list[Decision]:
         if cand.paused:

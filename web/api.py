@@ -112,6 +112,15 @@ async def _own_turn(request: web.Request, tenant: str) -> Turn:
 
 
 async def start_turn(request: web.Request) -> web.Response:
+    """``POST /v1/turns``: start a text turn (a new session, or ``session_id``'s)
+    under the tenant's plan; ``deadline_ms`` in ms, ``budget_tokens`` in
+    tokens, ``budget_cents`` in cents. Answers 202 with the turn, its
+    session, the events URL and a resume token.
+
+    Raises:
+        ApiError: 401 no or unknown token; 400 bad JSON or fields; 413 body too
+            large; 404 another tenant's (or no such) session; 503 shutting down.
+    """
     app = request.app
     auth: Auth = app[AUTH]
     tenant = auth.require_tenant(request)
@@ -142,6 +151,11 @@ async def start_turn(request: web.Request) -> web.Response:
 
 
 async def get_turn(request: web.Request) -> web.Response:
+    """``GET /v1/turns/{id}``: the turn as stored now, with its ledger rows.
+
+    Raises:
+        ApiError: 401 no or unknown token; 404 another tenant's or no such turn.
+    """
     tenant = request.app[AUTH].require_tenant(request)
     turn = await _own_turn(request, tenant)
     manager = request.app[MANAGER]
@@ -152,6 +166,14 @@ async def get_turn(request: web.Request) -> web.Response:
 
 
 async def stop_turn(request: web.Request) -> web.Response:
+    """``POST /v1/turns/{id}/stop`` with an ``Idempotency-Key`` header: request
+    a cooperative stop (DESIGN.md "Turn states"); a repeat with the same key
+    gets the same answer and causes no second effect.
+
+    Raises:
+        ApiError: 401; 400 missing or bad Idempotency-Key or body; 404 another
+            tenant's or no such turn; 422 the key was used with other parameters.
+    """
     app = request.app
     tenant = app[AUTH].require_tenant(request)
     key = request.headers.get("Idempotency-Key")
@@ -264,6 +286,7 @@ async def _send(resp: web.StreamResponse, data: dict[str, Any], event_id: int | 
 
 
 async def openapi(request: web.Request) -> web.Response:
+    """``GET /v1/openapi.json``: the OpenAPI 3.1 document of this API."""
     return web.json_response(OPENAPI)
 
 

@@ -13,7 +13,7 @@ from media.bargein import DetectorEvent, DetectorEventKind
 from voice.backchannel import BackchannelConfig, judge
 from voice.endpointing import EndpointConfig, end_at
 from voice.turn_taking import (
-    AgentState,
+    AgentActivity,
     Announce,
     CancelClassification,
     ClassifyBackchannel,
@@ -26,8 +26,8 @@ from voice.turn_taking import (
     TurnTaking,
 )
 
-SPEAKING = AgentState(speaking=True, replying=True)
-SILENT = AgentState()
+SPEAKING = AgentActivity(speaking=True, replying=True)
+SILENT = AgentActivity()
 OFFSET_MS = 200  # media.vad.VadConfig's default
 KINDS = {k.value.removeprefix("speech_"): k for k in DetectorEventKind}
 UH_HUH = {"text": "uh huh", "syllables": 2}
@@ -47,7 +47,7 @@ def timeline(*parts: Row | list[Row]) -> list[Row]:
     return sorted(rows, key=lambda r: (r[0], r[1] in ("frame", "gated")))
 
 
-def play(tt: TurnTaking, rows: list[Row], agent: AgentState = SPEAKING, *, announce: bool = False) -> list[tuple[int, Any]]:
+def play(tt: TurnTaking, rows: list[Row], agent: AgentActivity = SPEAKING, *, announce: bool = False) -> list[tuple[int, Any]]:
     """Feed ``rows`` to ``tt``; (ms, decision) for every decision taken."""
     out: list[tuple[int, Any]] = []
     for t, what, *args in rows:
@@ -95,7 +95,7 @@ def committed(tt: TurnTaking, at_ms: int = 1010) -> None:
 @pytest.mark.parametrize(
     ("agent", "held"), [(SPEAKING, True), (SILENT, False)], ids=["while-speaking", "while-silent"]
 )
-def test_a_false_interruption_pauses_then_resumes(agent: AgentState, held: bool) -> None:
+def test_a_false_interruption_pauses_then_resumes(agent: AgentActivity, held: bool) -> None:
     tt = machine()
     rows = timeline((1010, "started", 970), frames(1010, 1090, gated=True), (1110, "rejected"), frames(1110, 1200, gated=False))
     assert norm(play(tt, rows, agent, announce=True)) == norm([
@@ -320,7 +320,7 @@ def test_an_utterance_that_never_ends_is_cut_at_max_utterance_ms() -> None:
 
 
 @pytest.mark.parametrize(("agent", "paused_ms"), [(SPEAKING, 0.0), (SILENT, 0.0)])
-def test_push_to_talk_commits_at_once_ignores_the_detector_and_ends_on_release(agent: AgentState, paused_ms: float) -> None:
+def test_push_to_talk_commits_at_once_ignores_the_detector_and_ends_on_release(agent: AgentActivity, paused_ms: float) -> None:
     tt = machine()
     rows = timeline(
         (1000, "ptt_start"), (1010, "started"), (1210, "confirmed"), (2010, "stopped"),
