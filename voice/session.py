@@ -135,7 +135,7 @@ class AgentSession:
         self.config = config or SessionConfig()
         #: what the user would stop a turn for if the session ended now
         self.close_reason = StopReasonKind.TRANSPORT_DISCONNECTED
-        self.barge_ins: list[BargeInRecord] = []
+        self.barge_ins: deque[BargeInRecord] = deque(maxlen=64)  # the latest, for tests and audits
         self._preroll: deque[bytes] = deque(maxlen=max(1, self.vad.preroll_frames))
         self._runs: list[TurnHandle] = []
         self._listening: TurnHandle | None = None
@@ -314,7 +314,7 @@ class AgentSession:
         elif control.kind is ControlKind.ABORT:
             self.abort()
         elif control.kind is ControlKind.DTMF:
-            self.dtmf_digits += control.digit or ""
+            self.dtmf_digits = (self.dtmf_digits + (control.digit or ""))[-64:]  # the latest keys
         if error is not None:
             self.transport.refuse(control, error)
 

@@ -352,7 +352,8 @@ OPENAPI: dict[str, Any] = {
                     "turn": {"$ref": "#/components/schemas/TurnView"}, "session_id": {"type": "string"},
                     "events_url": {"type": "string"}, "resume_token": {"type": "string"}}}}}},
                 "400": _err("bad JSON or invalid request"), "401": _err("no or unknown token"),
-                "404": _err("the session belongs to nobody you know"), "503": _err("shutting down")}}},
+                "404": _err("the session belongs to nobody you know"), "413": _err("body too large (body_too_large)"),
+                "503": _err("shutting down")}}},
         "/v1/turns/{turn_id}": {"get": {
             "summary": "The turn record, with its stop reason, usage, stop report and side-effect ledger",
             "parameters": [{"name": "turn_id", "in": "path", "required": True, "schema": {"type": "string"}}],
@@ -371,7 +372,8 @@ OPENAPI: dict[str, Any] = {
                 "200": {"description": "it had already ended", "content": {"application/json": {"schema": _STOP_RESULT}}},
                 "409": {"description": "it ended in RECONCILE_REQUIRED", "content": {"application/json": {"schema": _STOP_RESULT}}},
                 "400": _err("missing or invalid Idempotency-Key, bad body"), "401": _err("no or unknown token"),
-                "404": _err("unknown turn"), "422": _err("Idempotency-Key reused with other parameters")}}},
+                "404": _err("unknown turn"), "413": _err("body too large (body_too_large)"),
+                "422": _err("Idempotency-Key reused with other parameters")}}},
         "/v1/sessions/{session_id}/events": {"get": {
             "summary": "The session's events as Server-Sent Events, live and resumable",
             "security": [{"bearer": []}, {}],

@@ -331,7 +331,18 @@ async def test_openapi_describes_the_api(api: Api) -> None:
             "/v1/events.schema.json"} <= set(doc["paths"])
     assert "Turn" in doc["components"]["schemas"] and "StopReason" in doc["components"]["schemas"]
     stop = doc["paths"]["/v1/turns/{turn_id}/stop"]["post"]["responses"]
-    assert {"202", "200", "409", "422"} <= set(stop)
+    assert {"202", "200", "409", "422", "413"} <= set(stop)
+    assert "413" in doc["paths"]["/v1/turns"]["post"]["responses"]
+
+
+async def test_an_oversized_body_is_413_as_documented(api: Api) -> None:
+    """A body over the limit gets the JSON error the document lists, and the
+    server goes on serving."""
+    big = {"text": "x" * 2_000_000}
+    for path in ("/v1/turns", "/v1/turns/nope/stop"):
+        status, body = await api.call("POST", path, headers={**ACME, "Idempotency-Key": "k-413"}, json=big)
+        assert status == 413 and body["error"]["code"] == "body_too_large", (path, status, body)
+    assert (await api.call("GET", "/healthz"))[0] == 200
 
 
 async def test_events_schema_is_served_and_the_stream_matches_it(api: Api) -> None:
