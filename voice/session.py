@@ -43,10 +43,11 @@ from turn.event_catalogue import Backchannel, Envelope, ErrorEvent, FalseInterru
 from turn.events import EventSink
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
-from turn.models import Plan, StopReason, StopReasonKind, Turn
+from turn.models import Plan, StopReasonKind, Turn
 from turn.scope import TurnScope
 from voice.backchannel import BackchannelConfig, judge, recognise
 from voice.barge_in import BargeInRecord, barge_in, continues, interrupted_turn
+from voice.controls import SessionControls
 from voice.endpointing import EndpointConfig
 from voice.heard import Hearing
 from voice.history import earlier_messages, history_after
@@ -54,7 +55,7 @@ from voice.providers import LanguageModel, Message, SpeechToText, SttAdaptation,
 from voice.reply import answer
 from voice.session_config import SessionConfig
 from voice.tools import Toolbox
-from voice.transport import Control, ControlKind, OutputSink, Transport
+from voice.transport import OutputSink, Transport
 from voice.turn_handle import TurnContext, TurnHandle
 from voice.turn_taking import (
     AgentActivity,
@@ -83,7 +84,7 @@ class Providers:
     tools: Toolbox | None = None
 
 
-class AgentSession:
+class AgentSession(SessionControls):
     """One client's conversation.
 
     Args:
@@ -297,62 +298,6 @@ class AgentSession:
         spoken = held[-(cand.lead_ms // FRAME_MS + cand.frames) :]
         verdict = judge(self.config.backchannel, text, cand.speech_ms, count_syllable_nuclei(spoken))
         self._carry_out(self.turn_taking.classified(candidate, self.clock.monotonic(), verdict, self._agent_state()))
-
-    # -- control input ---------------------------------------------------------
-
-    async def _take_controls(self) -> None:
-        """The transport's control input, each carried out as it comes."""
-        async for control in self.transport.controls():
-            self._on_control(control)
-
-    def _on_control(self, control: Control) -> None:
-        """Carry out one control (:class:`voice.transport.Control`); one
-        the session refuses goes back to the transport with its error code."""
-        error = None
-        if control.kind in (ControlKind.PTT_START, ControlKind.PTT_END):
-            error = self.ptt_start() if control.kind is ControlKind.PTT_START else self.ptt_end()
-        elif control.kind is ControlKind.ABORT:
-            self.abort()
-        elif control.kind is ControlKind.DTMF:
-            self.dtmf_digits = (self.dtmf_digits + (control.digit or ""))[-64:]  # the latest keys
-        if error is not None:
-            self.transport.refuse(control, error)
-
-    def abort(self) -> None:
-        """Stop the turn thinking or speaking (``user_cancel`` by the ``user``),
-        silenced at once; nothing if there is none or it is stopping already."""
-        if (run := self._active_run()) is not None and run.stop_task is None:
-            self._silence(run)
-            run.stop(StopReason(kind=StopReasonKind.USER_CANCEL, initiator="user", at=self.clock.now(), detail="abort"))
-
-    # -- push-to-talk ----------------------------------------------------------
-
-    def ptt_start(self) -> str | None:
-        """Push-to-talk pressed: an immediate, committed barge-in with no VAD
-        involved; everything heard until :meth:`ptt_end` is the user's turn.
-
-        Returns:
-            None, or an error code (``ptt_already_active``,
-            ``session_not_ready``) for the client.
-        """
-        if self.turn_taking.ptt_active:
-            return "ptt_already_active"
-        if self._tg is None:
-            return "session_not_ready"
-        self._carry_out(self.turn_taking.ptt_start(self.clock.monotonic()))
-        return None
-
-    def ptt_end(self) -> str | None:
-        """Push-to-talk released: the user's turn ends at once (no endpointing
-        wait).
-
-        Returns:
-            None, or an error code (``ptt_not_active``) for the client.
-        """
-        if not self.turn_taking.ptt_active:
-            return "ptt_not_active"
-        self._carry_out(self.turn_taking.ptt_end(self.clock.monotonic()))
-        return None
 
     # -- barge-in --------------------------------------------------------------
 
