@@ -455,6 +455,7 @@ class SpeakerphoneMic(Mic):
         return frame
 
 
+@pytest.mark.serial  # the echo path is aligned in real time: a loaded CPU skews it
 async def test_the_agent_does_not_interrupt_itself_on_a_speakerphone(
     store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
 ) -> None:
