@@ -42,12 +42,15 @@ class SystemClock:
     """The real clock: ``time.monotonic`` and ``asyncio.sleep``."""
 
     def monotonic(self) -> float:
+        """Seconds on the process's monotonic clock (only differences mean anything)."""
         return time.monotonic()
 
     def now(self) -> datetime:
+        """The wall-clock time, timezone-aware UTC."""
         return datetime.now(UTC)
 
     async def sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` (a negative wait returns at once)."""
         await asyncio.sleep(max(0.0, seconds))
 
 
@@ -66,12 +69,16 @@ class VirtualClock:
         self._seq = itertools.count()
 
     def monotonic(self) -> float:
+        """Virtual seconds: ``start`` plus every :meth:`advance` so far."""
         return self._t
 
     def now(self) -> datetime:
+        """``wall`` moved on by the virtual seconds since ``start`` (UTC)."""
         return self._wall0 + timedelta(seconds=self._t - self._origin)
 
     async def sleep(self, seconds: float) -> None:
+        """Wait until :meth:`advance` has moved virtual time ``seconds`` on
+        (``seconds <= 0``: one loop step)."""
         if seconds <= 0:
             await asyncio.sleep(0)
             return

@@ -123,10 +123,14 @@ class Transport(Protocol):
     """
 
     @property
-    def kind(self) -> str: ...
+    def kind(self) -> str:
+        """``"webrtc"``, ``"telephony"`` or ``"device"`` (logs and metrics only)."""
+        ...
 
     @property
-    def output(self) -> OutputSink: ...
+    def output(self) -> OutputSink:
+        """The client's output sink (48 kHz, 20 ms generation-tagged frames)."""
+        ...
 
     def frames(self) -> AsyncIterator[InboundFrame]:
         """Inbound audio until the client goes away (then the iterator
