@@ -100,7 +100,8 @@ class FakeProvider:
                 "call_control_id": self.call_id, "client_state": encode_client_state(parameters or {}),
                 "media_format": {"encoding": "PCMU", "sample_rate": 8000, "channels": 1},
             }})
-        self._tasks.append(asyncio.ensure_future(self._read()))
+        self._reader = asyncio.ensure_future(self._read())
+        self._tasks.append(self._reader)
         if lines:
             self._tasks.append(asyncio.ensure_future(self._line_out()))
             self._tasks.append(asyncio.ensure_future(self._far_end()))
@@ -122,6 +123,11 @@ class FakeProvider:
         """``stop``, then the socket closes."""
         await self.send({"event": "stop", **self._sid(), "stop": {"accountSid": "AC0", "callSid": self.call_id}})
         await self.aclose()
+
+    async def closed(self, timeout: float = 10) -> int | None:
+        """Wait until the server closes the socket; its close code."""
+        await asyncio.wait_for(asyncio.shield(self._reader), timeout)
+        return self.ws.close_code
 
     async def aclose(self) -> None:
         for t in self._tasks:

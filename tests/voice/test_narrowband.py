@@ -45,7 +45,7 @@ async def test_telephone_speech_is_recognised_with_the_band_filled(say: Callable
         without = [await recognised(wideband, telephone(say(p)), b) for p in PHRASES]
     finally:
         await wideband.aclose()
-    hits, misses = (sum(h == p for h, p in zip(heard, PHRASES)) for heard in (with_fill, without))
+    hits, misses = (sum(h == p for h, p in zip(heard, PHRASES, strict=True)) for heard in (with_fill, without))
     print(f"telephone speech recognised: {hits}/{len(PHRASES)} with the band filled, {misses} without")
     assert hits >= 5, with_fill
     assert hits > misses, (with_fill, without)  # why the fill exists

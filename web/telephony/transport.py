@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 #: inbound frames waiting for the session, at most (5 s; older are dropped)
 MAX_INBOUND_FRAMES = 250
+#: keys kept for a session that is starting, at most
+MAX_EARLY_KEYS = 32
 #: outbound messages waiting for the socket, at most (a stuck socket is closed)
 MAX_OUTBOUND = 2000
 
@@ -116,6 +118,7 @@ class PhoneTransport:
         self._outbound: deque[tuple[str, WireRecord]] = deque()
         self._wake = asyncio.Event()
         self._controls = ControlInbox()
+        self._early: deque[Control] = deque()
         self._closed = CloseNotice()
 
     # -- inbound, from the socket's reader ------------------------------------------
@@ -136,9 +139,15 @@ class PhoneTransport:
                 self._inbound.put_nowait((pcm, now))
 
     def on_dtmf(self, dtmf: Dtmf) -> None:
-        """A key: a ``dtmf`` control for the session (refused if none takes it)."""
+        """A key: a ``dtmf`` control for the session. One pressed before the
+        session takes controls (it is starting) waits for it (the first
+        ``MAX_EARLY_KEYS``); after the call ended it is refused."""
         control = Control(ControlKind.DTMF, self.clock.monotonic(), dtmf.digit)
-        if not self._controls.put(control):
+        if self._controls.put(control):
+            return
+        if self._closed.reason is None and len(self._early) < MAX_EARLY_KEYS:
+            self._early.append(control)
+        else:
             self.refuse(control, "session_not_ready")
 
     def on_mark(self, mark: Mark) -> None:
@@ -227,9 +236,14 @@ class PhoneTransport:
             pacer.cancel()
             await asyncio.wait({pacer})
 
-    def controls(self) -> AsyncIterator[Control]:
-        """The caller's DTMF keys, in order."""
-        return self._controls.items()
+    async def controls(self) -> AsyncIterator[Control]:
+        """The caller's DTMF keys, in order (those pressed before the
+        session took them first)."""
+        items = self._controls.items()
+        while self._early:
+            yield self._early.popleft()
+        async for control in items:  # no await between the last early key and taking: none is lost
+            yield control
 
     def refuse(self, control: Control, code: str) -> None:
         """Logged: a phone has no channel to say it on."""
