@@ -205,34 +205,37 @@ class PhoneTransport:
     # -- the seam --------------------------------------------------------------------
 
     async def frames(self) -> AsyncIterator[InboundFrame]:
-        """The caller's analysed frames until the call ends; silence is put
-        in for a stall of ``stall_ms``. The output is paced meanwhile."""
+        """The caller's analysed frames until the call ends; a stretch of
+        ``stall_ms`` of the clock with no audio yields that much silence
+        (``filled``), so the detector's and endpointer's timers run on. The
+        output is paced meanwhile."""
         pacer = asyncio.ensure_future(self.output.run())
         silence = bytes(frame_bytes(VAD_RATE))
-        last = self.clock.monotonic()
+        pending: asyncio.Future[tuple[bytes, float] | None] = asyncio.ensure_future(self._inbound.get())
         try:
             while True:
-                item: tuple[bytes, float] | None
-                if self.stall_s > 0:
+                if self.stall_s > 0 and not pending.done():
+                    sleeper: asyncio.Future[Any] = asyncio.ensure_future(self.clock.sleep(self.stall_s))
+                    waiting: set[asyncio.Future[Any]] = {pending, sleeper}
                     try:
-                        async with asyncio.timeout(self.stall_s):
-                            item = await self._inbound.get()
-                    except TimeoutError:
-                        # no audio for a while: silence, one frame per 20 ms since the last
+                        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        sleeper.cancel()
+                    if not pending.done():
                         now = self.clock.monotonic()
-                        n = max(1, int((now - last) * 1000 // FRAME_MS))
+                        n = round(self.stall_s * 1000) // FRAME_MS
                         for i in range(n):
-                            yield analyse_frame(self.detector, silence, last + (i + 1) * FRAME_MS / 1000, filled=True)
-                        last = now
+                            at = now - (n - 1 - i) * FRAME_MS / 1000
+                            yield analyse_frame(self.detector, silence, at, filled=True)
                         continue
-                else:
-                    item = await self._inbound.get()
+                item = await pending
                 if item is None:
                     return
+                pending = asyncio.ensure_future(self._inbound.get())
                 pcm, at = item
-                last = at
                 yield analyse_frame(self.detector, pcm, at)
         finally:
+            pending.cancel()
             pacer.cancel()
             await asyncio.wait({pacer})
 
