@@ -206,3 +206,20 @@ async def test_a_forged_tenant_is_refused(server: tuple[web.Application, str]) -
         assert await provider.closed() == 1008
         await wait_until(lambda: not calls(app), 10, "nothing is left of it")
         await provider.aclose()
+
+
+async def test_a_server_shutdown_ends_the_call_and_settles_its_turn(tmp_path: Path) -> None:
+    app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db", session={"dtmf": {"timeout_ms": 60_000}}))
+    runner, url = await start_app(app)
+    async with aiohttp.ClientSession() as http:
+        provider, call = await open_call(app, http, url.replace("http://", "ws://") + "/v1/telephony/twilio")
+        await provider.dtmf("1")
+        await wait_until(lambda: bool(call.agent and call.agent.ptt_active), 5, "keys open a turn")
+        store = app[STORE]
+        await asyncio.wait_for(runner.shutdown(), 15)  # on_shutdown: every session ends, worker_shutdown
+        [turn] = await store.list_session(call.id)
+        assert turn.status is TurnStatus.CANCELLED
+        assert turn.stop_reason is not None and turn.stop_reason.kind is StopReasonKind.WORKER_SHUTDOWN
+        assert await provider.closed() == 1000
+        await runner.cleanup()
+        await provider.aclose()

@@ -139,6 +139,11 @@ async def test_a_barge_in_clears_the_far_end_and_history_keeps_what_was_heard(
     played_ms = len([p for p in phone.played if p.before_clear == 0 and p.at >= 0]) * 20
     heard_ms = interrupted["played_ms"]
     assert abs(heard_ms - played_ms) < 400, (heard_ms, played_ms)  # a sanity bound
+    old_sound = [p.at for p in phone.audible() if p.before_clear == 0]
+    stop_ms = (max(old_sound) - phone.speech_started_at[-1]) * 1000
+    print(f"phone barge-in: audible stop at the far end {stop_ms:.0f} ms after the speech's first message; "
+          f"heard {heard_ms} ms of the reply by the marks, {played_ms} ms played at the far end")
+    assert stop_ms < 1000  # a sanity bound: stage 1 pauses sending at speech_started
     history = await call.agent.history()  # type: ignore[union-attr]
     assistant = [m for m in history if m.role == "assistant"]
     assert assistant and assistant[0].content == old.reply and assistant[0].interrupted
