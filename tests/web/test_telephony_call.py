@@ -98,6 +98,11 @@ async def test_a_call_is_answered_over_the_phone(server: Server, phone: FakeProv
     assert marks and set(phone.echoed) >= {m.msg["mark"]["name"] for m in marks}
     assert call.transport.output.marks.pending() == 0 and call.transport.output.marks.unknown_echoes == 0
     assert not phone.of("clear")  # no barge-in, no clear
+    events = await server.events(call.id)
+    segments = [(e["type"], e["generation"]) for e in events if e["type"] in ("audio.start", "audio.end")]
+    assert segments[0] == ("audio.start", turn.generation) and segments[-1] == ("audio.end", turn.generation)
+    [end] = [e for e in events if e["type"] == "audio.end"][-1:]
+    assert end["turn_id"] == turn.id and end["samples_sent"] > 48_000
     session = await server.app[MANAGER].store.get_session(call.id)
     assert session.tenant_id == "default"
 
