@@ -66,6 +66,8 @@ class SqliteConnection:
         self._lock_fd: int | None = None
         #: a session's waiters for new events (:mod:`turn.sqlite_events`)
         self._event_waiters: dict[str, asyncio.Event] = {}
+        #: how many wait on each of those events (its entry goes with the last)
+        self._event_waiting: dict[asyncio.Event, int] = {}
 
     async def open(self) -> None:
         """Lock the file, connect, and migrate it

@@ -71,14 +71,24 @@ class SqliteEventRows(SqliteConnection):
 
     async def wait_events(self, session_id: str, after_seq: int, timeout_s: float) -> bool:
         waiter = self._event_waiters.setdefault(session_id, asyncio.Event())
-        if await self._run(self._last_seq_sync, session_id) > after_seq:
-            return True
+        self._event_waiting[waiter] = self._event_waiting.get(waiter, 0) + 1
         try:
+            if await self._run(self._last_seq_sync, session_id) > after_seq:
+                return True
             async with asyncio.timeout(timeout_s):
                 await waiter.wait()
             return True
         except TimeoutError:
             return False
+        finally:
+            # however the wait ended (an event, a timeout, a cancel), the
+            # session's entry goes with its last waiter: an ended session
+            # leaves nothing behind
+            left = self._event_waiting.pop(waiter, 1) - 1
+            if left > 0:
+                self._event_waiting[waiter] = left
+            elif self._event_waiters.get(session_id) is waiter:
+                del self._event_waiters[session_id]
 
     def _last_seq_sync(self, session_id: str) -> int:
         assert self._conn is not None

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
-from turn.models import StopReason, StopReasonKind, Turn, TurnStatus
+from turn.models import EventRecord, Session, StopReason, StopReasonKind, Turn, TurnStatus
 from turn.sqlite_connection import path_from_url
 from turn.sqlite_store import SqliteStore
 from turn.store import StoreUnavailable
@@ -109,3 +110,28 @@ async def test_one_process_per_file(tmp_path: Path) -> None:
     await first.close()
     await second.open()  # free again once the first is closed
     await second.close()
+
+
+async def test_an_ended_wait_for_events_leaves_nothing_behind(tmp_path: Path) -> None:
+    """However a follower's wait ends (a timeout, a cancel, an event), the
+    session's waiter goes with its last waiter: a server that has followed
+    a thousand sessions holds none of theirs (from review: one per session
+    was kept, found by tests/e2e/test_session_release.py)."""
+    store = SqliteStore(tmp_path / "w.db")
+    await store.open()
+    try:
+        await store.create_session(Session(id="w", created_at=datetime.now(UTC)))
+        assert not await store.wait_events("w", 0, 0.01)  # timed out
+        cancelled = asyncio.create_task(store.wait_events("w", 0, 5))
+        await asyncio.sleep(0.02)
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        a = asyncio.create_task(store.wait_events("w", 0, 5))
+        b = asyncio.create_task(store.wait_events("w", 0, 0.05))
+        await asyncio.sleep(0.1)  # b timed out; a still waits, and must still be woken
+        assert not a.done() and b.done() and not b.result()
+        await store.append_event(EventRecord(session_id="w", type="x", at=datetime.now(UTC)))
+        assert await asyncio.wait_for(a, 3)
+        assert store._event_waiters == {} and store._event_waiting == {}
+    finally:
+        await store.close()
