@@ -23,6 +23,7 @@ from media.inbound_frame import InboundFrame
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer, PlayoutFrame
 from turn.delivery_gate import OUTPUT_TYPES
+from turn.event_catalogue import AgentDelta
 from turn.events import EventFollower, event_json
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
@@ -265,11 +266,18 @@ async def test_barge_in_stops_old_generation(harness: Harness, say: Callable[...
     # the history keeps exactly what was heard, and it is a prefix of the reply
     heard = assistant[0].content
     assert heard and (old.reply or "").startswith(heard.split()[0]) and heard in " ".join((old.reply or "").split())
-    # output made for generation 1 after the fence was logged fenced (kept as
-    # evidence) and never sent: read the raw log, not through the gate under test
+    # output made for generation 1 after the fence is logged fenced (kept as
+    # evidence) and never sent. The old turn stopped at once, so it made none:
+    # emit one as a model that ignored its cancellation would, into the
+    # session's own log, and read the raw log, not through the gate under test
+    log = h.manager.events.log("sess-1")
+    log.emit_event(AgentDelta(generation=1, turn_id=old.id, text=" and then"))
+    await log.flush()
+    await asyncio.sleep(0.5)  # the client's follower had its chance to send it
     logged = await store.read_events("sess-1", 0, 100_000)
     assert any(e.type == "agent.delta" and e.generation == 1 and not e.fenced for e in logged)  # it did speak before
     late = [e for e in logged if e.type in OUTPUT_TYPES and e.generation == 1 and e.seq > barge["seq"]]
+    assert late and late[-1].payload["text"] == " and then"
     assert all(e.fenced for e in late), [(e.seq, e.type, e.payload) for e in late if not e.fenced]
     assert not {e.seq for e in late} & {e["seq"] for e in h.events}
     await h.stop()
