@@ -28,7 +28,7 @@ from turn.runtime import FlagCache, TurnRuntime
 from turn.signals import StopSignals
 from turn.states import TransitionResult
 from turn.stop_path import StopPath
-from turn.store import DuplicateSession, StoreUnavailable, TurnStore, UnknownSession
+from turn.store import DuplicateSession, StoreUnavailable, TurnStore, UnknownSession, WrongSessionKind
 from turn.usage import Pricing, UsageMeter
 
 log = logging.getLogger(__name__)
@@ -192,6 +192,9 @@ class TurnManager(Checkpoints, StopPath, Leases):
 
         Raises:
             PermissionError: it exists and belongs to another tenant.
+            turn.store.WrongSessionKind: it exists and is of another kind
+                (checked after the tenant: another tenant's session answers
+                as unknown, whatever its kind).
         """
         try:
             session = await self.store_call(lambda: self.store.get_session(session_id))
@@ -206,6 +209,8 @@ class TurnManager(Checkpoints, StopPath, Leases):
                 session = await self.store_call(lambda: self.store.get_session(session_id))
         if session.tenant_id != tenant_id:
             raise PermissionError(f"session {session_id!r} belongs to another tenant")
+        if session.kind is not kind:
+            raise WrongSessionKind(f"session {session_id!r} is a {session.kind.value} session, not a {kind.value} one")
         return session
 
     # -- lifecycle -------------------------------------------------------------

@@ -55,6 +55,12 @@ class DuplicateSession(StoreError):
     """A session with that id already exists."""
 
 
+class WrongSessionKind(StoreError):
+    """A session asked for as one kind (text) is of another (voice): a text
+    turn cannot join a live voice session (its generation fence and
+    delivery gate are the voice session's own)."""
+
+
 class StoreUnavailable(StoreError):
     """The store could not be reached or was busy; nothing was written, so
     the call may be retried (e.g. SQLite "database is locked", Redis

@@ -39,6 +39,15 @@ HISTORY_MESSAGES = 40
 REVERSING = "reversing"
 
 
+def earlier_turns_wait_s(stop_grace_ms: int) -> float:
+    """How long a new turn's history waits for the earlier turns of its
+    session to record how they ended (their stop: heard text recorded,
+    ledger resolved), s: four stop graces, at least one second. A slower
+    stop (a compensation that goes on as a job) is told as it stands then
+    ("outcome unknown: being checked"). The same for voice and text."""
+    return max(1.0, 4 * stop_grace_ms / 1000)
+
+
 def tool_outcome_text(intent: Intent) -> str:
     """What the model is told of an earlier tool call, from its ledger row
     (what the external system confirmed, see the module doc)."""

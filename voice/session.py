@@ -51,7 +51,7 @@ from voice.controls import SessionControls
 from voice.dtmf import DigitStream
 from voice.endpointing import EndpointConfig
 from voice.heard import Hearing
-from voice.history import earlier_messages, history_after
+from voice.history import earlier_messages, earlier_turns_wait_s, history_after
 from voice.providers import LanguageModel, Message, SpeechToText, SttAdaptation, TextToSpeech
 from voice.reply import answer
 from voice.session_config import SessionConfig
@@ -433,7 +433,7 @@ class AgentSession(SessionControls):
             turn: the turn as recorded, with its transcript.
         """
         earlier = [t for r in self._runs if r.generation < run.generation for t in (r.work, r.stop_task) if t is not None]
-        wait_s = max(1.0, 4 * self.config.stop_grace_ms / 1000)
+        wait_s = earlier_turns_wait_s(self.config.stop_grace_ms)
         return await history_after(self.manager, turn, earlier, wait_s=wait_s, max_messages=self.config.history_messages)
 
     def _send(self, event: Envelope, *, withheld: bool = False) -> None:

@@ -27,7 +27,7 @@ from turn.manager import TurnManager
 from turn.models import Budget, Plan, StopReason, StopReasonKind, Turn, TurnKind
 from turn.scope import Child, TurnScope
 from turn.stopped import TurnStopped
-from voice.history import session_history
+from voice.history import HISTORY_MESSAGES, earlier_turns_wait_s, history_after
 from voice.providers import LanguageModel
 from voice.respond import run_agent, sink_to
 from voice.tools import Toolbox
@@ -41,12 +41,6 @@ class _TextSession:
     fence: GenerationFence
     running: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
-
-#: how long a new message waits for the turns it superseded to end (their
-#: stop: delivered text recorded, ledger resolved) before its history is
-#: read, s; a slower stop (a compensation that goes on as a job) is told as
-#: it stands then ("outcome unknown: being checked")
-SUPERSEDED_WAIT_S = 2.0
 
 def _forget(running: dict[str, asyncio.Task[None]], turn_id: str, _task: asyncio.Task[None]) -> None:
     """Done-callback: a finished text turn leaves its session's running set."""
@@ -65,6 +59,8 @@ class TextTurns:
         plans: the tenant's plan (deadline, budget, max steps) for each new
             turn.
         tools: makes the toolbox for a turn (None: no tools).
+        history_messages: messages of history a model sees at most
+            (``session.history_messages``, as for voice).
     """
 
     def __init__(
@@ -76,6 +72,7 @@ class TextTurns:
         stop_grace_s: float = 0.25,
         plans: Callable[[str], Plan] | None = None,
         tools: Callable[[], Toolbox] | None = None,
+        history_messages: int = HISTORY_MESSAGES,
     ) -> None:
         self.manager = manager
         self.llm = llm
@@ -83,6 +80,7 @@ class TextTurns:
         self.stop_grace_s = stop_grace_s
         self.plans = plans or (lambda _tenant: Plan())
         self.tools = tools
+        self.history_messages = history_messages
         self._sessions: dict[str, _TextSession] = {}
         #: the cancel scopes of the turns running here, by turn id
         self.scopes: dict[str, TurnScope] = {}
@@ -110,6 +108,7 @@ class TextTurns:
 
         Raises:
             PermissionError: ``session_id`` belongs to another tenant.
+            turn.store.WrongSessionKind: ``session_id`` is a voice session.
             RuntimeError: the server is shutting down.
         """
         if self._closing:
@@ -155,7 +154,7 @@ class TextTurns:
         """Answer in the turn's cancel scope, or stop when asked (signal, a
         checkpoint that read the store, or a limit) and write exactly one
         terminal state from the children's reports. ``older``: the tasks of
-        the turns this one superseded (see :data:`SUPERSEDED_WAIT_S`)."""
+        the turns this one superseded (see :func:`voice.history.earlier_turns_wait_s`)."""
         rt = self.manager.runtime(turn.id)
         scope = open_scope(
             self.manager, turn.id, self.clock, grace_s=self.stop_grace_s, shutdown_reserve_s=plan.shutdown_reserve_ms / 1000
@@ -205,7 +204,9 @@ class TextTurns:
         if scope.stopped.is_set():
             await self.manager.settle_stop(turn.id, scope)
         elif agent is not None and agent.error is not None:
-            await fail(self.manager, turn.id, turn.generation, agent.error, self.manager.events.log(turn.session_id).emit_event)
+            ts = self._sessions.get(turn.session_id)
+            generation = ts.fence.active if ts is not None else turn.generation  # as voice: in the active generation
+            await fail(self.manager, turn.id, generation, agent.error, self.manager.events.log(turn.session_id).emit_event)
 
     async def _request_stop(self, turn_id: str, reason: StopReason) -> None:
         try:
@@ -224,7 +225,7 @@ class TextTurns:
     async def _answer(self, turn: Turn, llm: LanguageModel, scope: TurnScope, older: list[asyncio.Task[None]]) -> None:
         """The work: history, the agent loop, reply recorded, COMPLETED. The
         history is read once the turns this one superseded have ended (at
-        most :data:`SUPERSEDED_WAIT_S`), so it holds what they delivered and
+        most :func:`voice.history.earlier_turns_wait_s`), so it holds what they delivered and
         how their tool calls ended, not a snapshot from mid-stop."""
         events = self.manager.events.log(turn.session_id)
         events.track_delivery(turn.id)
@@ -242,9 +243,13 @@ class TextTurns:
         events.emit_event(Transcript(generation=turn.generation, turn_id=turn.id, role="user", text=turn.transcript or ""))
         final = False
         try:
-            if older:
-                await asyncio.wait(older, timeout=SUPERSEDED_WAIT_S)
-            messages = await session_history(self.manager, turn)
+            messages = await history_after(
+                self.manager,
+                turn,
+                older,
+                wait_s=earlier_turns_wait_s(int(self.stop_grace_s * 1000)),
+                max_messages=self.history_messages,
+            )
             result = await run_agent(
                 scope=scope,
                 manager=self.manager,

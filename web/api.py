@@ -27,14 +27,14 @@ import re
 from typing import Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from turn.catalogue_schema import catalogue_schema
 from turn.event_catalogue import Snapshot, SnapshotTurn, StreamStart, wire_of
 from turn.events import EventFollower, event_json
 from turn.manager import TurnManager, turn_fields
 from turn.models import Budget, Session, StopReason, StopReasonKind, Turn
-from turn.store import IdempotencyConflict, StopAnswer, UnknownSession, UnknownTurn
+from turn.store import IdempotencyConflict, StopAnswer, UnknownSession, UnknownTurn, WrongSessionKind
 from web.auth import Auth
 from web.errors import ApiError
 from web.state import AUTH, CLOCK, MANAGER, STREAMS, TEXT_TURNS
@@ -56,7 +56,7 @@ class StartTurn(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    text: str = Field(min_length=1, max_length=4000, description="what the user typed")
+    text: str = Field(min_length=1, max_length=4000, description="what the user typed (not only whitespace)")
     session_id: str | None = Field(
         default=None, pattern=SESSION_ID.pattern, description="continue this conversation (new one if absent)"
     )
@@ -64,7 +64,18 @@ class StartTurn(BaseModel):
     budget_tokens: int | None = Field(
         default=None, ge=0, le=10_000_000, description="token budget (prompt + completion); the plan's if tighter"
     )
-    budget_cents: float | None = Field(default=None, ge=0, le=1_000_000, description="money budget, US cents")
+    budget_cents: float | None = Field(
+        default=None, ge=0, le=1_000_000, allow_inf_nan=False, description="money budget, US cents (a finite number)"
+    )
+
+    @field_validator("text")
+    @classmethod
+    def _has_words(cls, text: str) -> str:
+        # a voice turn with no words fails (no_speech_recognized); a typed
+        # one is refused before it starts
+        if not text.strip():
+            raise ValueError("text is only whitespace")
+        return text
 
 
 class StopTurn(BaseModel):
@@ -120,7 +131,8 @@ async def start_turn(request: web.Request) -> web.Response:
 
     Raises:
         ApiError: 401 no or unknown token; 400 bad JSON or fields; 413 body too
-            large; 404 another tenant's (or no such) session; 503 shutting down.
+            large; 404 another tenant's (or no such) session; 409 the session is
+            a voice session; 503 shutting down.
     """
     app = request.app
     auth: Auth = app[AUTH]
@@ -138,6 +150,8 @@ async def start_turn(request: web.Request) -> web.Response:
         )
     except PermissionError as exc:
         raise ApiError(404, "not_found", f"no session {body.session_id!r}") from exc
+    except WrongSessionKind as exc:
+        raise ApiError(409, "wrong_session_kind", f"{exc}: a text turn starts a text session or continues one") from exc
     except RuntimeError as exc:
         raise ApiError(503, "shutting_down", str(exc)) from exc
     return web.json_response(
@@ -353,7 +367,8 @@ OPENAPI: dict[str, Any] = {
                     "turn": {"$ref": "#/components/schemas/TurnView"}, "session_id": {"type": "string"},
                     "events_url": {"type": "string"}, "resume_token": {"type": "string"}}}}}},
                 "400": _err("bad JSON or invalid request"), "401": _err("no or unknown token"),
-                "404": _err("the session belongs to nobody you know"), "413": _err("body too large (body_too_large)"),
+                "404": _err("the session belongs to nobody you know"),
+                "409": _err("the session is a voice session (wrong_session_kind)"), "413": _err("body too large (body_too_large)"),
                 "503": _err("shutting down")}}},
         "/v1/turns/{turn_id}": {"get": {
             "summary": "The turn record, with its stop reason, usage, stop report and side-effect ledger",

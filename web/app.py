@@ -249,6 +249,7 @@ def create_app(
         stop_grace_s=settings.session.stop_grace_ms / 1000,
         plans=settings.plan_for,
         tools=provs.tools,
+        history_messages=settings.session.history_messages,
     )
     app.router.add_get("/", _index)
     app.router.add_static("/static", STATIC_DIR)

@@ -12,7 +12,7 @@ from turn.manager import TurnManager
 from turn.models import StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
 from turn.sqlite_store import SqliteStore
 from turn.stopped import TurnStopped
-from turn.store import IdempotencyConflict, StopAnswer, StoreUnavailable, UnknownSession, UnknownTurn
+from turn.store import IdempotencyConflict, StopAnswer, StoreUnavailable, UnknownSession, UnknownTurn, WrongSessionKind
 
 
 def stop(clock, kind: StopReasonKind = StopReasonKind.BARGE_IN) -> StopReason:
@@ -49,9 +49,13 @@ async def test_unknown_session(manager: TurnManager) -> None:
 
 async def test_session_belongs_to_its_tenant(manager: TurnManager) -> None:
     await manager.ensure_session("t1", tenant_id="acme", kind=TurnKind.TEXT)
-    assert (await manager.ensure_session("t1", tenant_id="acme")).tenant_id == "acme"
+    assert (await manager.ensure_session("t1", tenant_id="acme", kind=TurnKind.TEXT)).tenant_id == "acme"
     with pytest.raises(PermissionError):
+        await manager.ensure_session("t1", tenant_id="other", kind=TurnKind.TEXT)
+    with pytest.raises(PermissionError):  # the tenant first: another's session is unknown, whatever its kind
         await manager.ensure_session("t1", tenant_id="other")
+    with pytest.raises(WrongSessionKind, match="is a text session, not a voice one"):
+        await manager.ensure_session("t1", tenant_id="acme")
 
 
 async def test_stop_goes_through_cancel_requested(manager: TurnManager, clock: VirtualClock) -> None:

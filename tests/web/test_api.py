@@ -17,6 +17,7 @@ from conftest import start_app
 
 from clock import VirtualClock
 from turn.event_catalogue import MODEL_OF
+from turn.models import TurnKind
 from web.app import MANAGER, create_app
 from web.auth import Auth
 from web.errors import ApiError
@@ -117,6 +118,9 @@ async def test_auth_is_required(api: Api, headers: dict[str, str] | None) -> Non
         (b"[1]", "invalid_request"),
         (json.dumps({}).encode(), "invalid_request"),
         (json.dumps({"text": ""}).encode(), "invalid_request"),
+        (json.dumps({"text": " \t\n "}).encode(), "invalid_request"),  # no words: refused, not answered
+        (b'{"text": "hi", "budget_cents": NaN}', "invalid_request"),
+        (b'{"text": "hi", "budget_cents": Infinity}', "invalid_request"),
         (json.dumps({"text": "x" * 4001}).encode(), "invalid_request"),
         (json.dumps({"text": "hi", "session_id": "../etc"}).encode(), "invalid_request"),
         (json.dumps({"text": "hi", "deadline_ms": 0}).encode(), "invalid_request"),
@@ -163,6 +167,21 @@ async def test_other_tenants_see_nothing(api: Api) -> None:
         assert status == 404 and body["error"]["code"] == "not_found"
         assert "acme" not in json.dumps(body)
     await api.stop(tid, "cleanup")
+
+
+async def test_a_text_turn_cannot_join_a_voice_session(api: Api) -> None:
+    """A live call's session is the call's (its generation fence and
+    delivery gate): a typed message into it is refused with 409, even by
+    its own tenant, and nothing is written (from review: it ran beside
+    the voice turn and fenced the call's output)."""
+    manager = api.app[MANAGER]
+    await manager.ensure_session("call-1", tenant_id="acme", kind=TurnKind.VOICE)
+    status, body = await api.call("POST", "/v1/turns", headers=ACME, json={"text": "hi", "session_id": "call-1"})
+    assert (status, body["error"]["code"]) == (409, "wrong_session_kind")
+    assert "voice session" in body["error"]["message"]
+    assert await manager.store.list_session("call-1") == []
+    status, body = await api.call("POST", "/v1/turns", headers=GLOBEX, json={"text": "hi", "session_id": "call-1"})
+    assert (status, body["error"]["code"]) == (404, "not_found")  # another tenant's: unknown, whatever its kind
 
 
 async def test_new_message_supersedes_the_running_answer(api: Api) -> None:
