@@ -27,7 +27,7 @@ from voice.text import SentenceSplitter
 from voice.tools import Toolbox
 from voice.transport import OutputSink
 from voice.turn_handle import TurnHandle
-from voice.turn_lifecycle import Heard, fail, finish
+from voice.turn_lifecycle import Heard, finish
 
 #: a playout frame quieter than this (dBFS) is a pause, not speech
 SILENCE_DBFS = -50.0
@@ -65,7 +65,12 @@ async def answer(
         await manager.record(run.continues.turn_id, merged_into=turn.id)
     run.output(Transcript(turn_id=run.turn_id, generation=run.generation, role="user", text=transcript))
     if not transcript:
-        run.settled = await fail(manager, turn.id, run.ctx.fence.active, "no_speech_recognized", run.ctx.report)
+        # nothing was said (a silent push-to-talk press, speech the
+        # recogniser could not make out): FAILED, told by the turn's own
+        # state (error no_speech_recognized); no ``error`` event, which a
+        # client shows as something gone wrong
+        await manager.fail(turn.id, "no_speech_recognized")
+        run.settled = True
         return
     messages = await history(run, turn)
     await generate_reply(run, scope, messages, manager=manager, llm=llm, tts=tts, tools=tools, playout=playout)

@@ -103,19 +103,14 @@ async def finish(
     await scope.commit(step(), effect=False)
 
 
-async def fail(manager: TurnManager, turn_id: str, generation: int, exc: BaseException | str, report: EventSink) -> bool:
-    """A turn cannot go on: its work raised ``exc`` (not a stop), or ``exc``
-    names why (``"no_speech_recognized"``). FAILED with its description,
-    and the client is told (event ``error``, code ``turn_failed``, in
-    ``generation``) even if the store refused the write. Returns whether the
-    failure was recorded (False: the store refused it, logged; the caller's
-    settle tries again)."""
-    if isinstance(exc, str):
-        error = exc
-        log.info("turn %s failed: %s", turn_id, error)
-    else:
-        error = describe_error(exc)
-        log.error("turn %s failed: %s", turn_id, error, exc_info=exc)
+async def fail(manager: TurnManager, turn_id: str, generation: int, exc: BaseException, report: EventSink) -> bool:
+    """A turn's work raised ``exc`` (not a stop): FAILED with its
+    description, and the client is told (event ``error``, code
+    ``turn_failed``, in ``generation``) even if the store refused the
+    write. Returns whether the failure was recorded (False: the store
+    refused it, logged; the caller's settle tries again)."""
+    error = describe_error(exc)
+    log.error("turn %s failed: %s", turn_id, error, exc_info=exc)
     recorded = True
     try:
         await manager.fail(turn_id, error)
