@@ -25,9 +25,9 @@ import json
 import logging
 import random
 import wave
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import aiohttp
