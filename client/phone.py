@@ -149,6 +149,8 @@ class PhoneSimulator:
         self._send_lock = asyncio.Lock()
         #: set when the server closed the socket (or it broke)
         self.server_closed = asyncio.Event()
+        #: headers of the upgrade's response (the server's session id)
+        self.response_headers: dict[str, str] = {}
         #: seconds (clock) at which the stream started (``start`` sent)
         self.started_at: float | None = None
         self._heard_cond = asyncio.Condition()
@@ -171,6 +173,9 @@ class PhoneSimulator:
         except (aiohttp.ClientError, OSError) as exc:
             await self._http.close()
             raise CallError(f"cannot reach {self.stream_url}: {exc or type(exc).__name__}") from exc
+        # aiohttp keeps the upgrade's response on the socket object only
+        response = getattr(self._ws, "_response", None)
+        self.response_headers = dict(response.headers) if response is not None else {}
         await self._send(self.dialect.connected())
         await self._send(self.dialect.start(self.custom_parameters))
         self.started_at = self.clock.monotonic()
