@@ -1,0 +1,81 @@
+"""End to end over the phone path: the real server on loopback, called by
+the phone simulator (client/phone.py) as Twilio and as Telnyx would, with
+espeak-ng speech; measured at the simulated caller's ear."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from conftest import requires_espeak, start_app
+
+from client.phone_call import PhoneCallClient
+from client.results import Utterance
+from media.frames import PLAYOUT_RATE, load_pcm
+from web.app import create_app
+from web.settings import Settings
+
+pytestmark = [pytest.mark.e2e, requires_espeak]
+TOKEN = "tok-phone-0123456789"
+
+
+@pytest.fixture
+async def phone_server(tmp_path: Path, grammar_file: Path) -> AsyncIterator[str]:
+    app = create_app(
+        Settings(store=f"sqlite:///{tmp_path}/var/t.db", stt={"grammar": grammar_file}, api_tokens=f"default:{TOKEN}")
+    )
+    runner, url = await start_app(app)
+    yield url
+    await runner.cleanup()
+
+
+def utt(path: Path, at_s: float | None = None) -> Utterance:
+    return Utterance(pcm=load_pcm(path, PLAYOUT_RATE), at_s=at_s, label=path.name)
+
+
+async def test_a_twilio_caller_asks_and_hears_the_answer(phone_server: str, say: Callable[..., Path], tmp_path: Path) -> None:
+    out = tmp_path / "heard.wav"
+    result = await PhoneCallClient(phone_server, "twilio", token=TOKEN).run(
+        utt(say("what is the weather like today")), out_wav=out, timeout_s=45
+    )
+    assert result.ok and result.protocol_errors == [], result.as_dict()
+    [turn] = result.turns
+    assert turn.transcript == "what is the weather like today"
+    assert turn.status == "COMPLETED" and "sunny" in turn.reply
+    # the caller heard the answer: a second or more of agent audio at the ear
+    assert result.received_audio_ms >= 1000 and out.stat().st_size > 16_000
+
+
+async def test_a_barge_in_over_twilio_clears_what_the_caller_would_still_hear(
+    phone_server: str, say: Callable[..., Path]
+) -> None:
+    result = await PhoneCallClient(phone_server, "twilio", token=TOKEN).run(
+        utt(say("tell me a story")), [utt(say("what is the weather like today"), at_s=1.5)], timeout_s=60
+    )
+    assert result.ok and result.protocol_errors == [], result.as_dict()
+    old, new = result.turns
+    assert old.status == "CANCELLED" and old.stop_reason == "barge_in"
+    assert new.transcript == "what is the weather like today" and new.status == "COMPLETED"
+    [m] = result.barge_ins
+    assert m.barged_in and m.speaking_at_onset
+    # clear came after the fence, at once, and nothing old played after it
+    assert m.clear_after_fence_ms is not None and -2 <= m.clear_after_fence_ms <= 60, m.as_dict()
+    assert m.old_audio_after_clear_ms == 0
+    # the ear went quiet soon after the speech began (sanity bound; bench/bargein.py measures)
+    assert m.stop_ms is not None and m.stop_ms < 800, m.as_dict()
+    # what the server kept as heard matches what the ear played, by the marks (within 300 ms)
+    assert m.played_ms_at_ear is not None and m.server_played_ms is not None, m.as_dict()
+    assert abs(m.played_ms_at_ear - m.server_played_ms) <= 300, m.as_dict()
+    assert old.reply == m.server_heard and old.reply and "Once upon a time".startswith(old.reply[:16])
+
+
+async def test_a_telnyx_caller_with_frames_out_of_order_is_understood(phone_server: str, say: Callable[..., Path]) -> None:
+    result = await PhoneCallClient(phone_server, "telnyx", token=TOKEN, reorder=0.2, seed=7).run(
+        utt(say("what is the weather like today")), timeout_s=45
+    )
+    assert result.ok and result.protocol_errors == [], result.as_dict()
+    [turn] = result.turns
+    assert turn.transcript == "what is the weather like today" and turn.status == "COMPLETED"
+    assert result.received_audio_ms >= 1000
