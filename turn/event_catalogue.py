@@ -28,8 +28,8 @@ StopKindName = Literal["user_cancel", "barge_in", "deadline_exceeded", "budget_e
                        "safety_abort", "worker_shutdown", "transport_disconnected"]
 #: what the barge-in detector decided (media.bargein.DetectorEventKind), or the endpointer
 VadEventName = Literal["speech_started", "speech_confirmed", "speech_rejected", "speech_stopped", "end_of_turn"]
-#: who took the turn in a barge-in: voice activity or push-to-talk
-BargeInInitiator = Literal["vad", "ptt"]
+#: who took the turn in a barge-in: voice activity, push-to-talk or a telephone key (DTMF)
+BargeInInitiator = Literal["vad", "ptt", "dtmf"]
 #: what the agent is doing for a voice turn
 AgentPhase = Literal["thinking", "speaking", "idle"]
 #: a tool's declared effect (voice.tools.Effect)

@@ -1,5 +1,8 @@
 """Control input of a voice session: push-to-talk, abort and DTMF keys, as
-the transport delivers them (:class:`voice.transport.Control`).
+the transport delivers them (:class:`voice.transport.Control`). Keys are the
+user's input (:mod:`voice.dtmf`): the first opens a keypad turn like
+push-to-talk does (a committed barge-in, initiator ``dtmf``), the
+terminator or a pause ends it, and its transcript is the digits.
 
 :class:`SessionControls` is the part of :class:`voice.session.AgentSession`
 that carries each control out; it declares what of the session it uses.
@@ -8,15 +11,20 @@ that carries each control out; it declares what of the session it uses.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 from clock import Clock
 from turn.models import StopReason, StopReasonKind
+from voice.dtmf import DigitStream
+from voice.session_config import SessionConfig
 from voice.transport import Control, ControlKind, Transport
 from voice.turn_taking import Decision, TurnTaking
 
 if TYPE_CHECKING:
     from voice.turn_handle import TurnHandle
+
+log = logging.getLogger(__name__)
 
 
 class SessionControls:
@@ -27,9 +35,15 @@ class SessionControls:
     transport: Transport
     turn_taking: TurnTaking
     dtmf_digits: str
+    config: SessionConfig
     _tg: asyncio.TaskGroup | None
+    #: the keys being collected as the user's input (None: none are)
+    _keypad: DigitStream | None = None
+    _keypad_timer: asyncio.Task[None] | None = None
 
     if TYPE_CHECKING:
+        _listening: TurnHandle | None
+
         def _carry_out(self, decisions: list[Decision]) -> None: ...
         def _active_run(self) -> TurnHandle | None: ...
         def _silence(self, run: TurnHandle) -> None: ...
@@ -49,6 +63,7 @@ class SessionControls:
             self.abort()
         elif control.kind is ControlKind.DTMF:
             self.dtmf_digits = (self.dtmf_digits + (control.digit or ""))[-64:]  # the latest keys
+            self.keypad(control.digit or "", control.at)
         if error is not None:
             self.transport.refuse(control, error)
 
@@ -85,3 +100,46 @@ class SessionControls:
             return "ptt_not_active"
         self._carry_out(self.turn_taking.ptt_end(self.clock.monotonic()))
         return None
+
+    def keypad(self, digit: str, at: float) -> None:
+        """A telephone key at clock seconds ``at`` (:mod:`voice.dtmf`): the
+        first opens a keypad turn (a committed barge-in if the agent is
+        replying), the terminator ends it at once, any other key is added
+        and restarts the timeout. While a spoken utterance is being listened
+        to, a key is only recorded (``dtmf_digits``)."""
+        tt = self.turn_taking
+        entry = self._keypad if tt.ptt_active else None  # held too long: let go by turn-taking
+        if entry is None:
+            if tt.listening or tt.ptt_active or self._tg is None:
+                log.info("key %r while an utterance is being listened to: recorded only", digit)
+                return
+            self._carry_out(tt.ptt_start(at, initiator="dtmf"))
+            run = self._listening
+            if run is None or not isinstance(run.stt, DigitStream):
+                return
+            self._keypad = entry = run.stt
+        cfg = self.config.dtmf
+        if cfg.terminator and digit == cfg.terminator:
+            entry.digits = entry.digits or digit
+            self._keypad_end(at)
+            return
+        entry.digits = (entry.digits + digit)[:256]
+        if self._keypad_timer is not None:
+            self._keypad_timer.cancel()
+        assert self._tg is not None
+        self._keypad_timer = self._tg.create_task(self._keypad_timeout(entry, cfg.timeout_ms / 1000))
+
+    async def _keypad_timeout(self, entry: DigitStream, timeout_s: float) -> None:
+        """No key for ``timeout_s``: the keys are the input."""
+        await self.clock.sleep(timeout_s)
+        if self._keypad is entry:
+            self._keypad_timer = None
+            self._keypad_end(self.clock.monotonic())
+
+    def _keypad_end(self, at: float) -> None:
+        """The keys are complete: the keypad turn's utterance ends."""
+        self._keypad = None
+        timer, self._keypad_timer = self._keypad_timer, None
+        if timer is not None and timer is not asyncio.current_task():
+            timer.cancel()
+        self._carry_out(self.turn_taking.ptt_end(at))

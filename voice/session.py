@@ -48,6 +48,7 @@ from turn.scope import TurnScope
 from voice.backchannel import BackchannelConfig, judge, recognise
 from voice.barge_in import BargeInRecord, barge_in, continues, interrupted_turn
 from voice.controls import SessionControls
+from voice.dtmf import DigitStream
 from voice.endpointing import EndpointConfig
 from voice.heard import Hearing
 from voice.history import earlier_messages, history_after
@@ -144,7 +145,7 @@ class AgentSession(SessionControls):
         self._held: list[bytes] = []
         #: the recogniser deciding whether the candidate is a backchannel
         self._classifying: asyncio.Task[None] | None = None
-        #: DTMF keys pressed so far, in order (nothing acts on them yet)
+        #: DTMF keys pressed so far, in order (the latest 64)
         self.dtmf_digits = ""
         self.false_interruptions = 0
         self.backchannels = 0
@@ -332,7 +333,8 @@ class AgentSession(SessionControls):
         cleared = self.playout.clear()
         self.playout.resume()
         after: asyncio.Task[None] | None = None
-        run = TurnHandle(self._turn_context(), generation, self.providers.stt.open_stream(self.stt_adaptation))
+        stream = DigitStream() if d.initiator == "dtmf" else self.providers.stt.open_stream(self.stt_adaptation)
+        run = TurnHandle(self._turn_context(), generation, stream)
         if old is not None:
             rec, after = barge_in(
                 old, d, old_generation=old_generation, new_generation=generation, fenced_at=fenced_at,

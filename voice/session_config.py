@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from voice.backchannel import BackchannelConfig
+from voice.dtmf import DtmfConfig
 from voice.endpointing import EndpointConfig
 
 
@@ -19,9 +20,11 @@ class SessionConfig(BaseModel):
             :mod:`voice.history`).
         backchannel: see :class:`voice.backchannel.BackchannelConfig`.
         endpoint: see :class:`voice.endpointing.EndpointConfig`.
+        dtmf: telephone keys as input, see :class:`voice.dtmf.DtmfConfig`.
     """
 
     stop_grace_ms: int = Field(250, ge=0, le=10_000)
     history_messages: int = Field(40, ge=2, le=1000)
     backchannel: BackchannelConfig = BackchannelConfig()
     endpoint: EndpointConfig = EndpointConfig()
+    dtmf: DtmfConfig = DtmfConfig()

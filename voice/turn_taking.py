@@ -135,11 +135,11 @@ class Commit:
 
     Attributes:
         at: clock seconds of the decision.
-        initiator: ``"vad"`` or ``"ptt"``.
+        initiator: ``"vad"``, ``"ptt"`` or ``"dtmf"``.
         onset_at: clock seconds of the speech's first gated frame.
         paused_ms: how long playout was paused for it, ms (int 0 if not).
         audio: feed the candidate's held audio to the new turn's recogniser
-            (push-to-talk has none).
+            (push-to-talk and keys have none).
     """
 
     at: float
@@ -364,10 +364,12 @@ class TurnTaking:
             return self._let_go(cand, at, agent)
         return []
 
-    def ptt_start(self, at: float) -> list[Decision]:
+    def ptt_start(self, at: float, initiator: BargeInInitiator = "ptt") -> list[Decision]:
         """Push-to-talk pressed at ``at``: an immediate, committed barge-in
         with no VAD involved (or, if an utterance is already listened to,
-        push-to-talk takes it over). Changes nothing if already held."""
+        push-to-talk takes it over). Changes nothing if already held.
+        ``initiator`` ``"dtmf"``: a telephone key opens keypad input the
+        same way (held until :meth:`ptt_end`)."""
         if self.ptt_active:
             return []
         self.ptt_active = True
@@ -380,7 +382,7 @@ class TurnTaking:
             self.endpoint_at = None
             return out
         out.append(self._open(at, at))
-        out += self._commit(at, initiator="ptt")
+        out += self._commit(at, initiator=initiator)
         return out
 
     def ptt_end(self, at: float) -> list[Decision]:
@@ -416,9 +418,9 @@ class TurnTaking:
             # one ends here and is stopped like any other turn in flight.
             out.append(EndOfUtterance(at))
         paused_ms = round((at - cand.paused_at) * 1000, 1) if cand.paused else 0
-        out.append(Commit(at, initiator, cand.onset_at, paused_ms, audio=initiator != "ptt"))
+        out.append(Commit(at, initiator, cand.onset_at, paused_ms, audio=initiator == "vad"))
         self.paused = False  # the commit clears and resumes playout
-        self.listening, self.listening_ptt = True, initiator == "ptt"
+        self.listening, self.listening_ptt = True, initiator != "vad"
         self.endpoint_at = self.speech_end_at = None
         self.last_speech_at = self.utterance_at = at
         if cand.ended_at is not None and not self.listening_ptt:

@@ -6,6 +6,7 @@ Routes:
     GET  /healthz           liveness: {"status": "ok", "sessions": N}
     POST /v1/webrtc/offer   {"type": "offer", "sdp": "..."} ->
                             {"type": "answer", "sdp": "...", "session_id": "..."}
+    /v1/telephony/...       phone calls (web.telephony.routes)
 
 Every error under /v1 and /healthz is JSON: ``{"error": {"code", "message"}}``
 with a 4xx/5xx status; a bad request never affects other sessions.
@@ -48,6 +49,7 @@ from web.offer_validation import OfferRejected, validate_offer
 from web.peer import PeerSession
 from web.settings import Settings
 from web.state import AUTH, CLOCK, LEASES, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE, STREAMS, TEXT_TURNS, WORKERS
+from web.telephony import routes as telephony_routes
 
 if TYPE_CHECKING:
     from demo_shop.shop import DemoShop
@@ -253,6 +255,7 @@ def create_app(
     app.router.add_get("/healthz", _healthz)
     app.router.add_post("/v1/webrtc/offer", _offer)
     api.add_routes(app)
+    telephony_routes.add_routes(app)
     # Startup enters these in order, cleanup leaves them in reverse: a step
     # that fails stops the server before it serves, and cleanup then undoes
     # what the steps before it did (aiohttp runs only the exits of the
@@ -426,7 +429,7 @@ async def _offer(request: web.Request) -> web.Response:
     except OfferRejected as exc:
         raise ApiError(400, exc.code, str(exc)) from exc
     settings = app[SETTINGS]
-    peers: dict[str, PeerSession] = app[PEERS]
+    peers = app[PEERS]
     if len(peers) >= settings.max_sessions:
         raise ApiError(503, "too_many_sessions", f"{settings.max_sessions} sessions are running; try later",
                        headers={"Retry-After": "5"})
@@ -460,6 +463,6 @@ async def _offer(request: web.Request) -> web.Response:
     return web.json_response({"type": "answer", "sdp": sdp, "session_id": peer.id})
 
 
-def _forget(peers: dict[str, PeerSession], peer: PeerSession) -> None:
+def _forget(peers: dict[str, Any], peer: PeerSession) -> None:
     """A closed peer leaves the table (if still there)."""
     peers.pop(peer.id, None)

@@ -37,6 +37,45 @@ from voice.tts import EspeakConfig
 _CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("turnkeeper_config", default=None)
 
 
+class TelephonySettings(BaseModel):
+    """Phone calls through media-stream bridges (env ``TURNKEEPER_TELEPHONY__*``;
+    see README "Phone calls").
+
+    Attributes:
+        twilio_auth_token: the Twilio account's Auth Token; when set, the
+            voice webhook and the stream's WebSocket upgrade need a valid
+            ``X-Twilio-Signature`` (else 403). Empty: not checked.
+        public_url: the server's URL as the provider reaches it
+            (``https://agent.example.com``, behind a proxy); signatures are
+            checked against it and stream URLs built from it. Empty: the
+            request's own URL.
+        stream_url: the ``wss://`` URL the TwiML points the stream at.
+            Empty: built from ``public_url`` or the request.
+        tenant_secret: the key the tenant in the TwiML is signed with.
+            Empty: a secret kept in the store.
+        tenant_by_number: the tenant of each called number (E.164), by
+            number; others are ``default``. Env as JSON.
+        send_ahead_ms: audio the provider may hold beyond what is due, ms
+            (what a ``clear`` throws away at most; a multiple of 20).
+        mark_every_ms: a mark after this much audio at most, ms (and at the
+            end of each stretch of audio).
+        max_message_bytes: largest WebSocket message accepted, bytes (a
+            larger one closes the socket, 1009).
+        max_messages_per_s: messages a second a stream may send (20 ms
+            media is 50); more closes the socket (1008).
+    """
+
+    twilio_auth_token: str = Field("", repr=False)
+    public_url: str = Field("", pattern=r"^(https?://[^/\s]+)?$")
+    stream_url: str = Field("", pattern=r"^(wss?://\S+)?$")
+    tenant_secret: str = Field("", repr=False)
+    tenant_by_number: dict[str, str] = Field(default_factory=dict)
+    send_ahead_ms: int = Field(60, ge=20, le=2000, multiple_of=20)
+    mark_every_ms: int = Field(200, ge=20, le=10_000)
+    max_message_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024)
+    max_messages_per_s: int = Field(500, ge=60, le=100_000)
+
+
 class Settings(BaseSettings):
     """All of turnkeeper's settings.
 
@@ -84,6 +123,7 @@ class Settings(BaseSettings):
             tenant id; ``default`` applies to tenants without one (and to
             browser and phone sessions). TOML ``[plans.default]``,
             ``[plans.tenant_a]``; env ``TURNKEEPER_PLANS`` as JSON.
+        telephony: phone calls (:class:`TelephonySettings`).
     """
 
     model_config = SettingsConfigDict(
@@ -145,6 +185,7 @@ class Settings(BaseSettings):
     llm: LlmConfig = LlmConfig()
     plans: dict[str, Plan] = Field(default_factory=lambda: {"default": Plan()})
     tts: EspeakConfig = EspeakConfig()
+    telephony: TelephonySettings = TelephonySettings()
 
     @classmethod
     def settings_customise_sources(

@@ -8,27 +8,43 @@ naming ``web.app``'s and ``web.peer``'s classes here makes no import cycle.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
 if TYPE_CHECKING:
     from clock import Clock
     from turn.manager import TurnManager
+    from turn.models import StopReasonKind
     from turn.store import TurnStore
     from voice.text_turns import TextTurns
     from web.app import EmbeddedProviders
     from web.auth import Auth
-    from web.peer import PeerSession
     from web.settings import Settings
+
+
+class ClientSession(Protocol):
+    """A connected voice client as the application tracks it: a WebRTC peer
+    (``web.peer.PeerSession``) or a phone call (``web.telephony.call.PhoneCall``)."""
+
+    id: str
+    #: the client's address (per-client limits)
+    client: str
+    #: it is connected (a WebRTC offer may still be connecting)
+    connected: bool
+
+    def close(self, reason: StopReasonKind) -> asyncio.Task[None]:
+        """End it and free everything, once; returns the closing task."""
+        ...
+
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
 CLOCK: web.AppKey[Clock] = web.AppKey("clock")
 #: the turn store (turn.sqlite_store.SqliteStore or turn.redis_store.RedisStore)
 STORE: web.AppKey[TurnStore] = web.AppKey("store")
 MANAGER: web.AppKey[TurnManager] = web.AppKey("manager")
-#: session id -> its WebRTC peer
-PEERS: web.AppKey[dict[str, PeerSession]] = web.AppKey("peers")
+#: session id -> its WebRTC peer or phone call
+PEERS: web.AppKey[dict[str, ClientSession]] = web.AppKey("peers")
 PROVIDERS: web.AppKey[EmbeddedProviders] = web.AppKey("providers")
 TEXT_TURNS: web.AppKey[TextTurns] = web.AppKey("text_turns")
 #: made at startup (it needs the store's secret)
@@ -40,4 +56,6 @@ STREAMS: web.AppKey[set[asyncio.Task[Any]]] = web.AppKey("event_streams")
 #: background tasks started at startup: reconciliation, the lease sweeper, the providers' workers
 WORKERS: web.AppKey[list[asyncio.Task[None]]] = web.AppKey("workers")
 
-__all__ = ["SETTINGS", "CLOCK", "STORE", "MANAGER", "PEERS", "PROVIDERS", "TEXT_TURNS", "AUTH", "LEASES", "STREAMS", "WORKERS"]
+__all__ = [
+    "ClientSession", "SETTINGS", "CLOCK", "STORE", "MANAGER", "PEERS", "PROVIDERS", "TEXT_TURNS", "AUTH", "LEASES", "STREAMS", "WORKERS",
+]

@@ -166,7 +166,6 @@ async def test_push_to_talk_and_abort_arrive_as_controls(call: Call, say: Callab
     [story] = await store.list_session("wav-1")
     assert story.transcript == "tell me a story"
     # abort: the reply stops at once (user_cancel) and the recording goes silent
-    t.press(ControlKind.DTMF, "5")
     assert t.press(ControlKind.ABORT)
     pressed = call.clock.monotonic()
     await call.wait_for(lambda: any(e["type"] == "turn" and e["status"] == "CANCELLED" for e in call.events))
@@ -174,7 +173,7 @@ async def test_push_to_talk_and_abort_arrive_as_controls(call: Call, say: Callab
     assert story.stop_reason is not None and story.stop_reason.kind is StopReasonKind.USER_CANCEL
     assert story.stop_reason.initiator == "user"
     assert not t.audible(1, since=pressed + 0.1)
-    assert call.session.dtmf_digits == "5" and len(t.refused) == 1
+    assert len(t.refused) == 1
     await call.hang_up()
     assert not t.press(ControlKind.PTT_START)  # the call is over: no session takes it
     assert t.refused[-1][1] == "session_not_ready"

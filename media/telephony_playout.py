@@ -1,0 +1,250 @@
+"""The output sink of a telephone call: the playout buffer, paced onto a
+media stream's WebSocket as 20 ms mu-law messages with a small send-ahead,
+with marks to learn what the caller heard and ``clear`` on a barge-in.
+
+A telephony provider (Twilio Media Streams, Telnyx) buffers what the server
+sends and plays it in order, so anything already sent keeps playing unless
+the server sends ``clear`` (Twilio, "Media Streams - WebSocket Messages",
+*Clear message*). Hence:
+
+- **pacing with send-ahead**: every 20 ms tick of the injected clock the
+  pacer sends frames until the provider holds ``send_ahead_ms`` of audio
+  not yet due (it assumes the provider plays at real time from receipt), so
+  a ``clear`` throws away at most that much and a stage-1 pause (the buffer
+  paused) stops the sound within it;
+- **delivery gate**: only frames whose generation passes are sent (the same
+  rule as WebRTC's paced track); others are dropped, counted as fenced;
+- **clear**: :meth:`TelephonyPlayout.clear` (called by the session right
+  after the fence moves, in the same step) empties the queue *and* sends
+  ``clear`` at once, even when the queue was already empty (the provider may
+  still be playing: openai/openai-agents-js #1173);
+- **marks**: a mark after every ``mark_every_ms`` of audio and at the end
+  of each stretch (the queue ran dry, paused, or the generation changed);
+  :meth:`TelephonyPlayout.played_samples` is the marks' account
+  (:class:`media.marks.MarkTracker`), not what left the server.
+
+Protocol framing is the caller's (:class:`Wire`); this module sends bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from clock import Clock
+from media.frames import FRAME_MS, PLAYOUT_RATE, samples_per_frame
+from media.g711 import MULAW_FRAME_BYTES, MulawEncoder
+from media.marks import MarkTracker
+from media.outbound import Passes
+from media.playout import PlayoutBuffer, PlayoutFrame
+
+log = logging.getLogger(__name__)
+
+#: if the loop stalls longer than this (s), pacing restarts instead of bursting
+MAX_LAG_S = 0.1
+#: how long past the end of its audio a mark may take to be echoed before
+#: :meth:`TelephonyPlayout.wait_empty` stops waiting for it, s
+MARK_TIMEOUT_S = 2.0
+#: mu-law code of silence (zero): pads the last message of a stretch to 160 bytes
+MULAW_SILENCE = b"\xff"
+
+
+class Wire(Protocol):
+    """Where the pacer's messages go, in the order given (the transport
+    frames them in its provider's dialect). None of these may block."""
+
+    def send_media(self, payload: bytes, generation: int) -> None:
+        """One 20 ms message: 160 bytes of mu-law 8 kHz of ``generation``."""
+        ...
+
+    def send_mark(self, name: str, generation: int) -> None:
+        """A mark after the audio sent so far."""
+        ...
+
+    def send_clear(self) -> None:
+        """``clear``: the provider drops the audio it holds."""
+        ...
+
+
+class TelephonyPlayout(PlayoutBuffer):
+    """One call's output sink (see the module doc). Not thread-safe.
+
+    Args:
+        clock: pacing and mark time source.
+        passes: the delivery gate's rule (``GenerationFence.passes``).
+        wire: where messages go.
+        send_ahead_ms: audio the provider may hold beyond what is due, ms
+            (a multiple of 20, at least 20).
+        mark_every_ms: a mark after this much audio at most, ms.
+
+    Attributes:
+        marks: the mark books (what the caller heard).
+        fenced_frames: frames dropped by the gate.
+        clears_at: clock seconds of every ``clear`` sent.
+        sent_frames: 20 ms frames sent, per generation.
+
+    Raises:
+        ValueError: ``send_ahead_ms`` is not a positive multiple of 20.
+    """
+
+    def __init__(
+        self, clock: Clock, passes: Passes, wire: Wire, *, send_ahead_ms: int = 60, mark_every_ms: int = 200,
+        rate: int = PLAYOUT_RATE,
+    ) -> None:
+        if send_ahead_ms < FRAME_MS or send_ahead_ms % FRAME_MS:
+            raise ValueError(f"send_ahead_ms must be a positive multiple of {FRAME_MS}, got {send_ahead_ms}")
+        super().__init__(rate)
+        self.clock = clock
+        self.passes = passes
+        self.wire = wire
+        self.send_ahead_s = send_ahead_ms / 1000
+        self.mark_every_ms = mark_every_ms
+        self.marks = MarkTracker(rate)
+        self.fenced_frames = 0
+        self.clears_at: list[float] = []
+        self.sent_frames: dict[int, int] = {}
+        self._encoder = MulawEncoder(rate)
+        self._samples = samples_per_frame(rate)
+        self._mulaw = b""
+        self._far_end_until = 0.0  # clock seconds when the provider will have played all sent
+        self._stretch: int | None = None  # generation of the stretch being sent
+        self._since_mark_ms = 0
+        self._audible_end: dict[int, int] = {}
+        self._sent_since_clear = False
+
+    # -- the pacer -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Pace the queue out, one tick every 20 ms of the clock, until
+        cancelled (:meth:`pump` each tick)."""
+        start: float | None = None
+        tick = 0
+        while True:
+            now = self.clock.monotonic()
+            if start is None:
+                start = now
+            else:
+                tick += 1
+                due = start + tick * FRAME_MS / 1000
+                if now - due > MAX_LAG_S:
+                    start, tick = now, 0  # the loop stalled: restart rather than burst
+                else:
+                    await self.clock.sleep(due - now)
+            self.pump(self.clock.monotonic())
+
+    def pump(self, now: float) -> int:
+        """One tick at clock seconds ``now``: send frames until the provider
+        holds ``send_ahead_ms`` not yet due; end the stretch (last bytes and
+        a mark) when nothing more may go. Returns the frames sent."""
+        sent = 0
+        while self._far_end_until - now < self.send_ahead_s - 1e-9:
+            frame = self._next_deliverable()
+            if frame is None:
+                break
+            self._send(frame, now)
+            sent += 1
+        if not sent and self._stretch is not None:
+            self._end_stretch(now)
+        return sent
+
+    def _next_deliverable(self) -> PlayoutFrame | None:
+        """The delivery gate: the next frame of a generation that passes,
+        dropping (and counting) others on the way; None while paused."""
+        while (frame := self.pop()) is not None:
+            if self.passes(frame.generation):
+                return frame
+            self.fenced_frames += 1
+        return None
+
+    def _send(self, frame: PlayoutFrame, now: float) -> None:
+        gen = frame.generation
+        if self._stretch is not None and self._stretch != gen:
+            self._end_stretch(now)
+        self._stretch = gen
+        self._sent_since_clear = True
+        self._mulaw += self._encoder.encode(frame.pcm)
+        while len(self._mulaw) >= MULAW_FRAME_BYTES:
+            self.wire.send_media(self._mulaw[:MULAW_FRAME_BYTES], gen)
+            self._mulaw = self._mulaw[MULAW_FRAME_BYTES:]
+        self._far_end_until = max(self._far_end_until, now) + FRAME_MS / 1000
+        end = frame.sample + len(frame.pcm) // 2
+        self.marks.audio_sent(gen, frame.sample, end, now)
+        self.sent_frames[gen] = self.sent_frames.get(gen, 0) + 1
+        if frame.audible:
+            self._audible_end[gen] = end
+            if len(self._audible_end) > 64:
+                del self._audible_end[min(self._audible_end)]
+        self._since_mark_ms += FRAME_MS
+        if self._since_mark_ms >= self.mark_every_ms:
+            self._mark(gen, now)
+
+    def _end_stretch(self, now: float) -> None:
+        gen = self._stretch
+        assert gen is not None
+        if self._mulaw:
+            self.wire.send_media(self._mulaw.ljust(MULAW_FRAME_BYTES, MULAW_SILENCE), gen)
+            self._mulaw = b""
+        if self._since_mark_ms:
+            self._mark(gen, now)
+        self._stretch = None
+
+    def _mark(self, generation: int, now: float) -> None:
+        self.wire.send_mark(self.marks.mark_sent(generation, now), generation)
+        self._since_mark_ms = 0
+
+    # -- the provider's side -----------------------------------------------------------
+
+    def on_mark(self, name: str) -> bool:
+        """The provider echoed mark ``name`` (now). True if it counts as
+        played (see :meth:`media.marks.MarkTracker.echoed`)."""
+        return self.marks.echoed(name, self.clock.monotonic())
+
+    # -- the seam (voice.transport.OutputSink) --------------------------------------
+
+    def clear(self) -> int:
+        """Drop everything queued and send ``clear`` at once, whether or
+        not anything was queued here (the far end may still be playing);
+        what the caller heard of each generation is frozen now. Only when
+        nothing was sent since the last ``clear`` is there nothing to clear
+        (none is sent). Returns the frames dropped here."""
+        n = super().clear()
+        now = self.clock.monotonic()
+        if not self._sent_since_clear and self._stretch is None:
+            return n  # nothing of ours is at the far end: there is nothing to clear
+        self._sent_since_clear = False
+        self._mulaw = b""
+        self._encoder.reset()
+        self._stretch = None
+        self._since_mark_ms = 0
+        self.marks.cleared(now)
+        self._far_end_until = now
+        self.clears_at.append(now)
+        self.wire.send_clear()
+        return n
+
+    def played_samples(self, generation: int) -> int:
+        """How far the caller heard into ``generation``'s audio, samples at
+        ``rate``: the marks' account (:meth:`media.marks.MarkTracker.played_samples`)."""
+        return self.marks.played_samples(generation, self.clock.monotonic())
+
+    def audible_pending(self, generation: int) -> bool:
+        """Sound of ``generation`` is queued here, or sent and not heard yet."""
+        if super().audible_pending(generation):
+            return True
+        return self.played_samples(generation) < self._audible_end.get(generation, 0)
+
+    async def wait_empty(self) -> None:
+        """Return once every queued frame was sent and every mark echoed
+        (or cleared); a mark not echoed ``MARK_TIMEOUT_S`` after its audio's
+        end is given up on (logged: the provider may not echo marks)."""
+        await super().wait_empty()
+        deadline: float | None = None
+        while len(self) or self._stretch is not None or self.marks.pending():
+            now = self.clock.monotonic()
+            if not len(self) and self._stretch is None:
+                if deadline is None:
+                    deadline = max(self._far_end_until, now) + MARK_TIMEOUT_S
+                if now >= deadline:
+                    log.warning("%d marks not echoed %.1f s after their audio", self.marks.pending(), MARK_TIMEOUT_S)
+                    return
+            await self.clock.sleep(FRAME_MS / 1000)

@@ -1,0 +1,171 @@
+"""Phone calls end to end over the Twilio Media Streams endpoint: the real
+application on loopback, a raw WebSocket client in the provider's role
+(tests/telephony_provider.py) sending espeak-ng speech as 20 ms mu-law and
+playing what comes back as the provider's buffer would. A turn answered
+over the phone; a barge-in (clear after the fence, nothing of the old
+generation after it, old turn CANCELLED barge_in, history keeps only what
+was heard); DTMF as input and as a barge-in; hang-ups settle turns."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from conftest import GRAMMAR, requires_espeak, start_app
+from telephony_provider import FakeProvider, wait_until
+
+from turn.events import EventFollower, event_json
+from turn.models import StopReasonKind, Turn, TurnStatus
+from web.app import MANAGER, PEERS, STORE, create_app
+from web.settings import Settings
+from web.telephony.call import PhoneCall
+
+pytestmark = requires_espeak
+
+
+@dataclass
+class Server:
+    app: web.Application
+    url: str
+
+    @property
+    def ws_url(self) -> str:
+        return self.url.replace("http://", "ws://") + "/v1/telephony/twilio"
+
+    def call(self) -> PhoneCall:
+        [call] = [p for p in self.app[PEERS].values() if isinstance(p, PhoneCall)]
+        return call
+
+    async def turns(self, session_id: str) -> list[Turn]:
+        return await self.app[STORE].list_session(session_id)
+
+    async def events(self, session_id: str) -> list[dict[str, Any]]:
+        follower = EventFollower(self.app[STORE], session_id)
+        return [event_json(e) for e in await follower.read_available()]
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[Server]:
+    grammar = tmp_path / "test.gram"
+    grammar.write_text(GRAMMAR)
+    app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db", stt={"grammar": grammar}))
+    runner, url = await start_app(app)
+    try:
+        yield Server(app, url)
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def phone(server: Server) -> AsyncIterator[FakeProvider]:
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(server.ws_url)
+        provider = FakeProvider(ws)
+        await provider.start()
+        await wait_until(lambda: any(isinstance(p, PhoneCall) and p.agent for p in server.app[PEERS].values()))
+        yield provider
+        await provider.aclose()
+
+
+async def settled(server: Server, session_id: str, n: int, timeout: float = 30) -> list[Turn]:
+    async def done() -> bool:
+        turns = await server.turns(session_id)
+        return len(turns) >= n and all(t.status.is_terminal for t in turns)
+
+    async with asyncio.timeout(timeout):
+        while not await done():
+            await asyncio.sleep(0.05)
+    return await server.turns(session_id)
+
+
+async def test_a_call_is_answered_over_the_phone(server: Server, phone: FakeProvider, say: Callable[..., Path]) -> None:
+    call = server.call()
+    phone.play(say("count to twenty"))
+    [turn] = await settled(server, call.id, 1)
+    assert turn.status is TurnStatus.COMPLETED and turn.transcript == "count to twenty"
+    assert turn.reply and turn.reply.startswith("One, two, three")
+    # the reply reached the caller's ear: seconds of sound, 160-byte messages,
+    # and every mark echoed back (so completion waited for the far end)
+    assert len(phone.audible()) > 50
+    assert all(len(p.payload) == 160 for p in phone.played)
+    marks = phone.of("mark")
+    assert marks and set(phone.echoed) >= {m.msg["mark"]["name"] for m in marks}
+    assert call.transport.output.marks.pending() == 0 and call.transport.output.marks.unknown_echoes == 0
+    assert not phone.of("clear")  # no barge-in, no clear
+    session = await server.app[MANAGER].store.get_session(call.id)
+    assert session.tenant_id == "default"
+
+
+async def test_a_barge_in_clears_the_far_end_and_history_keeps_what_was_heard(
+    server: Server, phone: FakeProvider, say: Callable[..., Path]
+) -> None:
+    call = server.call()
+    phone.play(say("tell me a story"))
+    await wait_until(lambda: len(phone.audible()) > 40, 30, "the story is heard")
+    phone.play(say("what is the weather like today"))
+    await wait_until(lambda: bool(call.agent and call.agent.barge_ins), 10, "a barge-in")
+    rec = call.agent.barge_ins[-1]  # type: ignore[union-attr]
+    await wait_until(lambda: bool(phone.of("clear")), 5, "clear arrives")
+    old, new = (await settled(server, call.id, 2))[:2]
+    # the old turn: CANCELLED barge_in; the new one answered
+    assert old.status is TurnStatus.CANCELLED
+    assert old.stop_reason is not None and old.stop_reason.kind is StopReasonKind.BARGE_IN
+    assert old.stop_reason.initiator == "vad"
+    assert new.transcript == "what is the weather like today"
+    # clear left in the fence's own step, and nothing of the old generation after it
+    wire = list(call.transport.wire)
+    clears = [i for i, w in enumerate(wire) if w.kind == "clear"]
+    assert clears, "the server wrote a clear"
+    first = clears[0]
+    assert call.transport.output.clears_at[0] == pytest.approx(rec.fenced_at, abs=1e-3)
+    assert wire[first].at - rec.fenced_at < 0.1  # written at once (a sanity bound)
+    assert not [w for w in wire[first:] if w.generation == rec.old_generation and w.kind == "media"]
+    # on the caller's side: clear arrived, and what played after it is the new reply only
+    clear_at = phone.of("clear")[0].at
+    assert clear_at - phone.speech_started_at[-1] < 1.5  # a sanity bound (detector + confirmation)
+    # heard: only what the caller heard is kept, marked interrupted
+    assert old.reply and old.reply_unheard
+    assert "".join([old.reply, " ", old.reply_unheard]).split()[: len(old.reply.split())] == old.reply.split()
+    events = await server.events(call.id)
+    [interrupted] = [e for e in events if e["type"] == "agent.interrupted" and e["turn_id"] == old.id]
+    assert interrupted["heard"] == old.reply
+    # what the server counts as heard is close to what the far end played of the old reply
+    played_ms = len([p for p in phone.played if p.before_clear == 0 and p.at >= 0]) * 20
+    heard_ms = interrupted["played_ms"]
+    assert abs(heard_ms - played_ms) < 400, (heard_ms, played_ms)  # a sanity bound
+    history = await call.agent.history()  # type: ignore[union-attr]
+    assistant = [m for m in history if m.role == "assistant"]
+    assert assistant and assistant[0].content == old.reply and assistant[0].interrupted
+
+
+async def test_keys_are_the_users_input_and_a_key_barges_in(
+    server: Server, phone: FakeProvider, say: Callable[..., Path]
+) -> None:
+    call = server.call()
+    phone.play(say("tell me a story"))
+    await wait_until(lambda: len(phone.audible()) > 40, 30, "the story is heard")
+    for digit in "42#":
+        await phone.dtmf(digit)
+    old, keys = (await settled(server, call.id, 2))[:2]
+    assert old.status is TurnStatus.CANCELLED
+    assert old.stop_reason is not None and old.stop_reason.kind is StopReasonKind.BARGE_IN
+    assert old.stop_reason.initiator == "dtmf"
+    assert keys.transcript == "42" and keys.status is TurnStatus.COMPLETED
+    assert phone.of("clear")
+
+
+async def test_a_hang_up_mid_reply_settles_the_turn(server: Server, phone: FakeProvider, say: Callable[..., Path]) -> None:
+    call = server.call()
+    phone.play(say("tell me a story"))
+    await wait_until(lambda: len(phone.audible()) > 20, 30, "the story is heard")
+    await phone.stop()
+    [turn] = await settled(server, call.id, 1)
+    assert turn.status is TurnStatus.CANCELLED
+    assert turn.stop_reason is not None and turn.stop_reason.kind is StopReasonKind.TRANSPORT_DISCONNECTED
+    await wait_until(lambda: not server.app[PEERS], 10, "the call is freed")

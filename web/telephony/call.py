@@ -1,0 +1,243 @@
+"""One phone call: a provider's media-stream WebSocket, its
+:class:`web.telephony.transport.PhoneTransport` and the voice session on it.
+
+:class:`PhoneCall` reads the socket (:meth:`PhoneCall.run`), hands each
+message to its dialect and the transport, starts the agent once ``start``
+names the stream (and, if it names a tenant, carries our signature for it),
+and frees everything once when the stream stops, the socket closes, the
+protocol is broken beyond recovery, or the server shuts down. A call is a
+voice session like a WebRTC one: same Turn Manager, plan, ledger and log.
+
+Bad input (each a test in tests/web/test_telephony_bad_input.py): a message
+that is not JSON, an unknown event, bad base64, a payload that is not 160
+bytes, a message for another stream, media before ``start``: logged and
+dropped, the call goes on. A ``start`` we cannot serve (another format, a
+forged tenant), more than ``max_messages_per_s`` messages in a second, a
+frame over ``max_message_bytes``, too many bad messages: logged, the socket
+closed (1008 policy violation / 1009 too big), the call's turns settled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from collections.abc import Callable
+
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from clock import Clock
+from turn.generation import GenerationFence
+from turn.manager import TurnManager
+from turn.models import StopReasonKind, TurnKind
+from voice.narrowband import NarrowbandSpeech
+from voice.session import AgentSession, Providers
+from web.settings import Settings
+from web.telephony.dialect import Connected, Dialect, Dtmf, Mark, Media, ProtocolError, Start, Stop, loads
+from web.telephony.signature import tenant_of
+from web.telephony.transport import PhoneTransport
+
+log = logging.getLogger(__name__)
+
+#: bad messages a call may send before its socket is closed
+MAX_BAD_MESSAGES = 100
+#: how long a closing call waits for its agent to settle its turns, s
+SETTLE_WAIT_S = 10.0
+
+
+class PhoneCall:
+    """One call (see the module doc).
+
+    Args:
+        settings: server settings.
+        manager: the Turn Manager.
+        providers: this call's STT/LLM/TTS.
+        clock: time source.
+        ws: the provider's WebSocket (prepared).
+        dialect: its JSON.
+        secret: the key our tenant signatures are made with.
+        on_closed: called once with this call after it has been freed.
+        client: the provider's address.
+
+    Attributes:
+        errors: the code of every bad message, in order (the latest 1000).
+        close_code: the WebSocket close code we closed with (None: not us).
+    """
+
+    def __init__(
+        self, *, settings: Settings, manager: TurnManager, providers: Providers, clock: Clock,
+        ws: web.WebSocketResponse, dialect: Dialect, secret: bytes, on_closed: Callable[[PhoneCall], None],
+        client: str = "?",
+    ) -> None:
+        self.id = uuid.uuid4().hex
+        self.client = client
+        self.connected = True  # a socket is connected from the start (no pending phase)
+        self.settings = settings
+        self.manager = manager
+        # telephone audio has nothing above 4 kHz: the recogniser gets the band filled
+        self.providers = dataclasses.replace(providers, stt=NarrowbandSpeech(providers.stt))
+        self.clock = clock
+        self.ws = ws
+        self.dialect = dialect
+        self._secret = secret
+        self._on_closed = on_closed
+        self.fence = GenerationFence(clock)
+        t = settings.telephony
+        self.transport = PhoneTransport(
+            clock, self.fence.passes, dialect, ws.send_str, vad=settings.vad, bargein=settings.bargein,
+            send_ahead_ms=t.send_ahead_ms, mark_every_ms=t.mark_every_ms, stall_ms=settings.inbound_stall_ms,
+            name=self.id,
+        )
+        self.log = manager.events.log(self.id, gate=self.fence)
+        self.agent: AgentSession | None = None
+        self.tenant: str | None = None
+        self.errors: list[str] = []
+        self.close_code: int | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._writer: asyncio.Task[None] | None = None
+        self._closing: asyncio.Task[None] | None = None
+        self._window_start = 0.0
+        self._window_count = 0
+        self.closed = asyncio.Event()
+
+    # -- the socket ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Read the socket until it closes or the call ends, then free the
+        call (its turns settled). The WebSocket handler awaits this."""
+        self._writer = asyncio.get_running_loop().create_task(self.transport.write(), name=f"call-writer-{self.id}")
+        try:
+            async for msg in self.ws:
+                if msg.type is WSMsgType.TEXT:
+                    self._on_text(msg.data)
+                elif msg.type is WSMsgType.BINARY:
+                    self._bad(ProtocolError("binary", "binary frames are not part of the protocol: JSON text only"))
+                elif msg.type is WSMsgType.ERROR:
+                    log.warning("call %s: socket error: %s", self.id, self.ws.exception())
+                    break
+                if self._closing is not None:
+                    break
+        finally:
+            await asyncio.shield(self.close(StopReasonKind.TRANSPORT_DISCONNECTED))
+
+    def _on_text(self, data: str) -> None:
+        """One text message: rate-checked, parsed, handed on. Nothing here
+        raises into the reader."""
+        now = self.clock.monotonic()
+        if now - self._window_start >= 1.0:
+            self._window_start, self._window_count = now, 0
+        self._window_count += 1
+        if self._window_count > self.settings.telephony.max_messages_per_s:
+            self._bad(ProtocolError(
+                "flood", f"more than {self.settings.telephony.max_messages_per_s} messages in a second "
+                "(20 ms media is 50 a second)", fatal=True,
+            ))
+            return
+        try:
+            self._handle(self.dialect.parse(loads(data)))
+        except ProtocolError as exc:
+            self._bad(exc)
+        except Exception:
+            log.exception("call %s: message handling failed", self.id)
+            self._bad(ProtocolError("internal", "message could not be handled"))
+
+    def _handle(self, event: Connected | Start | Media | Dtmf | Mark | Stop) -> None:
+        t = self.transport
+        if isinstance(event, Connected):
+            return
+        if isinstance(event, Start):
+            self._start(event)
+            return
+        if t.stream_id is None:
+            if isinstance(event, Stop):
+                self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
+                return
+            raise ProtocolError("before_start", f"{type(event).__name__.lower()} before start: dropped")
+        if event.stream_id is not None and event.stream_id != t.stream_id:
+            raise ProtocolError(
+                "stream_mismatch", f"message for stream {event.stream_id[:40]!r} on stream {t.stream_id!r}: dropped"
+            )
+        if isinstance(event, Media):
+            t.on_media(event)
+        elif isinstance(event, Dtmf):
+            t.on_dtmf(event)
+        elif isinstance(event, Mark):
+            t.on_mark(event)
+        else:
+            log.info("call %s: stream stopped by the provider", self.id)
+            self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
+
+    def _start(self, start: Start) -> None:
+        if self.transport.stream_id is not None:
+            raise ProtocolError("duplicate_start", "a second start on one stream: ignored")
+        tenant = tenant_of(self._secret, start.parameters, start.call_id)
+        if tenant is None:
+            raise ProtocolError("bad_tenant", "the stream names a tenant without our signature for this call", fatal=True)
+        self.tenant = tenant
+        self.transport.started(start.stream_id)
+        self.agent = AgentSession(
+            session_id=self.id, manager=self.manager, providers=self.providers, transport=self.transport,
+            fence=self.fence, clock=self.clock, emit=self.log.emit_event, vad=self.settings.vad,
+            config=self.settings.session, plan=self.settings.plan_for(tenant),
+        )
+        log.info("call %s: %s stream %s of call %s (tenant %s)", self.id, self.dialect.name, start.stream_id,
+                 start.call_id, tenant)
+        self._task = asyncio.get_running_loop().create_task(self._run_agent(), name=f"call-{self.id}")
+
+    def _bad(self, exc: ProtocolError) -> None:
+        """A bad message: logged with its code; the socket is closed if it
+        is fatal or the call has sent too many."""
+        self.errors = [*self.errors[-999:], exc.code]
+        fatal = exc.fatal or len(self.errors) >= MAX_BAD_MESSAGES
+        log.warning("call %s: %s: %s%s", self.id, exc.code, exc, " (closing)" if fatal else "")
+        if fatal:
+            self.close_code = int(WSCloseCode.POLICY_VIOLATION)
+            self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
+
+    # -- the agent ------------------------------------------------------------------------
+
+    async def _run_agent(self) -> None:
+        assert self.agent is not None and self.tenant is not None
+        try:
+            await self.manager.ensure_session(self.id, tenant_id=self.tenant, kind=TurnKind.VOICE)
+            await self.agent.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("call %s: agent failed", self.id)
+        finally:
+            self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
+
+    # -- the end --------------------------------------------------------------------------
+
+    def close(self, reason: StopReasonKind) -> asyncio.Task[None]:
+        """End the call for ``reason`` and free it, once; later calls return
+        the same closing task."""
+        if self._closing is None:
+            self.transport.close(reason)  # the agent's close_reason is now ``reason``; its frames end
+            self._closing = asyncio.get_running_loop().create_task(self._close())
+        return self._closing
+
+    async def _close(self) -> None:
+        try:
+            if self._task is not None and self._task is not asyncio.current_task():
+                # its frames have ended: it settles every open turn and returns
+                done, _ = await asyncio.wait({self._task}, timeout=SETTLE_WAIT_S)
+                if not done:
+                    self._task.cancel()
+                    await asyncio.wait({self._task})
+            await self.manager.events.close(self.id)
+            if self._writer is not None:
+                self._writer.cancel()
+                await asyncio.wait({self._writer})
+            if not self.ws.closed:
+                code = self.close_code if self.close_code is not None else int(WSCloseCode.OK)
+                try:
+                    await self.ws.close(code=code, message=b"call ended")
+                except Exception:  # the peer is gone already
+                    log.debug("call %s: close handshake failed", self.id, exc_info=True)
+        finally:
+            self.transport.release()
+            self.closed.set()
+            self._on_closed(self)

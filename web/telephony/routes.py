@@ -1,0 +1,153 @@
+"""The telephony routes.
+
+Routes:
+    POST /v1/telephony/twilio/voice   Twilio's voice webhook: TwiML that
+                                      connects the call to our stream
+    GET  /v1/telephony/twilio         WebSocket: Twilio Media Streams
+    GET  /v1/telephony/telnyx         WebSocket: Telnyx media streaming
+
+With ``telephony.twilio_auth_token`` set, the webhook and the Twilio
+WebSocket upgrade need a valid ``X-Twilio-Signature``; without it they are
+refused with 403 (``bad_signature``). A call counts against
+``max_sessions`` like a WebRTC session and ends with the server.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from web.errors import ApiError
+from web.state import CLOCK, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE
+from web.telephony.call import PhoneCall
+from web.telephony.dialect import Dialect
+from web.telephony.signature import (
+    TENANT_PARAM,
+    TENANT_SIG_PARAM,
+    request_url,
+    sign_tenant,
+    twilio_signature_valid,
+)
+from web.telephony.telnyx import TelnyxDialect
+from web.telephony.twilio import TwilioDialect
+from web.telephony.twiml import connect_stream
+
+log = logging.getLogger(__name__)
+
+TWILIO_STREAM_PATH = "/v1/telephony/twilio"
+TWILIO_VOICE_PATH = "/v1/telephony/twilio/voice"
+TELNYX_STREAM_PATH = "/v1/telephony/telnyx"
+
+
+def add_routes(app: web.Application) -> None:
+    """Add the telephony routes to ``app``."""
+    app.router.add_post(TWILIO_VOICE_PATH, twilio_voice)
+    app.router.add_get(TWILIO_STREAM_PATH, twilio_stream)
+    app.router.add_get(TELNYX_STREAM_PATH, telnyx_stream)
+
+
+async def tenant_secret(app: web.Application) -> bytes:
+    """The key tenant signatures are made with: ``telephony.tenant_secret``,
+    else a secret kept in the store (the same for every instance)."""
+    configured = app[SETTINGS].telephony.tenant_secret
+    if configured:
+        return configured.encode()
+    store = app[STORE]
+    return await app[MANAGER].store_call(lambda: store.secret("telephony-tenant"))
+
+
+def _check_twilio(request: web.Request, params: dict[str, str]) -> None:
+    """Refuse (403) a request without a valid X-Twilio-Signature when an
+    auth token is configured.
+
+    Raises:
+        ApiError: 403 ``bad_signature``.
+    """
+    t = request.app[SETTINGS].telephony
+    if not t.twilio_auth_token:
+        return
+    url = request_url(request, t.public_url)
+    if not twilio_signature_valid(t.twilio_auth_token, url, params, request.headers.get("X-Twilio-Signature")):
+        log.warning("refused %s %s: bad or missing X-Twilio-Signature", request.method, request.path)
+        raise ApiError(403, "bad_signature", "X-Twilio-Signature is missing or does not sign this request")
+
+
+def stream_url(request: web.Request, path: str) -> str:
+    """The ``wss://`` URL of our stream endpoint ``path``: the
+    ``telephony.stream_url`` setting, else built from ``telephony.public_url``
+    or the request (``https`` becomes ``wss``, ``http`` ``ws``)."""
+    t = request.app[SETTINGS].telephony
+    if t.stream_url:
+        return t.stream_url
+    base = request_url(request, t.public_url)
+    scheme, _, rest = base.partition("://")
+    host = rest.split("/", 1)[0]
+    return f"{'wss' if scheme == 'https' else 'ws'}://{host}{path}"
+
+
+async def twilio_voice(request: web.Request) -> web.Response:
+    """Twilio's voice webhook (form-encoded POST): TwiML connecting the
+    call to ``/v1/telephony/twilio``, with the tenant of the called number
+    (``telephony.tenant_by_number``, else ``default``) signed for its
+    ``CallSid``.
+
+    Raises:
+        ApiError: 403 bad signature; 400 no ``CallSid``.
+    """
+    form = await request.post()
+    params = {k: v for k, v in form.items() if isinstance(v, str)}
+    _check_twilio(request, params)
+    call_sid = params.get("CallSid", "")
+    if not call_sid:
+        raise ApiError(400, "bad_request", "the webhook has no CallSid")
+    t = request.app[SETTINGS].telephony
+    tenant = t.tenant_by_number.get(params.get("To", ""), "default")
+    secret = await tenant_secret(request.app)
+    twiml = connect_stream(
+        stream_url(request, TWILIO_STREAM_PATH),
+        {TENANT_PARAM: tenant, TENANT_SIG_PARAM: sign_tenant(secret, tenant, call_sid)},
+    )
+    return web.Response(text=twiml, content_type="text/xml")
+
+
+async def twilio_stream(request: web.Request) -> web.StreamResponse:
+    """The Twilio Media Streams WebSocket.
+
+    Raises:
+        ApiError: 403 bad signature; 503 too many sessions.
+    """
+    _check_twilio(request, {})
+    return await _stream(request, TwilioDialect())
+
+
+async def telnyx_stream(request: web.Request) -> web.StreamResponse:
+    """The Telnyx media streaming WebSocket.
+
+    Raises:
+        ApiError: 503 too many sessions.
+    """
+    return await _stream(request, TelnyxDialect())
+
+
+async def _stream(request: web.Request, dialect: Dialect) -> web.StreamResponse:
+    app = request.app
+    settings = app[SETTINGS]
+    peers = app[PEERS]
+    if len(peers) >= settings.max_sessions:
+        raise ApiError(503, "too_many_sessions", f"{settings.max_sessions} sessions are running; try later",
+                       headers={"Retry-After": "5"})
+    secret = await tenant_secret(app)
+    ws = web.WebSocketResponse(max_msg_size=settings.telephony.max_message_bytes, heartbeat=None)
+    await ws.prepare(request)
+
+    def forget(call: PhoneCall) -> None:
+        peers.pop(call.id, None)
+
+    call = PhoneCall(
+        settings=settings, manager=app[MANAGER], providers=app[PROVIDERS].for_session(), clock=app[CLOCK], ws=ws,
+        dialect=dialect, secret=secret, on_closed=forget, client=request.remote or "?",
+    )
+    peers[call.id] = call
+    await call.run()
+    return ws
