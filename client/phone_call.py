@@ -370,26 +370,23 @@ class PhoneCallClient:
         return None
 
     def _after_clear(self, sim: PhoneSimulator, m: BargeInMeasure, at_clear: float, received_at_clear: int) -> None:
-        """Old audio after the clear; how much of the old reply the ear played."""
-        new_gen_start = None
-        reply_start = None
-        for at, ev in self._event_times:
-            if ev.get("type") != "audio.start":
-                continue
-            if at > at_clear and new_gen_start is None and ev.get("turn_id") != m.old_turn_id:
-                new_gen_start = at
-            if ev.get("turn_id") == m.old_turn_id and ev.get("sample") == 0 and reply_start is None:
-                reply_start = at
-        end_offset = next((off for at, off, _ in sim.log.media_in if new_gen_start is not None and at >= new_gen_start - 0.005),
+        """Old audio played after the clear, and how much of the old reply
+        the ear played. The old reply's audio is what arrived from its turn
+        going RUNNING to the clear; anything arriving after the clear and
+        before the new turn's ``transcript`` (its reply cannot come sooner)
+        is old audio the server sent after its clear."""
+        new_turn_at = next((at for at, ev in self._event_times if at > at_clear and ev.get("type") == "transcript"
+                            and ev.get("turn_id") != m.old_turn_id), None)
+        end_offset = next((off for at, off, _ in sim.log.media_in if new_turn_at is not None and at >= new_turn_at),
                           sim.playout.received)
         stale = [f for f in sim.log.heard if received_at_clear <= f.start < end_offset and f.real and f.dbfs > SILENCE_DBFS]
         m.old_audio_after_clear_ms = len(stale) * 20.0
-        if reply_start is not None:
-            first = next((off for at, off, _ in sim.log.media_in if at >= reply_start - 0.005), None)
-            cleared = next(c for at, c in sim.log.clears if at == at_clear)
-            if first is not None:
-                m.played_ms_at_ear = max(0, cleared.at_offset - first) * 1000 / MULAW_RATE
+        running = next((at for at, ev in self._event_times if ev.get("type") == "turn" and ev.get("turn_id") == m.old_turn_id
+                        and ev.get("status") == "RUNNING"), None)
+        first = next((off for at, off, _ in sim.log.media_in if running is not None and at >= running), None)
+        cleared = next(c for at, c in sim.log.clears if at == at_clear)
+        if first is not None:
+            m.played_ms_at_ear = max(0, cleared.at_offset - first) * 1000 / MULAW_RATE
         for ev in self._events:
             if ev.get("type") == "agent.interrupted" and ev.get("turn_id") == m.old_turn_id:
                 m.server_played_ms, m.server_heard = ev.get("played_ms"), ev.get("heard")
-

@@ -21,6 +21,8 @@ def reception(sim: PhoneSimulator, *, loud_until: float, clear_at: float | None)
         loud = at < loud_until
         real = 160 if playing and loud else 0
         sim.log.heard.append(HeardFrame(at, offset, real, -20.0 if real else -120.0, 20.0 if real else 0.0))
+        if real:
+            sim.log.media_in.append((at - 0.06, offset, real))  # it arrived 60 ms ahead (send-ahead)
         offset += real
         sim.playout.received = offset + 8000  # the clear dropped a second
     for i in range(50):
@@ -43,6 +45,7 @@ def test_the_stop_is_the_end_of_the_old_audio_the_ear_played_before_the_clear() 
     last_old = max(f.start for f in sim.log.heard if f.real)
     sim.log.clears.append((10.13, Cleared(at_offset=last_old + 160, dropped=8000, echoes=["s3"])))
     m = measured(sim, [
+        (8.9, {"type": "turn", "turn_id": "t1", "status": "RUNNING", "generation": 1, "label": "running"}),
         (10.11, {"type": "barge_in", "old_turn_id": "t1", "onset_to_fence_ms": 55.0}),
         (10.2, {"type": "agent.interrupted", "turn_id": "t1", "heard": "once upon", "played_ms": 1160}),
     ])
@@ -53,6 +56,7 @@ def test_the_stop_is_the_end_of_the_old_audio_the_ear_played_before_the_clear() 
     assert m.clear_after_fence_ms == 20.0
     assert m.old_audio_after_clear_ms == 0.0
     assert m.server_heard == "once upon" and m.server_played_ms == 1160
+    assert m.played_ms_at_ear == (last_old + 160) / 8  # the reply's audio from its first byte to the clear
 
 
 def test_a_pause_before_the_clear_stops_the_audio_earlier() -> None:

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 from conftest import requires_espeak, start_app
 
 from client.phone_call import PhoneCallClient

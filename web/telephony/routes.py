@@ -40,6 +40,9 @@ TWILIO_VOICE_PATH = "/v1/telephony/twilio/voice"
 TELNYX_STREAM_PATH = "/v1/telephony/telnyx"
 
 
+#: response header of the stream's upgrade naming the call's session
+SESSION_HEADER = "X-Turnkeeper-Session"
+
 def add_routes(app: web.Application) -> None:
     """Add the telephony routes to ``app``."""
     app.router.add_post(TWILIO_VOICE_PATH, twilio_voice)
@@ -139,7 +142,6 @@ async def _stream(request: web.Request, dialect: Dialect) -> web.StreamResponse:
                        headers={"Retry-After": "5"})
     secret = await tenant_secret(app)
     ws = web.WebSocketResponse(max_msg_size=settings.telephony.max_message_bytes, heartbeat=None)
-    await ws.prepare(request)
 
     def forget(call: PhoneCall) -> None:
         peers.pop(call.id, None)
@@ -148,6 +150,10 @@ async def _stream(request: web.Request, dialect: Dialect) -> web.StreamResponse:
         settings=settings, manager=app[MANAGER], providers=app[PROVIDERS].for_session(), clock=app[CLOCK], ws=ws,
         dialect=dialect, secret=secret, on_closed=forget, client=request.remote or "?",
     )
+    # the call's session id, for operators' tooling (``turnkeeper call --phone``
+    # follows its events with the tenant's token); providers ignore it
+    ws.headers[SESSION_HEADER] = call.id
+    await ws.prepare(request)
     peers[call.id] = call
     await call.run()
     return ws
