@@ -4,6 +4,10 @@ espeak-ng speech; measured at the simulated caller's ear."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -18,6 +22,7 @@ from web.settings import Settings
 
 pytestmark = [pytest.mark.e2e, requires_espeak]
 TOKEN = "tok-phone-0123456789"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -28,6 +33,15 @@ async def phone_server(tmp_path: Path, grammar_file: Path) -> AsyncIterator[str]
     runner, url = await start_app(app)
     yield url
     await runner.cleanup()
+
+
+def run(args: list[str], tmp_path: Path, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``turnkeeper ARGS`` in a subprocess, without the caller's TURNKEEPER_* settings."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("TURNKEEPER_")}
+    e.update(env or {})
+    e["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, "-m", "web.cli", *args], cwd=tmp_path, env=e, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def utt(path: Path, at_s: float | None = None) -> Utterance:
@@ -78,3 +92,26 @@ async def test_a_telnyx_caller_with_frames_out_of_order_is_understood(phone_serv
     [turn] = result.turns
     assert turn.transcript == "what is the weather like today" and turn.status == "COMPLETED"
     assert result.received_audio_ms >= 1000
+
+
+def test_the_readme_phone_call_prints_a_timeline_with_its_stop_time(say: Callable[..., Path], tmp_path: Path) -> None:
+    gram = tmp_path / "demo.gram"
+    gram.write_text("#JSGF V1.0;\ngrammar demo;\npublic <utt> = tell me a story | what is the weather like today;\n")
+    proc = run(
+        ["call", "--local", "--phone", "twilio", "--wav", str(say("tell me a story")),
+         "--barge-in", str(say("what is the weather like today")), "--at", "1.0"],
+        tmp_path, env={"TURNKEEPER_STT__GRAMMAR": str(gram)}, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.startswith("phone call (twilio media stream)\nsession ")
+    assert "CANCELLED (barge_in)" in out and "user:  'what is the weather like today'" in out
+    assert re.search(r"audible stop at the caller's ear \d+ ms", out), out
+    assert re.search(r"clear \+\d+ ms after the fence", out), out
+    assert (tmp_path / "heard.wav").stat().st_size > 16_000
+
+
+def test_a_phone_call_to_nowhere_is_one_clear_error(say: Callable[..., Path], tmp_path: Path) -> None:
+    proc = run(["call", "--server", "http://127.0.0.1:1", "--phone", "twilio", "--wav", str(say("hello there"))], tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("turnkeeper: ") and "cannot reach" in proc.stderr
