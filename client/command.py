@@ -23,8 +23,11 @@ from web.settings import Settings
 async def run_call(args: argparse.Namespace, settings: Settings) -> int:
     """``turnkeeper call``: call a server (or one started here with
     ``--local``) with ``args.wav`` as the microphone, interrupt with
-    ``args.barge_in`` ``args.at`` seconds after the agent starts talking,
+    ``args.barge_in`` (or, on a phone call, the telephone keys
+    ``args.keys``) ``args.at`` seconds after the agent starts talking,
     write what was heard to ``args.out`` and print the timeline (or JSON).
+    With ``args.phone`` (``twilio``, ``telnyx``) the call is a simulated
+    phone call through the telephony bridge (:mod:`client.phone_call`).
     Returns the exit status: 0, or 1 if the call failed or a turn FAILED.
 
     Raises:
@@ -44,7 +47,14 @@ async def run_call(args: argparse.Namespace, settings: Settings) -> int:
         raise ValueError(f"--server must be an http:// or https:// URL, not {args.server!r}")
     opening = Utterance(pcm=load_pcm(args.wav, PLAYOUT_RATE), label=Path(args.wav).name)
     barge_ins = []
-    if args.barge_in:
+    keys = getattr(args, "keys", None)
+    if keys:
+        if not getattr(args, "phone", None):
+            raise ValueError("--keys needs --phone (telephone keys are a phone call's)")
+        if not all(k in "0123456789*#ABCD" for k in keys):
+            raise ValueError(f"--keys takes 0-9, *, # and A-D, not {keys!r}")
+        barge_ins.append(Utterance(pcm=b"", at_s=args.at, label=f"keys {keys}", keys=keys))
+    elif args.barge_in:
         barge_ins.append(Utterance(pcm=load_pcm(args.barge_in, PLAYOUT_RATE), at_s=args.at, label=Path(args.barge_in).name))
     runner: web.AppRunner | None = None
     tmp = tempfile.TemporaryDirectory(prefix="turnkeeper-call-")

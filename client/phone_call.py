@@ -13,7 +13,8 @@ bearer token; the session id is the ``X-Turnkeeper-Session`` header of the
 stream's upgrade response); without a token the result has audio only.
 
 Audible stop time on a phone call = from the first sample of barge-in
-speech sent (in the ``media`` message that carried it) to the last sample
+speech sent (in the ``media`` message that carried it; for telephone keys,
+the first ``dtmf`` message) to the last sample
 of old-generation audio played at the caller's ear: old audio is what the
 server sent before the ``clear`` that followed the speech; without a
 ``clear``, the end of the sound before ``SILENT_RUN_MS`` of silence.
@@ -48,6 +49,7 @@ LEAD_SILENCE_S = 0.3  # line silence before the opening utterance
 NO_SPEECH_S = 5.0
 VERDICT_WAIT_S = 1.5
 REVIVE_AFTER_S = 5.0
+KEY_GAP_S = 0.1  # between two telephone keys
 SESSION_HEADER = "X-Turnkeeper-Session"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "RECONCILE_REQUIRED"}
 
@@ -105,6 +107,7 @@ class PhoneCallClient:
         self._event_cond = asyncio.Condition()
         self._wall_offset = time.time() - time.monotonic()  # server "at" (Unix s) -> our clock
         self._onsets: dict[int, float] = {}  # utterance -> onset, s into it
+        self._keys_at: dict[int, float] = {}  # utterance of keys -> when the first was sent
         self._revive: Utterance | None = None
 
     # -- answering ------------------------------------------------------------------
@@ -275,8 +278,14 @@ class PhoneCallClient:
                     sent_at = time.monotonic()
             await asyncio.sleep(max(0.0, m.agent_started_at + (utt.at_s or 0.0) - time.monotonic()))
             m.sent_from = time.monotonic()
-            self._say(sim, k, utt.pcm)
-            await sim.said()
+            if utt.keys:
+                self._keys_at[k] = time.monotonic()
+                for key in utt.keys:
+                    await sim.press(key)
+                    await asyncio.sleep(KEY_GAP_S)
+            else:
+                self._say(sim, k, utt.pcm)
+                await sim.said()
             m.sent_until = time.monotonic()
             last = k - 1 == len(barge_ins)
             if utt.kind != "speech" and not (last and hangup_after_s is not None):
@@ -349,6 +358,8 @@ class PhoneCallClient:
 
     def _onset_sent(self, sim: PhoneSimulator, k: int) -> float | None:
         """When the first sample of utterance ``k``'s speech left (clock s)."""
+        if k in self._keys_at:  # keys: the first one's dtmf message
+            return self._keys_at[k]
         onset_s = self._onsets.get(k)
         if onset_s is None:
             return None

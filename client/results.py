@@ -26,6 +26,8 @@ class Utterance:
         kind: what it is, for scoring: ``speech`` (should barge in),
             ``backchannel`` or ``noise`` (should cancel nothing).
         ptt: sent with push-to-talk (ptt.start before, ptt.end after).
+        keys: phone calls only: telephone keys pressed (``dtmf`` messages,
+            100 ms apart) instead of saying ``pcm``.
     """
 
     pcm: bytes
@@ -33,6 +35,7 @@ class Utterance:
     label: str = ""
     kind: str = "speech"
     ptt: bool = False
+    keys: str = ""
 
 
 @dataclass

@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         "--phone", choices=["twilio", "telnyx"],
         help="call as a phone through the telephony bridge (a simulated Twilio or Telnyx media stream) instead of WebRTC",
     )
+    call.add_argument("--keys", help="with --phone: press these telephone keys (e.g. 12#) --at seconds after the agent starts talking")
     call.add_argument(
         "--token", help="with --phone --server: a bearer token of the call's tenant, to read its events (default $TURNKEEPER_TOKEN)"
     )

@@ -115,3 +115,19 @@ def test_a_phone_call_to_nowhere_is_one_clear_error(say: Callable[..., Path], tm
     proc = run(["call", "--server", "http://127.0.0.1:1", "--phone", "twilio", "--wav", str(say("hello there"))], tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith("turnkeeper: ") and "cannot reach" in proc.stderr
+
+
+async def test_a_key_pressed_while_the_agent_speaks_clears_it_at_the_ear(phone_server: str, say: Callable[..., Path]) -> None:
+    keys = Utterance(pcm=b"", at_s=1.0, label="keys 42#", keys="42#")
+    result = await PhoneCallClient(phone_server, "twilio", token=TOKEN).run(utt(say("tell me a story")), [keys], timeout_s=60)
+    assert result.ok and result.protocol_errors == [], result.as_dict()
+    [barge] = [e for e in result.events if e["type"] == "barge_in"]
+    assert barge["initiator"] == "dtmf"
+    old, new = result.turns
+    assert old.status == "CANCELLED" and old.stop_reason == "barge_in"
+    assert new.transcript == "42" and new.status == "COMPLETED"  # the digits are the user's input
+    [m] = result.barge_ins
+    assert m.barged_in and m.clear_after_fence_ms is not None and -2 <= m.clear_after_fence_ms <= 60, m.as_dict()
+    # a key commits at once: the old audio stops within the send-ahead and a tick or two (sanity bound)
+    assert m.stop_ms is not None and m.stop_ms < 300, m.as_dict()
+    assert m.old_audio_after_clear_ms == 0
