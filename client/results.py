@@ -195,5 +195,5 @@ def track_turn(turns: dict[str, TurnView], ev: dict[str, Any]) -> None:
         t.error = ev.get("error")
     elif kind == "transcript":
         t.transcript = ev["text"]
-    elif t.status not in ("COMPLETED", "CANCELLED"):
+    elif kind == "agent.delta" and t.status not in ("COMPLETED", "CANCELLED"):
         t.reply += ev["text"]
