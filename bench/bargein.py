@@ -248,6 +248,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             **P.clear_figures([m for m in speech if m.barged_in]),
             "heard_within_one_word": sum(1 for h in heard_checks if h["word_diff"] <= 1),  # type: ignore[operator]
             "heard_checked": len(heard_checks),
+            # the re-synthesis gave the server's own heard text back from its played_ms (else it is off by its own error)
+            "resynthesis_matches": sum(1 for h in heard_checks if h["resynthesis_matches"]),
             "heard_detail": heard_checks,
         }} if phone else {}),
         "failures": [
@@ -299,7 +301,8 @@ def main() -> int:
         print(f"clear after the fence: {ph['clear_after_fence']}/{ph['barge_ins']} barge-ins "
               f"({ph['clear_after_fence_pct']} %; ms after the fence: {ph['clear_after_fence_ms']}); "
               f"old audio played after a clear: {ph['old_audio_after_clear_ms']:.0f} ms")
-        print(f"heard text within one word of what the ear played: {ph['heard_within_one_word']}/{ph['heard_checked']}")
+        print(f"heard text within one word of what the ear played: {ph['heard_within_one_word']}/{ph['heard_checked']} "
+              f"(re-synthesis reproduced the server's text in {ph['resynthesis_matches']})")
         for h in ph["heard_detail"]:
             if h["word_diff"] > 1:
                 print(f"  heard differs: {h}")
