@@ -29,6 +29,7 @@ Protocol framing is the caller's (:class:`Wire`); this module sends bytes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from clock import Clock
@@ -45,6 +46,8 @@ MAX_LAG_S = 0.1
 #: how long past the end of its audio a mark may take to be echoed before
 #: :meth:`TelephonyPlayout.wait_empty` stops waiting for it, s
 MARK_TIMEOUT_S = 2.0
+#: (generation, sample, started): a stretch of audio started / stopped leaving
+SegmentHook = Callable[[int, int, bool], None]
 #: mu-law code of silence (zero): pads the last message of a stretch to 160 bytes
 MULAW_SILENCE = b"\xff"
 
@@ -76,6 +79,9 @@ class TelephonyPlayout(PlayoutBuffer):
         send_ahead_ms: audio the provider may hold beyond what is due, ms
             (a multiple of 20, at least 20).
         mark_every_ms: a mark after this much audio at most, ms.
+        on_segment: told when a stretch of a generation's audio starts
+            leaving (generation, its first frame's sample, True) and stops
+            (generation, samples of it sent in all, False).
 
     Attributes:
         marks: the mark books (what the caller heard).
@@ -89,7 +95,7 @@ class TelephonyPlayout(PlayoutBuffer):
 
     def __init__(
         self, clock: Clock, passes: Passes, wire: Wire, *, send_ahead_ms: int = 60, mark_every_ms: int = 200,
-        rate: int = PLAYOUT_RATE,
+        rate: int = PLAYOUT_RATE, on_segment: SegmentHook | None = None,
     ) -> None:
         if send_ahead_ms < FRAME_MS or send_ahead_ms % FRAME_MS:
             raise ValueError(f"send_ahead_ms must be a positive multiple of {FRAME_MS}, got {send_ahead_ms}")
@@ -99,6 +105,7 @@ class TelephonyPlayout(PlayoutBuffer):
         self.wire = wire
         self.send_ahead_s = send_ahead_ms / 1000
         self.mark_every_ms = mark_every_ms
+        self.on_segment = on_segment
         self.marks = MarkTracker(rate)
         self.fenced_frames = 0
         self.clears_at: list[float] = []
@@ -160,6 +167,8 @@ class TelephonyPlayout(PlayoutBuffer):
         gen = frame.generation
         if self._stretch is not None and self._stretch != gen:
             self._end_stretch(now)
+        if self._stretch is None and self.on_segment is not None:
+            self.on_segment(gen, frame.sample, True)
         self._stretch = gen
         self._sent_since_clear = True
         self._mulaw += self._encoder.encode(frame.pcm)
@@ -187,6 +196,11 @@ class TelephonyPlayout(PlayoutBuffer):
         if self._since_mark_ms:
             self._mark(gen, now)
         self._stretch = None
+        self._segment_ended(gen)
+
+    def _segment_ended(self, gen: int) -> None:
+        if self.on_segment is not None:
+            self.on_segment(gen, self.sent_frames.get(gen, 0) * self._samples, False)
 
     def _mark(self, generation: int, now: float) -> None:
         self.wire.send_mark(self.marks.mark_sent(generation, now), generation)
@@ -214,6 +228,8 @@ class TelephonyPlayout(PlayoutBuffer):
         self._sent_since_clear = False
         self._mulaw = b""
         self._encoder.reset()
+        if self._stretch is not None:
+            self._segment_ended(self._stretch)
         self._stretch = None
         self._since_mark_ms = 0
         self.marks.cleared(now)

@@ -49,9 +49,14 @@ class SessionControls:
         def _silence(self, run: TurnHandle) -> None: ...
 
     async def _take_controls(self) -> None:
-        """The transport's control input, each carried out as it comes."""
-        async for control in self.transport.controls():
-            self._on_control(control)
+        """The transport's control input, each carried out as it comes
+        (the keys' timeout ends with it)."""
+        try:
+            async for control in self.transport.controls():
+                self._on_control(control)
+        finally:
+            if self._keypad_timer is not None:
+                self._keypad_timer.cancel()
 
     def _on_control(self, control: Control) -> None:
         """Carry out one control (:class:`voice.transport.Control`); one

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from clock import Clock
+from turn.event_catalogue import AudioEnd, AudioStart
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import StopReasonKind, TurnKind
@@ -87,7 +88,7 @@ class PhoneCall:
         self.transport = PhoneTransport(
             clock, self.fence.passes, dialect, ws.send_str, vad=settings.vad, bargein=settings.bargein,
             send_ahead_ms=t.send_ahead_ms, mark_every_ms=t.mark_every_ms, stall_ms=settings.inbound_stall_ms,
-            name=self.id,
+            name=self.id, on_segment=self._on_segment,
         )
         self.log = manager.events.log(self.id, gate=self.fence)
         self.agent: AgentSession | None = None
@@ -194,6 +195,15 @@ class PhoneCall:
         if fatal:
             self.close_code = int(WSCloseCode.POLICY_VIOLATION)
             self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
+
+    def _on_segment(self, generation: int, sample: int, started: bool) -> None:
+        """A stretch of a turn's audio started or stopped leaving on the
+        socket: ``audio.start`` / ``audio.end``, as a WebRTC session logs them."""
+        turn_id = self.agent.turn_id_of(generation) if self.agent is not None else None
+        if started:
+            self.log.emit_event(AudioStart(generation=generation, turn_id=turn_id, sample=sample))
+        else:
+            self.log.emit_event(AudioEnd(generation=generation, turn_id=turn_id, samples_sent=sample))
 
     # -- the agent ------------------------------------------------------------------------
 

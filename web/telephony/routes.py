@@ -15,6 +15,7 @@ refused with 403 (``bad_signature``). A call counts against
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from aiohttp import web
 
@@ -42,6 +43,32 @@ TELNYX_STREAM_PATH = "/v1/telephony/telnyx"
 
 #: response header of the stream's upgrade naming the call's session
 SESSION_HEADER = "X-Turnkeeper-Session"
+_UPGRADED = {"description": "switching protocols", "headers": {SESSION_HEADER: {
+    "description": "the call's session id (its events: GET /v1/sessions/{id}/events)", "schema": {"type": "string"}}}}
+
+#: the routes in the OpenAPI document (web.api.OPENAPI)
+OPENAPI_PATHS: dict[str, Any] = {
+    TWILIO_VOICE_PATH: {"post": {
+        "summary": "Twilio's voice webhook: TwiML connecting the call to the media stream",
+        "security": [],
+        "parameters": [{"name": "X-Twilio-Signature", "in": "header", "schema": {"type": "string"},
+                        "description": "required when telephony.twilio_auth_token is set"}],
+        "requestBody": {"required": True, "content": {"application/x-www-form-urlencoded": {
+            "schema": {"type": "object", "required": ["CallSid"], "properties": {
+                "CallSid": {"type": "string"}, "To": {"type": "string"}, "From": {"type": "string"}}}}}},
+        "responses": {
+            "200": {"description": "TwiML: <Response><Connect><Stream url=...> with the signed tenant",
+                    "content": {"text/xml": {"schema": {"type": "string"}}}},
+            "400": {"description": "no CallSid"}, "403": {"description": "bad or missing X-Twilio-Signature"}}}},
+    TWILIO_STREAM_PATH: {"get": {
+        "summary": "WebSocket: Twilio Media Streams (bidirectional)", "security": [],
+        "responses": {"101": _UPGRADED, "403": {"description": "bad or missing X-Twilio-Signature"},
+                      "503": {"description": "too many sessions"}}}},
+    TELNYX_STREAM_PATH: {"get": {
+        "summary": "WebSocket: Telnyx media streaming (bidirectional RTP, PCMU)", "security": [],
+        "responses": {"101": _UPGRADED, "503": {"description": "too many sessions"}}}},
+}
+
 
 def add_routes(app: web.Application) -> None:
     """Add the telephony routes to ``app``."""
@@ -86,7 +113,7 @@ def stream_url(request: web.Request, path: str) -> str:
     base = request_url(request, t.public_url)
     scheme, _, rest = base.partition("://")
     host = rest.split("/", 1)[0]
-    return f"{'wss' if scheme == 'https' else 'ws'}://{host}{path}"
+    return f"{'wss' if scheme in ('https', 'wss') else 'ws'}://{host}{path}"
 
 
 async def twilio_voice(request: web.Request) -> web.Response:

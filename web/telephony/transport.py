@@ -38,7 +38,7 @@ from media.inbound_frame import InboundFrame, analyse_frame
 from media.outbound import Passes
 from media.playout import PlayoutBuffer
 from media.reorder import ReorderBuffer
-from media.telephony_playout import TelephonyPlayout
+from media.telephony_playout import SegmentHook, TelephonyPlayout
 from media.vad import VadConfig
 from turn.models import StopReasonKind
 from voice.transport import CloseNotice, Control, ControlInbox, ControlKind
@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 #: inbound frames waiting for the session, at most (5 s; older are dropped)
 MAX_INBOUND_FRAMES = 250
+#: keys kept for a session that is starting, at most
+MAX_EARLY_KEYS = 32
 #: outbound messages waiting for the socket, at most (a stuck socket is closed)
 MAX_OUTBOUND = 2000
 
@@ -82,6 +84,7 @@ class PhoneTransport:
         stall_ms: a stretch this long with no inbound audio is filled with
             silence (0: never).
         name: the session's id, for logs.
+        on_segment: see :class:`media.telephony_playout.TelephonyPlayout`.
 
     Attributes:
         output: the output sink.
@@ -96,13 +99,15 @@ class PhoneTransport:
     def __init__(
         self, clock: Clock, passes: Passes, dialect: Dialect, send: Callable[[str], Awaitable[None]], *,
         vad: VadConfig | None = None, bargein: BargeInConfig | None = None, send_ahead_ms: int = 60,
-        mark_every_ms: int = 200, stall_ms: int = 240, name: str = "?",
+        mark_every_ms: int = 200, stall_ms: int = 240, name: str = "?", on_segment: SegmentHook | None = None,
     ) -> None:
         self.clock = clock
         self.dialect = dialect
         self.name = name
         self._send = send
-        self.output = TelephonyPlayout(clock, passes, self, send_ahead_ms=send_ahead_ms, mark_every_ms=mark_every_ms)
+        self.output = TelephonyPlayout(
+            clock, passes, self, send_ahead_ms=send_ahead_ms, mark_every_ms=mark_every_ms, on_segment=on_segment
+        )
         self.detector = BargeInDetector(vad, bargein)
         self.stream_id: str | None = None
         self.wire: deque[WireRecord] = deque(maxlen=20_000)
@@ -116,6 +121,7 @@ class PhoneTransport:
         self._outbound: deque[tuple[str, WireRecord]] = deque()
         self._wake = asyncio.Event()
         self._controls = ControlInbox()
+        self._early: deque[Control] = deque()
         self._closed = CloseNotice()
 
     # -- inbound, from the socket's reader ------------------------------------------
@@ -136,9 +142,15 @@ class PhoneTransport:
                 self._inbound.put_nowait((pcm, now))
 
     def on_dtmf(self, dtmf: Dtmf) -> None:
-        """A key: a ``dtmf`` control for the session (refused if none takes it)."""
+        """A key: a ``dtmf`` control for the session. One pressed before the
+        session takes controls (it is starting) waits for it (the first
+        ``MAX_EARLY_KEYS``); after the call ended it is refused."""
         control = Control(ControlKind.DTMF, self.clock.monotonic(), dtmf.digit)
-        if not self._controls.put(control):
+        if self._controls.put(control):
+            return
+        if self._closed.reason is None and len(self._early) < MAX_EARLY_KEYS:
+            self._early.append(control)
+        else:
             self.refuse(control, "session_not_ready")
 
     def on_mark(self, mark: Mark) -> None:
@@ -196,40 +208,48 @@ class PhoneTransport:
     # -- the seam --------------------------------------------------------------------
 
     async def frames(self) -> AsyncIterator[InboundFrame]:
-        """The caller's analysed frames until the call ends; silence is put
-        in for a stall of ``stall_ms``. The output is paced meanwhile."""
+        """The caller's analysed frames until the call ends; a stretch of
+        ``stall_ms`` of the clock with no audio yields that much silence
+        (``filled``), so the detector's and endpointer's timers run on. The
+        output is paced meanwhile."""
         pacer = asyncio.ensure_future(self.output.run())
         silence = bytes(frame_bytes(VAD_RATE))
-        last = self.clock.monotonic()
+        pending: asyncio.Future[tuple[bytes, float] | None] = asyncio.ensure_future(self._inbound.get())
         try:
             while True:
-                item: tuple[bytes, float] | None
-                if self.stall_s > 0:
+                if self.stall_s > 0 and not pending.done():
+                    sleeper: asyncio.Future[Any] = asyncio.ensure_future(self.clock.sleep(self.stall_s))
+                    waiting: set[asyncio.Future[Any]] = {pending, sleeper}
                     try:
-                        async with asyncio.timeout(self.stall_s):
-                            item = await self._inbound.get()
-                    except TimeoutError:
-                        # no audio for a while: silence, one frame per 20 ms since the last
+                        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        sleeper.cancel()
+                    if not pending.done():
                         now = self.clock.monotonic()
-                        n = max(1, int((now - last) * 1000 // FRAME_MS))
+                        n = round(self.stall_s * 1000) // FRAME_MS
                         for i in range(n):
-                            yield analyse_frame(self.detector, silence, last + (i + 1) * FRAME_MS / 1000, filled=True)
-                        last = now
+                            at = now - (n - 1 - i) * FRAME_MS / 1000
+                            yield analyse_frame(self.detector, silence, at, filled=True)
                         continue
-                else:
-                    item = await self._inbound.get()
+                item = await pending
                 if item is None:
                     return
+                pending = asyncio.ensure_future(self._inbound.get())
                 pcm, at = item
-                last = at
                 yield analyse_frame(self.detector, pcm, at)
         finally:
+            pending.cancel()
             pacer.cancel()
             await asyncio.wait({pacer})
 
-    def controls(self) -> AsyncIterator[Control]:
-        """The caller's DTMF keys, in order."""
-        return self._controls.items()
+    async def controls(self) -> AsyncIterator[Control]:
+        """The caller's DTMF keys, in order (those pressed before the
+        session took them first)."""
+        items = self._controls.items()
+        while self._early:
+            yield self._early.popleft()
+        async for control in items:  # no await between the last early key and taking: none is lost
+            yield control
 
     def refuse(self, control: Control, code: str) -> None:
         """Logged: a phone has no channel to say it on."""
