@@ -223,3 +223,23 @@ async def test_a_server_shutdown_ends_the_call_and_settles_its_turn(tmp_path: Pa
         assert await provider.closed() == 1000
         await runner.cleanup()
         await provider.aclose()
+
+
+async def test_a_stream_that_never_starts_or_goes_silent_is_closed(tmp_path: Path) -> None:
+    app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db", connect_timeout_s=0.5, media_timeout_s=1.0))
+    runner, url = await start_app(app)
+    ws_url = url.replace("http://", "ws://") + "/v1/telephony/twilio"
+    try:
+        async with aiohttp.ClientSession() as http:
+            mute = FakeProvider(await http.ws_connect(ws_url))
+            mute._reader = asyncio.ensure_future(mute._read())  # listens, never starts
+            assert await mute.closed() == 1008
+            provider, call = await open_call(app, http, ws_url)
+            for task in provider._tasks[1:]:
+                task.cancel()  # the line goes quiet
+            assert await provider.closed() == 1000
+            await wait_until(lambda: not calls(app), 10, "both are freed")
+            await mute.aclose()
+            await provider.aclose()
+    finally:
+        await runner.cleanup()
