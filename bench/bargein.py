@@ -33,7 +33,18 @@ Figures (min, p50, p95, max where they apply):
   by a reference reception of the story without any clip (tests/listening.py;
   one extra call of about 45 s); ">=100 ms" counts the audible ones.
 
-Usage: python bench/bargein.py [--json] [--seed S] [--per-call K] [--quick]
+Over the phone path (``--transport twilio`` or ``telnyx``) the same corpus
+is played by the phone simulator (client/phone_call.py: a simulated Twilio
+or Telnyx media stream, 8 kHz mu-law both ways) and the same figures are
+taken at the simulated caller's ear: audible stop from the first sample of
+speech sent in a ``media`` message to the last sample of old-generation
+audio the provider's playout buffer played. Besides: ``clear`` after the
+fence in every committed barge-in, old audio played after it, and the
+words the ear played of the interrupted reply against the heard text the
+server kept from the marks (bench/phone_figures.py). No speakerphone calls
+on the phone path (the simulator has no echo path).
+
+Usage: python bench/bargein.py [--json] [--seed S] [--per-call K] [--quick] [--transport webrtc|twilio|telnyx]
 """
 
 from __future__ import annotations
@@ -54,15 +65,25 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import corpus as C  # noqa: E402  (the tests' labelled corpus)
 import listening as L  # noqa: E402  (the inserted-gap measure)
+import phone_figures as P  # noqa: E402  (the phone path's own figures)
 from local_server import server  # noqa: E402  (its own process, the tests' grammar)
 
 from client.call import CallClient  # noqa: E402
+from client.phone_call import PhoneCallClient  # noqa: E402
 from client.results import BargeInMeasure, CallResult, Utterance  # noqa: E402
 from media.frames import PLAYOUT_RATE, VAD_RATE  # noqa: E402
 
 STORY = "tell me a story"
 REFERENCE_S = 44.0  # the reference reception hears this much of the story (s after it starts)
 WEATHER = "what is the weather like today"
+BENCH_TOKEN = "bench-events"  # the bench server's API token for the default tenant (phone calls' events)
+
+
+def make_client(url: str, transport: str, **kw: object) -> CallClient | PhoneCallClient:
+    """The headless client of ``transport``: WebRTC, or the phone simulator."""
+    if transport == "webrtc":
+        return CallClient(url, **kw)  # type: ignore[arg-type]
+    return PhoneCallClient(url, transport, token=BENCH_TOKEN)
 
 
 def up(pcm16: bytes) -> bytes:
@@ -116,9 +137,12 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     measures: list[BargeInMeasure] = []
     echo_calls: list[CallResult] = []
     echo_gap_ms: list[float] = []
-    async with server("tk-bench-") as (url, _proc):
+    phone = args.transport != "webrtc"
+    heard_checks: list[dict[str, object]] = []
+    env = {"TURNKEEPER_API_TOKENS": f"default:{BENCH_TOKEN}"} if phone else None
+    async with server("tk-bench-", env) as (url, _proc):
         # The story heard with no clip: what the inserted gaps are measured against.
-        ref_call = await CallClient(url).run(
+        ref_call = await make_client(url, args.transport).run(
             Utterance(up(story), label="story"), [Utterance(bytes(9600), at_s=REFERENCE_S, label="reference", kind="none")],
             timeout_s=REFERENCE_S + 20, settle_s=0.2, hangup_after_s=0.3,
         )
@@ -131,15 +155,24 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             script = [*chunk, last]
             for u in script:
                 u.at_s = round(rng.uniform(args.min_at, args.max_at), 2)
-            result = await CallClient(url).run(
+            result = await make_client(url, args.transport).run(
                 Utterance(up(story), label="story"), script, timeout_s=60 + 15 * len(script), settle_s=0.3,
                 revive=Utterance(up(story), label="story again"),  # the recogniser misheard: ask again
             )
             L.judge_call(result, reference)
             measures.extend(result.barge_ins)
+            if phone:
+                texts = P.replies(result)
+                for m in result.barge_ins:
+                    if m.barged_in and m.kind == "speech":
+                        judged = await P.judge_heard(m, texts.get(m.old_turn_id or "", ""))
+                        if judged is not None:
+                            heard_checks.append(judged)
+                if result.protocol_errors:
+                    print(f"  protocol errors: {result.protocol_errors[:5]}", file=sys.stderr)
             if not args.json:
                 print(f"  call {n + 1}/{len(chunks)} {result.session_id[:8]}: {len(script)} clips", file=sys.stderr)
-        for n in range(args.echo_calls):
+        for n in range(0 if phone else args.echo_calls):
             client = CallClient(url, echo_gain_db=-6, echo_delay_ms=60)
             result = await client.run(
                 Utterance(up(story), label="story"),
@@ -210,6 +243,15 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
              "resumed": m.resumed, "commit_ms": m.server_onset_to_fence_ms}
             for m in speech
         ],
+        "transport": args.transport,
+        **({"phone": {
+            **P.clear_figures([m for m in speech if m.barged_in]),
+            "heard_within_one_word": sum(1 for h in heard_checks if h["word_diff"] <= 1),  # type: ignore[operator]
+            "heard_checked": len(heard_checks),
+            # the re-synthesis gave the server's own heard text back from its played_ms (else it is off by its own error)
+            "resynthesis_matches": sum(1 for h in heard_checks if h["resynthesis_matches"]),
+            "heard_detail": heard_checks,
+        }} if phone else {}),
         "failures": [
             m.as_dict() for m in measures if m.barged_in != (m.kind == "speech") and (m.kind != "speech" or m.speaking_at_onset)
         ],
@@ -225,15 +267,18 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="a small subset of the corpus")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print one JSON object of the figures")
+    p.add_argument("--transport", choices=["webrtc", "twilio", "telnyx"], default="webrtc",
+                   help="WebRTC (default), or a phone call through the simulated Twilio or Telnyx media stream")
     args = p.parse_args()
     out = asyncio.run(run(args))
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"clips: {out['clips']}  speech: {out['speech']} (agent already silent at onset: {out['agent_silent_at_onset']})")
+    print(f"transport: {out['transport']}  clips: {out['clips']}  speech: {out['speech']} "
+          f"(agent already silent at onset: {out['agent_silent_at_onset']})")
     print(f"{'figure':<34}{'n':>4}{'min':>9}{'p50':>9}{'p95':>9}{'max':>9}")
     for name, key in (
-        ("audible stop at client (ms)", "audible_stop_ms"),
+        ("audible stop at client (ms)" if out["transport"] == "webrtc" else "audible stop at the ear (ms)", "audible_stop_ms"),
         ("  stopped at the first pause (ms)", "audible_stop_first_pause_ms"),
         ("commit time on server (ms)", "commit_ms"),
     ):
@@ -250,6 +295,17 @@ def main() -> int:
         g = v["inserted_gap_ms"]
         print(f"  {k:<24}{g['n']:>10}{'-' if g['p50'] is None else g['p50']:>9}{'-' if g['max'] is None else g['max']:>9}"
               f"{v['gaps_100ms_or_more']:>7}")
+    if "phone" in out:
+        ph = out["phone"]
+        assert isinstance(ph, dict)
+        print(f"clear after the fence: {ph['clear_after_fence']}/{ph['barge_ins']} barge-ins "
+              f"({ph['clear_after_fence_pct']} %; ms after the fence: {ph['clear_after_fence_ms']}); "
+              f"old audio played after a clear: {ph['old_audio_after_clear_ms']:.0f} ms")
+        print(f"heard text within one word of what the ear played: {ph['heard_within_one_word']}/{ph['heard_checked']} "
+              f"(re-synthesis reproduced the server's text in {ph['resynthesis_matches']})")
+        for h in ph["heard_detail"]:
+            if h["word_diff"] > 1:
+                print(f"  heard differs: {h}")
     for f in out["failures"]:  # type: ignore[union-attr]
         print(f"  wrong: {f}")
     for d in out["speech_detail"]:  # type: ignore[union-attr]

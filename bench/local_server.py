@@ -50,9 +50,10 @@ async def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float =
 
 
 @asynccontextmanager
-async def server(prefix: str = "tk-bench-") -> AsyncIterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Start the server; yield (base URL, process); terminate it on exit
-    (killed if it has not exited 10 s later).
+async def server(prefix: str = "tk-bench-", env: dict[str, str] | None = None) -> AsyncIterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Start the server (``env``: more environment, e.g. settings); yield
+    (base URL, process); terminate it on exit (killed if it has not exited
+    10 s later).
 
     Raises:
         RuntimeError: it exited or was not healthy within 30 s.
@@ -67,6 +68,7 @@ async def server(prefix: str = "tk-bench-") -> AsyncIterator[tuple[str, subproce
         url = f"http://127.0.0.1:{port}"
         env = {
             **os.environ,
+            **(env or {}),
             "PYTHONPATH": str(ROOT),
             "TURNKEEPER_STORE": f"sqlite:///{d}/bench.db",
             "TURNKEEPER_STT__GRAMMAR": str(d / "bench.gram"),

@@ -40,7 +40,7 @@ from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av.audio.frame import AudioFrame
 
-from client.results import BargeInMeasure, CallError, CallResult, TurnView, Utterance
+from client.results import BargeInMeasure, CallError, CallResult, TurnView, Utterance, track_turn
 from clock import Clock, SystemClock
 from media.frames import PLAYOUT_RATE, PcmResampler, Reframer, first_sound_sample, rms_dbfs
 from media.inbound import set_jitter_prefetch
@@ -403,25 +403,7 @@ class CallClient:
             return
         self._events.append(ev)
         self._event_times.append((self.clock.monotonic(), ev))
-        kind = ev.get("type")
-        if kind == "turn":
-            t = self._turns.setdefault(ev["turn_id"], TurnView(id=ev["turn_id"], generation=ev["generation"]))
-            t.status, t.label = ev["status"], ev["label"]
-            t.states.append(ev["status"])
-            if ev.get("transcript") is not None:
-                t.transcript = ev["transcript"]
-            if ev.get("reply"):
-                t.reply = ev["reply"]
-            if ev.get("stop_reason"):
-                t.stop_reason = ev["stop_reason"]["kind"]
-            t.error = ev.get("error")
-        elif kind == "transcript":
-            t = self._turns.setdefault(ev["turn_id"], TurnView(id=ev["turn_id"], generation=ev["generation"]))
-            t.transcript = ev["text"]
-        elif kind == "agent.delta":
-            t = self._turns.setdefault(ev["turn_id"], TurnView(id=ev["turn_id"], generation=ev["generation"]))
-            if t.status not in ("COMPLETED", "CANCELLED"):
-                t.reply += ev["text"]
+        track_turn(self._turns, ev)
         task = asyncio.get_running_loop().create_task(self._notify_events())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

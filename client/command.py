@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import tempfile
 from pathlib import Path
 
 from aiohttp import web
 
 from client.call import CallClient
+from client.phone_call import PhoneCallClient
 from client.results import CallResult, Utterance
 from media.frames import PLAYOUT_RATE, load_pcm
 from web.app import create_app
@@ -20,8 +23,11 @@ from web.settings import Settings
 async def run_call(args: argparse.Namespace, settings: Settings) -> int:
     """``turnkeeper call``: call a server (or one started here with
     ``--local``) with ``args.wav`` as the microphone, interrupt with
-    ``args.barge_in`` ``args.at`` seconds after the agent starts talking,
+    ``args.barge_in`` (or, on a phone call, the telephone keys
+    ``args.keys``) ``args.at`` seconds after the agent starts talking,
     write what was heard to ``args.out`` and print the timeline (or JSON).
+    With ``args.phone`` (``twilio``, ``telnyx``) the call is a simulated
+    phone call through the telephony bridge (:mod:`client.phone_call`).
     Returns the exit status: 0, or 1 if the call failed or a turn FAILED.
 
     Raises:
@@ -41,14 +47,28 @@ async def run_call(args: argparse.Namespace, settings: Settings) -> int:
         raise ValueError(f"--server must be an http:// or https:// URL, not {args.server!r}")
     opening = Utterance(pcm=load_pcm(args.wav, PLAYOUT_RATE), label=Path(args.wav).name)
     barge_ins = []
-    if args.barge_in:
+    keys = getattr(args, "keys", None)
+    if keys:
+        if not getattr(args, "phone", None):
+            raise ValueError("--keys needs --phone (telephone keys are a phone call's)")
+        if not all(k in "0123456789*#ABCD" for k in keys):
+            raise ValueError(f"--keys takes 0-9, *, # and A-D, not {keys!r}")
+        barge_ins.append(Utterance(pcm=b"", at_s=args.at, label=f"keys {keys}", keys=keys))
+    elif args.barge_in:
         barge_ins.append(Utterance(pcm=load_pcm(args.barge_in, PLAYOUT_RATE), at_s=args.at, label=Path(args.barge_in).name))
     runner: web.AppRunner | None = None
     tmp = tempfile.TemporaryDirectory(prefix="turnkeeper-call-")
+    phone = getattr(args, "phone", None)
+    token = getattr(args, "token", None) or os.environ.get("TURNKEEPER_TOKEN")
     try:
         if args.local:
             store = args.store or f"sqlite:///{tmp.name}/turnkeeper.db"
-            runner = web.AppRunner(create_app(settings.model_copy(update={"store": store})), access_log=None)
+            update: dict[str, object] = {"store": store}
+            if phone:  # a token of the call's tenant, so the caller can read the timeline
+                token = secrets.token_urlsafe(16)
+                tokens = ",".join(p for p in (settings.api_tokens, f"default:{token}") if p)
+                update["api_tokens"] = tokens
+            runner = web.AppRunner(create_app(settings.model_copy(update=update)), access_log=None)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
@@ -56,7 +76,7 @@ async def run_call(args: argparse.Namespace, settings: Settings) -> int:
             url = f"http://127.0.0.1:{port}"
         else:
             url = args.server
-        client = CallClient(url)
+        client: CallClient | PhoneCallClient = PhoneCallClient(url, phone, token=token) if phone else CallClient(url)
         result = await client.run(opening, barge_ins, out_wav=out, timeout_s=args.timeout)
     finally:
         if runner is not None:
@@ -81,15 +101,28 @@ def format_timeline(result: CallResult, out: str | None = None) -> str:
         reply = t.reply if len(t.reply) <= 160 else t.reply[:157] + "..."
         lines.append(f"    agent: {reply!r}")
         lines.append(f"    states: {' -> '.join(t.states)}")
+    phone = result.transport != "webrtc"
     for b in result.barge_ins:
         stop = "n/a" if b.stop_ms is None else f"{b.stop_ms:.0f} ms"
         fence = "n/a" if b.server_onset_to_fence_ms is None else f"{b.server_onset_to_fence_ms:.0f} ms"
         speaking = "" if b.speaking_at_onset else " (agent was already silent at onset)"
+        where = " at the caller's ear" if phone else ""
         lines.append(
-            f"  barge-in {b.label} at +{b.at_s:.2f} s: audible stop {stop}{speaking}; server onset->fence {fence}"
+            f"  barge-in {b.label} at +{b.at_s:.2f} s: audible stop{where} {stop}{speaking}; server onset->fence {fence}"
         )
+        if phone:
+            clear = "no clear" if b.clear_after_fence_ms is None else f"clear {b.clear_after_fence_ms:+.0f} ms after the fence"
+            played = "n/a" if b.played_ms_at_ear is None else f"{b.played_ms_at_ear:.0f} ms"
+            counted = "n/a" if b.server_played_ms is None else f"{b.server_played_ms} ms"
+            lines.append(f"    {clear}; the ear played {played} of the reply, the server counted {counted} by marks")
+            if b.server_heard is not None:
+                lines.append(f"    heard (history keeps): {b.server_heard!r}")
     if out:
         lines.append(f"  heard audio: {out} ({result.received_audio_ms / 1000:.1f} s)")
+    if phone:
+        lines.insert(0, f"phone call ({result.transport} media stream)")
+        for e in result.protocol_errors:
+            lines.append(f"  PROTOCOL ERROR from the server: {e}")
     if result.timed_out:
         lines.append("  TIMED OUT before the last turn ended")
     if result.server_hung_up:

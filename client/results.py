@@ -26,6 +26,8 @@ class Utterance:
         kind: what it is, for scoring: ``speech`` (should barge in),
             ``backchannel`` or ``noise`` (should cancel nothing).
         ptt: sent with push-to-talk (ptt.start before, ptt.end after).
+        keys: phone calls only: telephone keys pressed (``dtmf`` messages,
+            100 ms apart) instead of saying ``pcm``.
     """
 
     pcm: bytes
@@ -33,6 +35,7 @@ class Utterance:
     label: str = ""
     kind: str = "speech"
     ptt: bool = False
+    keys: str = ""
 
 
 @dataclass
@@ -60,6 +63,21 @@ class BargeInMeasure:
     #: the caller's verdict from the same measure: ``kept talking``,
     #: ``paused and resumed`` or ``stopped`` (None: not judged)
     outcome: str | None = None
+    #: phone calls only (:mod:`client.phone_call`), None elsewhere:
+    #: ms from the server's fence (its ``barge_in`` event) to the ``clear``
+    #: reaching the provider (None: no clear came)
+    clear_after_fence_ms: float | None = None
+    #: ms of old-generation audio that reached the provider after the clear
+    #: and played audibly (should be 0)
+    old_audio_after_clear_ms: float | None = None
+    #: ms of the interrupted reply the caller's ear played (stream bytes
+    #: from the reply's first to the clear), and what the server counted
+    #: (``agent.interrupted`` played_ms) and said was heard
+    played_ms_at_ear: float | None = None
+    server_played_ms: int | None = None
+    server_heard: str | None = None
+    #: the interrupted turn (its id), for matching its reply
+    old_turn_id: str | None = None
 
     @property
     def stop_ms(self) -> float | None:
@@ -80,7 +98,13 @@ class BargeInMeasure:
             "server_onset_to_fence_ms": self.server_onset_to_fence_ms,
             "gap_ms": self.gap_ms,
             "outcome": self.outcome,
-        }
+        } | ({} if self.played_ms_at_ear is None and self.clear_after_fence_ms is None else {
+            "clear_after_fence_ms": self.clear_after_fence_ms,
+            "old_audio_after_clear_ms": self.old_audio_after_clear_ms,
+            "played_ms_at_ear": self.played_ms_at_ear,
+            "server_played_ms": self.server_played_ms,
+            "server_heard": self.server_heard,
+        })
 
 
 @dataclass
@@ -131,6 +155,10 @@ class CallResult:
     server_hung_up: bool = False
     received: list[tuple[float, float, float]] = field(default_factory=list)
     event_times: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
+    #: ``webrtc``, or the phone provider (``twilio``, ``telnyx``)
+    transport: str = "webrtc"
+    #: phone calls: the server's protocol violations the provider saw
+    protocol_errors: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -145,4 +173,27 @@ class CallResult:
             "received_audio_ms": self.received_audio_ms,
             "timed_out": self.timed_out,
             "server_hung_up": self.server_hung_up,
-        }
+        } | ({} if self.transport == "webrtc" else {"transport": self.transport, "protocol_errors": self.protocol_errors})
+
+
+def track_turn(turns: dict[str, TurnView], ev: dict[str, Any]) -> None:
+    """Update the turns a client saw (by turn id) with one server event
+    (``turn``, ``transcript``, ``agent.delta``; others change nothing)."""
+    kind = ev.get("type")
+    if kind not in ("turn", "transcript", "agent.delta"):
+        return
+    t = turns.setdefault(ev["turn_id"], TurnView(id=ev["turn_id"], generation=ev["generation"]))
+    if kind == "turn":
+        t.status, t.label = ev["status"], ev["label"]
+        t.states.append(ev["status"])
+        if ev.get("transcript") is not None:
+            t.transcript = ev["transcript"]
+        if ev.get("reply"):
+            t.reply = ev["reply"]
+        if ev.get("stop_reason"):
+            t.stop_reason = ev["stop_reason"]["kind"]
+        t.error = ev.get("error")
+    elif kind == "transcript":
+        t.transcript = ev["text"]
+    elif kind == "agent.delta" and t.status not in ("COMPLETED", "CANCELLED"):
+        t.reply += ev["text"]

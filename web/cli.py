@@ -1,7 +1,7 @@
 """The ``turnkeeper`` command.
 
     turnkeeper serve [--host H] [--port P] [--config FILE]
-    turnkeeper call (--server URL | --local) --wav FILE
+    turnkeeper call (--server URL | --local) --wav FILE [--phone twilio|telnyx]
                     [--barge-in FILE --at SECONDS] [--out FILE] [--json]
 """
 
@@ -42,6 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     call.add_argument("--out", default="heard.wav", help="where to write what the client heard (default heard.wav)")
     call.add_argument("--timeout", type=float, default=90.0, help="give up after this many seconds (default 90)")
     call.add_argument("--json", action="store_true", help="print one JSON object instead of the timeline")
+    call.add_argument(
+        "--phone", choices=["twilio", "telnyx"],
+        help="call as a phone through the telephony bridge (a simulated Twilio or Telnyx media stream) instead of WebRTC",
+    )
+    call.add_argument("--keys", help="with --phone: press these telephone keys (e.g. 12#) --at seconds after the agent starts talking")
+    call.add_argument(
+        "--token", help="with --phone --server: a bearer token of the call's tenant, to read its events (default $TURNKEEPER_TOKEN)"
+    )
 
     args = parser.parse_args(argv)
     try:

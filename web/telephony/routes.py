@@ -41,6 +41,11 @@ TWILIO_VOICE_PATH = "/v1/telephony/twilio/voice"
 TELNYX_STREAM_PATH = "/v1/telephony/telnyx"
 
 
+#: response header of the stream's upgrade naming the call's session
+SESSION_HEADER = "X-Turnkeeper-Session"
+_UPGRADED = {"description": "switching protocols", "headers": {SESSION_HEADER: {
+    "description": "the call's session id (its events: GET /v1/sessions/{id}/events)", "schema": {"type": "string"}}}}
+
 #: the routes in the OpenAPI document (web.api.OPENAPI)
 OPENAPI_PATHS: dict[str, Any] = {
     TWILIO_VOICE_PATH: {"post": {
@@ -57,11 +62,11 @@ OPENAPI_PATHS: dict[str, Any] = {
             "400": {"description": "no CallSid"}, "403": {"description": "bad or missing X-Twilio-Signature"}}}},
     TWILIO_STREAM_PATH: {"get": {
         "summary": "WebSocket: Twilio Media Streams (bidirectional)", "security": [],
-        "responses": {"101": {"description": "switching protocols"}, "403": {"description": "bad or missing X-Twilio-Signature"},
+        "responses": {"101": _UPGRADED, "403": {"description": "bad or missing X-Twilio-Signature"},
                       "503": {"description": "too many sessions"}}}},
     TELNYX_STREAM_PATH: {"get": {
         "summary": "WebSocket: Telnyx media streaming (bidirectional RTP, PCMU)", "security": [],
-        "responses": {"101": {"description": "switching protocols"}, "503": {"description": "too many sessions"}}}},
+        "responses": {"101": _UPGRADED, "503": {"description": "too many sessions"}}}},
 }
 
 
@@ -164,7 +169,6 @@ async def _stream(request: web.Request, dialect: Dialect) -> web.StreamResponse:
                        headers={"Retry-After": "5"})
     secret = await tenant_secret(app)
     ws = web.WebSocketResponse(max_msg_size=settings.telephony.max_message_bytes, heartbeat=None)
-    await ws.prepare(request)
 
     def forget(call: PhoneCall) -> None:
         peers.pop(call.id, None)
@@ -173,6 +177,10 @@ async def _stream(request: web.Request, dialect: Dialect) -> web.StreamResponse:
         settings=settings, manager=app[MANAGER], providers=app[PROVIDERS].for_session(), clock=app[CLOCK], ws=ws,
         dialect=dialect, secret=secret, on_closed=forget, client=request.remote or "?",
     )
+    # the call's session id, for operators' tooling (``turnkeeper call --phone``
+    # follows its events with the tenant's token); providers ignore it
+    ws.headers[SESSION_HEADER] = call.id
+    await ws.prepare(request)
     peers[call.id] = call
     await call.run()
     return ws
