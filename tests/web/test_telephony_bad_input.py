@@ -138,14 +138,19 @@ async def test_a_flood_closes_that_call_only_and_settles_its_turn(server: tuple[
         await other.aclose()
 
 
-async def test_a_1mb_frame_closes_the_socket(server: tuple[web.Application, str]) -> None:
+async def test_a_1mb_frame_closes_the_socket(server: tuple[web.Application, str], caplog: pytest.LogCaptureFixture) -> None:
     app, url = server
     async with aiohttp.ClientSession() as http:
         provider, call = await open_call(app, http, url)
         await provider.dtmf("1")
         await wait_until(lambda: bool(call.agent and call.agent.ptt_active), 5, "keys open a turn")
         await provider.ws.send_str(json.dumps({"event": "media", "media": {"payload": "A" * (1 << 20)}}))
-        assert await provider.closed() == 1009  # message too big (RFC 6455 section 7.4.1)
+        # the server closes with 1009, message too big (RFC 6455 section
+        # 7.4.1); it closes the socket with the rest of the megabyte unread,
+        # and a kernel answers that with a reset, which can reach the sender
+        # before the close frame does (1006: seen under load)
+        assert await provider.closed() in (1009, 1006)
+        assert any("exceeds limit" in r.getMessage() for r in caplog.records)  # closed for its size, logged
         [turn] = await turns_of(app, call.id, 1)
         assert turn.status is TurnStatus.CANCELLED
         assert turn.stop_reason is not None and turn.stop_reason.kind is StopReasonKind.TRANSPORT_DISCONNECTED
