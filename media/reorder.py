@@ -40,20 +40,32 @@ class ReorderBuffer(Generic[T]):
         self.duplicates = 0
         self.lost = 0
         self.reordered = 0
+        #: times the numbering restarted or jumped and was followed
+        self.resyncs = 0
+        self._late_run = 0
 
     def push(self, seq: int, item: T) -> list[T]:
         """Add ``item`` numbered ``seq``; returns the items that are now in
         order (possibly none, possibly several)."""
+        out: list[T] = []
         if seq < self.next:
             self.late += 1
-            return []
+            self._late_run += 1
+            if self._late_run <= self.depth:
+                return []
+            # more late items in a row than a reorder can explain: the
+            # numbering restarted (or an earlier jump was bogus); follow it
+            out = self.flush()
+            self.next = seq
+            self.resyncs += 1
+        self._late_run = 0
         if seq in self._held:
             self.duplicates += 1
             return []
         if seq != self.next:
             self.reordered += 1
         self._held[seq] = item
-        out = self._release()
+        out += self._release()
         if len(self._held) > self.depth:
             skip_to = min(self._held)
             self.lost += skip_to - self.next

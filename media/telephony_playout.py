@@ -144,13 +144,18 @@ class TelephonyPlayout(PlayoutBuffer):
         holds ``send_ahead_ms`` not yet due; end the stretch (last bytes and
         a mark) when nothing more may go. Returns the frames sent."""
         sent = 0
+        dry = False
         while self._far_end_until - now < self.send_ahead_s - 1e-9:
             frame = self._next_deliverable()
             if frame is None:
+                dry = True
                 break
             self._send(frame, now)
             sent += 1
-        if not sent and self._stretch is not None:
+        # the stretch ends when nothing is left to send (or playout is
+        # paused), not on a tick that found the send-ahead window still full
+        # (a tick a few ms late sends nothing and would end it mid-reply)
+        if dry and not sent and self._stretch is not None:
             self._end_stretch(now)
         return sent
 

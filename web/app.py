@@ -43,6 +43,7 @@ from voice.text_turns import TextTurns
 from voice.tools import Toolbox
 from voice.tts import EspeakTTS
 from web import api
+from web.admission import admit
 from web.auth import Auth
 from web.errors import ApiError
 from web.offer_validation import OfferRejected, validate_offer
@@ -431,17 +432,8 @@ async def _offer(request: web.Request) -> web.Response:
         raise ApiError(400, exc.code, str(exc)) from exc
     settings = app[SETTINGS]
     peers = app[PEERS]
-    if len(peers) >= settings.max_sessions:
-        raise ApiError(503, "too_many_sessions", f"{settings.max_sessions} sessions are running; try later",
-                       headers={"Retry-After": "5"})
-    pending = [p for p in peers.values() if not p.connected]
     client = request.remote or "?"
-    if sum(1 for p in pending if p.client == client) >= settings.max_pending_per_client:
-        raise ApiError(429, "too_many_pending", "too many offers from you are still connecting; connect or wait",
-                       headers={"Retry-After": str(int(settings.connect_timeout_s))})
-    if len(pending) >= settings.max_pending_sessions:
-        raise ApiError(503, "too_many_pending", "too many sessions are still connecting; try again shortly",
-                       headers={"Retry-After": "2"})
+    admit(app, client)
     clock = app[CLOCK]
     peer = PeerSession(
         settings=settings,

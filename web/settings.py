@@ -53,6 +53,9 @@ class TelephonySettings(BaseModel):
             Empty: built from ``public_url`` or the request.
         tenant_secret: the key the tenant in the TwiML is signed with.
             Empty: a secret kept in the store.
+        telnyx_stream_token: the shared secret a Telnyx stream URL carries
+            (``?token=``); empty: Telnyx streams are refused once
+            ``twilio_auth_token`` is set (open in development only).
         tenant_by_number: the tenant of each called number (E.164), by
             number; others are ``default``. Env as JSON.
         send_ahead_ms: audio the provider may hold beyond what is due, ms
@@ -69,6 +72,7 @@ class TelephonySettings(BaseModel):
     public_url: str = Field("", pattern=r"^(https?://[^/\s]+)?$")
     stream_url: str = Field("", pattern=r"^(wss?://\S+)?$")
     tenant_secret: str = Field("", repr=False)
+    telnyx_stream_token: str = Field("", repr=False)
     tenant_by_number: dict[str, str] = Field(default_factory=dict)
     send_ahead_ms: int = Field(60, ge=20, le=2000, multiple_of=20)
     mark_every_ms: int = Field(200, ge=20, le=10_000)

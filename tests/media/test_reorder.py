@@ -44,3 +44,30 @@ def test_a_lost_frame_is_given_up_on_after_depth_frames() -> None:
 def test_depth_must_be_positive() -> None:
     with pytest.raises(ValueError):
         ReorderBuffer(depth=0)
+
+
+def test_a_numbering_jump_or_restart_is_followed_not_dropped_for_ever() -> None:
+    """Five frames numbered 10^9 mid-call, then the real numbering again:
+    after more late frames in a row than the depth, the buffer follows the
+    numbering instead of dropping every later frame as late (from review:
+    249 of 249 dropped)."""
+    buf: ReorderBuffer[int] = ReorderBuffer(depth=4)
+    got: list[int] = []
+    for seq in range(1, 11):
+        got += buf.push(seq, seq)
+    for seq in range(10**9, 10**9 + 5):
+        got += buf.push(seq, seq)
+    real = list(range(11, 61))
+    for seq in real:
+        got += buf.push(seq, seq)
+    got += buf.flush()
+    assert buf.resyncs == 1
+    assert [s for s in got if s in real][-40:] == real[-40:]  # the call's audio is back
+    assert buf.late <= buf.depth + 1
+    # a restart from 1 loses at most the depth's worth
+    buf2: ReorderBuffer[int] = ReorderBuffer(depth=4)
+    out: list[int] = []
+    for seq in list(range(1, 201)) + list(range(1, 101)):
+        out += buf2.push(seq, seq)
+    out += buf2.flush()
+    assert len(out) >= 300 - 5 and buf2.resyncs == 1

@@ -111,7 +111,12 @@ async def test_send_ahead_then_one_message_per_tick() -> None:
     assert out.pump(now + 0.02) == 1
     assert out.pump(now + 0.04) == 1
     assert out.pump(now + 0.2) == 3  # the far end drained: up to 60 ms again
-    assert wire.kinds().count("media") == 8
+    # 8 frames in, 7 messages out: the resampler holds a few samples of the
+    # 8th until the stretch ends (a tick that finds the window full is no end)
+    assert wire.kinds().count("media") == 7
+    assert out.pump(now + 0.4) == 2  # the last two frames ...
+    out.pump(now + 0.6)  # ... then the queue is dry: the stretch ends, its last bytes go
+    assert wire.kinds().count("media") == 10 and wire.kinds()[-1] == "mark"
 
 
 async def test_a_pause_stops_sending_and_a_mark_closes_the_stretch() -> None:
@@ -193,3 +198,25 @@ async def test_wait_empty_gives_up_on_marks_never_echoed() -> None:
 def test_send_ahead_must_be_whole_frames() -> None:
     with pytest.raises(ValueError):
         TelephonyPlayout(VirtualClock(), lambda g: True, Wire(), send_ahead_ms=50)
+
+
+def test_late_ticks_do_not_end_a_stretch_mid_reply() -> None:
+    """Every other tick 5 ms late (a loaded loop): a tick that finds the
+    send-ahead window still full sends nothing, and that is not the end of
+    the audio; one stretch, one closing mark (from review: 99 stretch ends
+    and 99 marks in a 2 s reply)."""
+    clock = VirtualClock()
+    wire = Wire()
+    segments: list[tuple[int, int, bool]] = []
+    out = TelephonyPlayout(
+        clock, lambda g: True, wire, send_ahead_ms=60, mark_every_ms=10_000,
+        on_segment=lambda g, s, started: segments.append((g, s, started)),
+    )
+    for f in frames(1, 100):
+        out.push(f)
+    t = clock.monotonic()
+    for tick in range(140):
+        out.pump(t + tick * 0.020 + (0.005 if tick % 2 else 0.0))
+    assert sum(k == "media" for k in wire.kinds()) == 100
+    assert [s[2] for s in segments] == [True, False]  # one start, one end: when the queue ran dry
+    assert len(wire.marks()) == 1

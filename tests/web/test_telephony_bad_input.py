@@ -248,3 +248,60 @@ async def test_a_stream_that_never_starts_or_goes_silent_is_closed(tmp_path: Pat
             await provider.aclose()
     finally:
         await runner.cleanup()
+
+
+async def test_concurrent_upgrades_cannot_overrun_the_session_limits(tmp_path: Path) -> None:
+    """Sixty streams opened at once against max_sessions 8: at most 8 are
+    admitted (the limit is checked and the call registered with no await
+    between), and streams that never send ``start`` count as connecting
+    (max_pending_per_client), so they cannot hold the server (from review:
+    all 60 were admitted, and unstarted streams counted as connected)."""
+    app = create_app(Settings(
+        store=f"sqlite:///{tmp_path}/t.db", max_sessions=8, max_pending_per_client=3, max_pending_sessions=8,
+    ))
+    runner, url = await start_app(app)
+    ws_url = url.replace("http://", "ws://") + "/v1/telephony/telnyx"
+    try:
+        async with aiohttp.ClientSession() as http:
+            results = await asyncio.gather(*(http.ws_connect(ws_url) for _ in range(60)), return_exceptions=True)
+            opened = [r for r in results if isinstance(r, aiohttp.ClientWebSocketResponse)]
+            refused = [r for r in results if isinstance(r, aiohttp.WSServerHandshakeError)]
+            assert len(opened) == 3 and len(refused) == 57  # one client address: its 3 connecting streams
+            assert {r.status for r in refused} == {429}
+            assert len(app[PEERS]) == 3
+            for ws in opened:
+                await ws.close()
+            await wait_until(lambda: not app[PEERS], 10, "the streams are freed")
+    finally:
+        await runner.cleanup()
+
+
+async def test_mark_echoes_do_not_keep_a_call_without_audio_alive(tmp_path: Path) -> None:
+    """media_timeout_s counts from the caller's last audio: a provider that
+    stops sending media but goes on with marks or other messages is closed
+    (from review: any message reset the timer)."""
+    app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db", media_timeout_s=1.0))
+    runner, url = await start_app(app)
+    ws_url = url.replace("http://", "ws://") + "/v1/telephony/twilio"
+    try:
+        async with aiohttp.ClientSession() as http:
+            provider, _call = await open_call(app, http, ws_url)
+            for task in provider._tasks[1:]:
+                task.cancel()  # the line goes quiet ...
+            mark = json.dumps({"event": "mark", "streamSid": STREAM, "mark": {"name": "g9.1"}})
+
+            async def chatter() -> None:
+                while not provider.ws.closed:
+                    await provider.ws.send_str(mark)  # ... but marks keep coming
+                    await asyncio.sleep(0.2)
+
+            noise = asyncio.ensure_future(chatter())
+            try:
+                assert await provider.closed(timeout=10) == 1000
+            finally:
+                noise.cancel()
+                await asyncio.gather(noise, return_exceptions=True)
+            await wait_until(lambda: not calls(app), 10, "the call is freed")
+            await provider.aclose()
+    finally:
+        await runner.cleanup()

@@ -179,3 +179,50 @@ def test_telephony_settings_are_checked() -> None:
         Settings(telephony={"send_ahead_ms": 50})
     with pytest.raises(ValueError):
         Settings(telephony={"public_url": "agent.example.com"})
+
+
+async def test_telnyx_streams_need_their_token_once_calls_are_secured(tmp_path: Path) -> None:
+    """Telnyx signs no upgrade: with a Twilio token set and no Telnyx token,
+    Telnyx streams are refused (from review: they were open to anyone); with
+    a Telnyx token the URL must carry it."""
+    for telephony, query, status in (
+        ({"twilio_auth_token": "tok"}, "", 403),
+        ({"twilio_auth_token": "tok", "telnyx_stream_token": "s3cret"}, "", 403),
+        ({"twilio_auth_token": "tok", "telnyx_stream_token": "s3cret"}, "?token=wrong", 403),
+        ({"twilio_auth_token": "tok", "telnyx_stream_token": "s3cret"}, "?token=s3cret", 101),
+        ({"telnyx_stream_token": "s3cret"}, "?token=nope", 403),
+        ({}, "", 101),  # development: no credentials configured at all
+    ):
+        app = create_app(Settings(store=f"sqlite:///{tmp_path}/t{status}{len(query)}{len(telephony)}.db", telephony=telephony))
+        runner, url = await start_app(app)
+        try:
+            async with aiohttp.ClientSession() as http:
+                ws_url = url.replace("http://", "ws://") + "/v1/telephony/telnyx" + query
+                if status == 403:
+                    with pytest.raises(aiohttp.WSServerHandshakeError) as err:
+                        await http.ws_connect(ws_url)
+                    assert err.value.status == 403, (telephony, query)
+                else:
+                    ws = await http.ws_connect(ws_url)
+                    await ws.close()
+        finally:
+            await runner.cleanup()
+
+
+async def test_a_stream_url_setting_is_what_the_upgrade_signature_covers(tmp_path: Path) -> None:
+    """Twilio signs the <Stream> URL it was given: with telephony.stream_url
+    set (another host, a proxy's path), the upgrade is checked against it
+    (from review: every such call was refused)."""
+    stream = "wss://media.example.com/tk/v1/telephony/twilio"
+    app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db", telephony={"twilio_auth_token": "tok", "stream_url": stream}))
+    runner, url = await start_app(app)
+    try:
+        async with aiohttp.ClientSession() as http:
+            ws_url = url.replace("http://", "ws://") + "/v1/telephony/twilio"
+            with pytest.raises(aiohttp.WSServerHandshakeError) as err:  # signed over our own URL: not what Twilio signs
+                await http.ws_connect(ws_url, headers={"X-Twilio-Signature": RequestValidator("tok").compute_signature(ws_url, {})})
+            assert err.value.status == 403
+            ws = await http.ws_connect(ws_url, headers={"X-Twilio-Signature": RequestValidator("tok").compute_signature(stream, {})})
+            await ws.close()
+    finally:
+        await runner.cleanup()

@@ -77,7 +77,9 @@ class PhoneCall:
     ) -> None:
         self.id = uuid.uuid4().hex
         self.client = client
-        self.connected = True  # a socket is connected from the start (no pending phase)
+        #: False until ``start`` names the stream: until then the call counts
+        #: as connecting (``max_pending_sessions``, ``max_pending_per_client``)
+        self.connected = False
         self.settings = settings
         self.manager = manager
         # telephone audio has nothing above 4 kHz: the recogniser gets the band filled
@@ -102,7 +104,7 @@ class PhoneCall:
         self._task: asyncio.Task[None] | None = None
         self._writer: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
-        self._last_message_at = clock.monotonic()
+        self._last_media_at = clock.monotonic()
         self._closing: asyncio.Task[None] | None = None
         self._window_start = 0.0
         self._window_count = 0
@@ -132,7 +134,7 @@ class PhoneCall:
 
     async def _watch(self) -> None:
         """Close a stream that sends no ``start`` within ``connect_timeout_s``,
-        or nothing at all for ``media_timeout_s`` once started (a provider
+        or no media for ``media_timeout_s`` once started (a provider
         sends the caller's line every 20 ms, silence included)."""
         s = self.settings
         opened = self.clock.monotonic()
@@ -143,7 +145,7 @@ class PhoneCall:
                 if now - opened > s.connect_timeout_s:
                     self._bad(ProtocolError("no_start", f"no start within {s.connect_timeout_s:g} s", fatal=True))
                     return
-            elif s.media_timeout_s > 0 and now - self._last_message_at > s.media_timeout_s:
+            elif s.media_timeout_s > 0 and now - self._last_media_at > s.media_timeout_s:
                 log.info("call %s: nothing received for %.1f s, closing", self.id, s.media_timeout_s)
                 self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
                 return
@@ -152,7 +154,6 @@ class PhoneCall:
         """One text message: rate-checked, parsed, handed on. Nothing here
         raises into the reader."""
         now = self.clock.monotonic()
-        self._last_message_at = now
         if now - self._window_start >= 1.0:
             self._window_start, self._window_count = now, 0
         self._window_count += 1
@@ -187,6 +188,9 @@ class PhoneCall:
                 "stream_mismatch", f"message for stream {event.stream_id[:40]!r} on stream {t.stream_id!r}: dropped"
             )
         if isinstance(event, Media):
+            # only the caller's audio keeps a call alive (a provider sends it
+            # every 20 ms, silence included): mark echoes and bad messages do not
+            self._last_media_at = self.clock.monotonic()
             t.on_media(event)
         elif isinstance(event, Dtmf):
             t.on_dtmf(event)
@@ -203,6 +207,7 @@ class PhoneCall:
         if tenant is None:
             raise ProtocolError("bad_tenant", "the stream names a tenant without our signature for this call", fatal=True)
         self.tenant = tenant
+        self.connected = True
         self.transport.started(start.stream_id)
         self.agent = AgentSession(
             session_id=self.id, manager=self.manager, providers=self.providers, transport=self.transport,

@@ -14,11 +14,13 @@ refused with 403 (``bad_signature``). A call counts against
 
 from __future__ import annotations
 
+import hmac
 import logging
 from typing import Any
 
 from aiohttp import web
 
+from web.admission import admit
 from web.errors import ApiError
 from web.state import CLOCK, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE
 from web.telephony.call import PhoneCall
@@ -87,7 +89,7 @@ async def tenant_secret(app: web.Application) -> bytes:
     return await app[MANAGER].store_call(lambda: store.secret("telephony-tenant"))
 
 
-def _check_twilio(request: web.Request, params: dict[str, str]) -> None:
+def _check_twilio(request: web.Request, params: dict[str, str], *, stream: bool = False) -> None:
     """Refuse (403) a request without a valid X-Twilio-Signature when an
     auth token is configured.
 
@@ -97,7 +99,10 @@ def _check_twilio(request: web.Request, params: dict[str, str]) -> None:
     t = request.app[SETTINGS].telephony
     if not t.twilio_auth_token:
         return
-    url = request_url(request, t.public_url)
+    # Twilio signs the URL it requested: for the stream, the <Stream> URL
+    # we gave it (telephony.stream_url when that is set, with its own host
+    # and path), else this server's URL
+    url = t.stream_url if stream and t.stream_url else request_url(request, t.public_url)
     if not twilio_signature_valid(t.twilio_auth_token, url, params, request.headers.get("X-Twilio-Signature")):
         log.warning("refused %s %s: bad or missing X-Twilio-Signature", request.method, request.path)
         raise ApiError(403, "bad_signature", "X-Twilio-Signature is missing or does not sign this request")
@@ -147,16 +152,30 @@ async def twilio_stream(request: web.Request) -> web.StreamResponse:
     Raises:
         ApiError: 403 bad signature; 503 too many sessions.
     """
-    _check_twilio(request, {})
+    _check_twilio(request, {}, stream=True)
     return await _stream(request, TwilioDialect())
 
 
 async def telnyx_stream(request: web.Request) -> web.StreamResponse:
-    """The Telnyx media streaming WebSocket.
+    """The Telnyx media streaming WebSocket. Telnyx signs no stream upgrade,
+    so the stream URL given to Telnyx (``stream_url`` of its call control
+    command) carries a shared secret, ``?token=<telephony.telnyx_stream_token>``;
+    with that setting empty the endpoint is open only while no provider
+    credential is configured at all (development: no
+    ``telephony.twilio_auth_token`` either), and refused otherwise.
 
     Raises:
-        ApiError: 503 too many sessions.
+        ApiError: 403 ``bad_token``; 503 too many sessions.
     """
+    t = request.app[SETTINGS].telephony
+    given = request.query.get("token", "")
+    if t.telnyx_stream_token:
+        if not hmac.compare_digest(given.encode(), t.telnyx_stream_token.encode()):
+            log.warning("refused %s: bad or missing Telnyx stream token", request.path)
+            raise ApiError(403, "bad_token", "the stream URL's token is missing or wrong")
+    elif t.twilio_auth_token:
+        log.warning("refused %s: telephony.telnyx_stream_token is not set", request.path)
+        raise ApiError(403, "bad_token", "Telnyx streams are off: set telephony.telnyx_stream_token")
     return await _stream(request, TelnyxDialect())
 
 
@@ -164,23 +183,29 @@ async def _stream(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     app = request.app
     settings = app[SETTINGS]
     peers = app[PEERS]
-    if len(peers) >= settings.max_sessions:
-        raise ApiError(503, "too_many_sessions", f"{settings.max_sessions} sessions are running; try later",
-                       headers={"Retry-After": "5"})
+    client = request.remote or "?"
+    admit(app, client)  # early: a full server answers before the store is asked
     secret = await tenant_secret(app)
     ws = web.WebSocketResponse(max_msg_size=settings.telephony.max_message_bytes, heartbeat=None)
 
     def forget(call: PhoneCall) -> None:
         peers.pop(call.id, None)
 
+    # checked again and the call registered with no await between: concurrent
+    # upgrades cannot all pass (web.admission)
+    admit(app, client)
     call = PhoneCall(
         settings=settings, manager=app[MANAGER], providers=app[PROVIDERS].for_session(), clock=app[CLOCK], ws=ws,
-        dialect=dialect, secret=secret, on_closed=forget, client=request.remote or "?",
+        dialect=dialect, secret=secret, on_closed=forget, client=client,
     )
+    peers[call.id] = call
     # the call's session id, for operators' tooling (``turnkeeper call --phone``
     # follows its events with the tenant's token); providers ignore it
     ws.headers[SESSION_HEADER] = call.id
-    await ws.prepare(request)
-    peers[call.id] = call
+    try:
+        await ws.prepare(request)
+    except BaseException:
+        peers.pop(call.id, None)  # the upgrade failed: no call to free
+        raise
     await call.run()
     return ws

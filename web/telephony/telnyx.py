@@ -92,7 +92,10 @@ class TelnyxDialect:
             track = media.get("track", "inbound")
             if track not in ("inbound", "inbound_track"):
                 raise ProtocolError("bad_field", f"media of track {str(track)[:20]!r}: only the caller's is read")
-            return Media(payload_of(media), number(media, "chunk", number(message, "sequence_number")), stream_id)
+            seq = number(media, "chunk", number(message, "sequence_number", -1))
+            if seq < 0:
+                raise ProtocolError("no_sequence", "media without chunk or sequence_number cannot be put in order: dropped")
+            return Media(payload_of(media), seq, stream_id)
         if event == "mark":
             return Mark(text(section(message, "mark"), "name"), stream_id)
         if event == "dtmf":
