@@ -46,7 +46,7 @@ from web.telephony.dialect import Dialect, Dtmf, Mark, Media, dumps
 
 log = logging.getLogger(__name__)
 
-#: inbound frames waiting for the session, at most (5 s; older are dropped)
+#: inbound frames waiting for the session, at most (5 s; newer ones are dropped while it is full)
 MAX_INBOUND_FRAMES = 250
 #: keys kept for a session that is starting, at most
 MAX_EARLY_KEYS = 32
@@ -286,7 +286,19 @@ class PhoneTransport:
         return True
 
     def release(self) -> None:
-        """Free the big buffers (queued audio, the detector's model). Idempotent."""
+        """Free the big buffers (queued audio, the detector's model), and log
+        what the caller's audio lost on the way (dropped, late, duplicate or
+        lost frames), if anything. Idempotent."""
+        r = self._reorder
+        if self.dropped_inbound or (r is not None and (r.late or r.lost or r.duplicates or r.resyncs)):
+            log.warning(
+                "stream %s: inbound frames dropped %d (session behind), late %d, lost %d, duplicates %d, resyncs %d",
+                self.stream_id, self.dropped_inbound, r.late if r else 0, r.lost if r else 0,
+                r.duplicates if r else 0, r.resyncs if r else 0,
+            )
+            self.dropped_inbound = 0
+            if r is not None:
+                r.late = r.lost = r.duplicates = r.resyncs = 0
         PlayoutBuffer.clear(self.output)  # the queue only: no ``clear`` on a closed socket
         self._outbound.clear()
         self.detector.close()
