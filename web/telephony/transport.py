@@ -32,9 +32,9 @@ from typing import Any
 
 from clock import Clock
 from media.bargein import BargeInConfig, BargeInDetector
-from media.frames import FRAME_MS, VAD_RATE, Reframer, frame_bytes
+from media.frames import VAD_RATE, Reframer
 from media.g711 import MulawDecoder
-from media.inbound_frame import InboundFrame, analyse_frame
+from media.inbound_frame import InboundFrame, analysed_frames
 from media.outbound import Passes
 from media.playout import PlayoutBuffer
 from media.reorder import ReorderBuffer
@@ -109,7 +109,7 @@ class PhoneTransport:
         self.stream_id: str | None = None
         self.wire: deque[WireRecord] = deque(maxlen=20_000)
         self.delivered = 0
-        self.stall_s = stall_ms / 1000
+        self.stall_ms = stall_ms
         self.dropped_inbound = 0
         self._decoder = MulawDecoder(VAD_RATE)
         self._reframer = Reframer(VAD_RATE)
@@ -208,30 +208,9 @@ class PhoneTransport:
         """The caller's analysed frames until the call ends; silence is put
         in for a stall of ``stall_ms``. The output is paced meanwhile."""
         pacer = asyncio.ensure_future(self.output.run())
-        silence = bytes(frame_bytes(VAD_RATE))
-        last = self.clock.monotonic()
         try:
-            while True:
-                item: tuple[bytes, float] | None
-                if self.stall_s > 0:
-                    try:
-                        async with asyncio.timeout(self.stall_s):
-                            item = await self._inbound.get()
-                    except TimeoutError:
-                        # no audio for a while: silence, one frame per 20 ms since the last
-                        now = self.clock.monotonic()
-                        n = max(1, int((now - last) * 1000 // FRAME_MS))
-                        for i in range(n):
-                            yield analyse_frame(self.detector, silence, last + (i + 1) * FRAME_MS / 1000, filled=True)
-                        last = now
-                        continue
-                else:
-                    item = await self._inbound.get()
-                if item is None:
-                    return
-                pcm, at = item
-                last = at
-                yield analyse_frame(self.detector, pcm, at)
+            async for frame in analysed_frames(self.detector, self._inbound, self.clock, self.stall_ms):
+                yield frame
         finally:
             pacer.cancel()
             await asyncio.wait({pacer})
