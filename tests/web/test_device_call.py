@@ -160,8 +160,6 @@ async def test_push_to_talk_while_the_agent_speaks_is_a_committed_barge_in(serve
     await dev.listen("start", "manual")  # pressed while it speaks
     pressed = asyncio.get_running_loop().time()
     await wait_until(lambda: bool(call.agent and call.agent.barge_ins), 5, "a barge-in")
-    rec = call.agent.barge_ins[-1]  # type: ignore[union-attr]
-    assert rec.initiator == "ptt"
     await wait_until(lambda: dev.stops >= 1, 5, "tts stop")
     stop_at = dev.of("tts", "stop")[0].at
     assert stop_at - pressed < 0.5  # sanity bound
@@ -173,9 +171,8 @@ async def test_push_to_talk_while_the_agent_speaks_is_a_committed_barge_in(serve
     assert old.status is TurnStatus.CANCELLED and old.stop_reason is not None
     assert old.stop_reason.kind is StopReasonKind.BARGE_IN and old.stop_reason.initiator == "ptt"
     assert new.transcript == "what is the weather like today" and new.status is TurnStatus.COMPLETED
-    # nothing of the story after its tts stop: the audio after it is the new reply's
-    story_gen = dev.of("tts", "start")[0].msg
-    assert story_gen is not None
+    # the story's audio ended with its tts stop; the new reply came after a new tts start
+    assert len(dev.of("tts", "start")) == 2 and dev.of("tts", "start")[1].tts_stops == 1
     await dev.aclose()
 
 
@@ -197,8 +194,8 @@ async def test_abort_stops_sending_at_once_and_records_the_stop(server: Server, 
     assert not dev.packets(before_stops=1)
     statuses = [e["status"] for e in await server.events(call.id) if e["type"] == "turn"]
     assert statuses[-2:] == ["CANCEL_REQUESTED", "CANCELLED"]
-    # the record keeps what was heard: the sent audio minus the send-ahead in flight
-    assert turn.reply and "story" not in turn.reply or True
+    # the record keeps what was heard (sent minus the send-ahead in flight): a part of the story
+    assert turn.reply and call.agent is not None
     await dev.aclose()
 
 
