@@ -220,3 +220,18 @@ async def test_auto_mode_endpoints_on_protocol_versions_2_and_3(server: Server, 
     await wait_until(lambda: bool(dev.of("tts", "stop")), 10, "tts stop")
     assert len(dev.audible()) > 20
     await dev.aclose()
+
+
+async def test_realtime_mode_barges_in_by_voice(server: Server, say: Callable[..., Path]) -> None:
+    _, token = await server.token()
+    dev, call = await server.device(token, mode="realtime")
+    await dev.listen("start", "realtime")
+    dev.speak(say("tell me a story"))
+    await wait_until(lambda: len(dev.audible()) > 15, 30, "the story is heard")
+    dev.speak(say("what is the weather like today"))  # the mic stays open while it speaks
+    await wait_until(lambda: dev.stops >= 1, 10, "tts stop: the story is cut")
+    old, new = (await settled(server, call.id, 2, timeout=45))[:2]
+    assert old.status is TurnStatus.CANCELLED and old.stop_reason is not None
+    assert old.stop_reason.kind is StopReasonKind.BARGE_IN and old.stop_reason.initiator == "vad"
+    assert new.transcript == "what is the weather like today"
+    await dev.aclose()
