@@ -162,6 +162,8 @@ async def test_push_to_talk_while_the_agent_speaks_is_a_committed_barge_in(serve
     await wait_until(lambda: bool(call.agent and call.agent.barge_ins), 5, "a barge-in")
     await wait_until(lambda: dev.stops >= 1, 5, "tts stop")
     stop_at = dev.of("tts", "stop")[0].at
+    print(f"press to tts stop: {(stop_at - pressed) * 1000:.1f} ms; to the last story packet: "
+          f"{(dev.packets(before_stops=0)[-1].at - pressed) * 1000:.1f} ms")
     assert stop_at - pressed < 0.5  # sanity bound
     dev.speak(say("what is the weather like today"))
     await wait_until(lambda: dev.mic_idle, 20)
@@ -190,6 +192,8 @@ async def test_abort_stops_sending_at_once_and_records_the_stop(server: Server, 
     await asyncio.sleep(0.5)
     # the last audio came within one 60 ms packet of the abort, and none after tts stop
     last_packet = dev.packets(before_stops=0)[-1].at
+    print(f"abort to the last packet received: {(last_packet - aborted) * 1000:.1f} ms, "
+          f"to tts stop: {(dev.of('tts', 'stop')[0].at - aborted) * 1000:.1f} ms")
     assert last_packet - aborted < 0.06 + 0.05
     assert not dev.packets(before_stops=1)
     statuses = [e["status"] for e in await server.events(call.id) if e["type"] == "turn"]
