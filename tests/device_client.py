@@ -80,7 +80,7 @@ class FakeDevice:
         """``hello``, wait for the server's; the mic runs until :meth:`aclose` if ``mic``."""
         self._tasks.append(asyncio.ensure_future(self._read()))
         await self.ws.send_str(json.dumps(hello or firmware_hello(self.version)))
-        await asyncio.wait_for(self.hello.wait(), 10)
+        await asyncio.wait_for(self.hello.wait(), 30)
         if mic:
             self._tasks.append(asyncio.ensure_future(self._mic_out()))
 
@@ -140,7 +140,7 @@ class FakeDevice:
             else:
                 break
 
-    async def closed(self, timeout: float = 10) -> int | None:
+    async def closed(self, timeout: float = 30) -> int | None:
         """Wait until the server closes the socket; its close code."""
         await asyncio.wait_for(asyncio.shield(self._tasks[0]), timeout)
         return self.ws.close_code

@@ -60,7 +60,7 @@ class Server:
         ws = await self.http.ws_connect(self.ws_url, headers=headers(token, version, mac))
         dev = FakeDevice(ws, version=version, mode=mode)
         await dev.start(mic=mic)
-        await wait_until(lambda: any(c.id not in before and c.agent for c in self.calls()), 10, "the device starts")
+        await wait_until(lambda: any(c.id not in before and c.agent for c in self.calls()), 30, "the device starts")
         [call] = [c for c in self.calls() if c.id not in before]
         return dev, call
 
