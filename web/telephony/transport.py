@@ -32,9 +32,9 @@ from typing import Any
 
 from clock import Clock
 from media.bargein import BargeInConfig, BargeInDetector
-from media.frames import FRAME_MS, VAD_RATE, Reframer, frame_bytes
+from media.frames import VAD_RATE, Reframer
 from media.g711 import MulawDecoder
-from media.inbound_frame import InboundFrame, analyse_frame
+from media.inbound_frame import InboundFrame, analysed_frames
 from media.outbound import Passes
 from media.playout import PlayoutBuffer
 from media.reorder import ReorderBuffer
@@ -112,7 +112,7 @@ class PhoneTransport:
         self.stream_id: str | None = None
         self.wire: deque[WireRecord] = deque(maxlen=20_000)
         self.delivered = 0
-        self.stall_s = stall_ms / 1000
+        self.stall_ms = stall_ms
         self.dropped_inbound = 0
         self._decoder = MulawDecoder(VAD_RATE)
         self._reframer = Reframer(VAD_RATE)
@@ -213,32 +213,10 @@ class PhoneTransport:
         (``filled``), so the detector's and endpointer's timers run on. The
         output is paced meanwhile."""
         pacer = asyncio.ensure_future(self.output.run())
-        silence = bytes(frame_bytes(VAD_RATE))
-        pending: asyncio.Future[tuple[bytes, float] | None] = asyncio.ensure_future(self._inbound.get())
         try:
-            while True:
-                if self.stall_s > 0 and not pending.done():
-                    sleeper: asyncio.Future[Any] = asyncio.ensure_future(self.clock.sleep(self.stall_s))
-                    waiting: set[asyncio.Future[Any]] = {pending, sleeper}
-                    try:
-                        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                    finally:
-                        sleeper.cancel()
-                    if not pending.done():
-                        now = self.clock.monotonic()
-                        n = round(self.stall_s * 1000) // FRAME_MS
-                        for i in range(n):
-                            at = now - (n - 1 - i) * FRAME_MS / 1000
-                            yield analyse_frame(self.detector, silence, at, filled=True)
-                        continue
-                item = await pending
-                if item is None:
-                    return
-                pending = asyncio.ensure_future(self._inbound.get())
-                pcm, at = item
-                yield analyse_frame(self.detector, pcm, at)
+            async for frame in analysed_frames(self.detector, self._inbound, self.clock, self.stall_ms):
+                yield frame
         finally:
-            pending.cancel()
             pacer.cancel()
             await asyncio.wait({pacer})
 
