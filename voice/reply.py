@@ -27,6 +27,7 @@ from voice.text import SentenceSplitter
 from voice.tools import Toolbox
 from voice.transport import OutputSink
 from voice.turn_handle import TurnHandle
+from voice.turn_lifecycle import Heard, finish
 
 #: a playout frame quieter than this (dBFS) is a pause, not speech
 SILENCE_DBFS = -50.0
@@ -71,16 +72,16 @@ async def answer(
     await generate_reply(run, scope, messages, manager=manager, llm=llm, tts=tts, tools=tools, playout=playout)
     await scope.run("playout", playout.wait_empty())
     reply = "".join(run.reply).strip()
-    turn_id = turn.id
 
-    async def finish() -> None:
-        await manager.record(turn_id, reply=reply)  # every frame of it was played
-        completed = (await manager.complete(turn_id)).applied
+    async def played() -> Heard:
+        return reply, None  # every frame of it was played
+
+    def done(applied: bool, text: str) -> None:
         run.settled = True  # completed now, or already terminal
-        if completed:
-            run.output(AgentDone(turn_id=run.turn_id, generation=run.generation, text=reply))
+        if applied:
+            run.output(AgentDone(turn_id=run.turn_id, generation=run.generation, text=text))
 
-    await scope.commit(finish(), effect=False)  # the final step commits whole, or not at all
+    await finish(scope, manager, turn.id, played, done)
 
 
 async def generate_reply(

@@ -27,11 +27,11 @@ from turn.manager import TurnManager
 from turn.models import Budget, Plan, StopReason, StopReasonKind, Turn, TurnKind
 from turn.scope import Child, TurnScope
 from turn.stopped import TurnStopped
-from voice.errors import describe_error
 from voice.history import session_history
 from voice.providers import LanguageModel
 from voice.respond import run_agent, sink_to
 from voice.tools import Toolbox
+from voice.turn_lifecycle import fail, finish, open_scope, record_late_usage
 
 log = logging.getLogger(__name__)
 
@@ -157,12 +157,8 @@ class TextTurns:
         terminal state from the children's reports. ``older``: the tasks of
         the turns this one superseded (see :data:`SUPERSEDED_WAIT_S`)."""
         rt = self.manager.runtime(turn.id)
-        scope = TurnScope(
-            turn.id,
-            self.clock,
-            grace_s=self.stop_grace_s,
-            deadline=rt.deadline if rt is not None else None,
-            shutdown_reserve_s=plan.shutdown_reserve_ms / 1000,
+        scope = open_scope(
+            self.manager, turn.id, self.clock, grace_s=self.stop_grace_s, shutdown_reserve_s=plan.shutdown_reserve_ms / 1000
         )
         self.scopes[turn.id] = scope
         try:
@@ -185,13 +181,8 @@ class TextTurns:
             log.exception("text turn %s: stop handling failed", turn.id)
         finally:
             self.manager.release(turn.id)
-            if rt is not None and scope.stopped.is_set():
-                # A provider that ignored its cancellation may have billed more
-                # while the scope waited for it: record the final figures.
-                try:
-                    await asyncio.shield(self.manager.flush(turn.id, rt.meter))
-                except Exception:
-                    log.exception("text turn %s: could not record its final usage", turn.id)
+            if scope.stopped.is_set():
+                await record_late_usage(self.manager, turn.id, rt)
             self.scopes.pop(turn.id, None)
 
     async def _work(self, turn: Turn, llm: LanguageModel, scope: TurnScope, older: list[asyncio.Task[None]]) -> None:
@@ -214,8 +205,7 @@ class TextTurns:
         if scope.stopped.is_set():
             await self.manager.settle_stop(turn.id, scope)
         elif agent is not None and agent.error is not None:
-            log.error("text turn %s: %s", turn.id, describe_error(agent.error))
-            await self.manager.fail(turn.id, describe_error(agent.error))
+            await fail(self.manager, turn.id, turn.generation, agent.error, self.manager.events.log(turn.session_id).emit_event)
 
     async def _request_stop(self, turn_id: str, reason: StopReason) -> None:
         try:
@@ -268,15 +258,13 @@ class TextTurns:
             )
             generated = result.text.strip()
 
-            async def finish() -> None:
-                # what the client was shown: a newer message may have fenced the end
-                reply, rest = await self._heard(events, turn.id, generated)
-                await self.manager.record(turn.id, reply=reply, **({"reply_unheard": rest} if rest else {}))
-                if (await self.manager.complete(turn.id)).applied:
-                    events.emit_event(AgentDone(generation=turn.generation, turn_id=turn.id, text=reply or ""))
+            def done(applied: bool, reply: str) -> None:
+                if applied:
+                    events.emit_event(AgentDone(generation=turn.generation, turn_id=turn.id, text=reply))
 
             final = True
-            await scope.commit(finish(), effect=False)  # the final step commits whole, or not at all
+            # what the client was shown (a newer message may have fenced the end), then COMPLETED
+            await finish(scope, self.manager, turn.id, lambda: self._heard(events, turn.id, generated), done)
         except BaseException:
             if (parts or unheard) and not final:  # what was delivered before the stop (waited for, then the stop goes on)
                 with contextlib.suppress(TurnStopped):  # the stop already under way is re-raised below

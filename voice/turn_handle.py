@@ -39,11 +39,13 @@ from turn.events import EventSink
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
+from turn.runtime import TurnRuntime
 from turn.scope import TurnScope
 from turn.store import StoreUnavailable, UnknownTurn
 from turn.usage import Pricing
 from voice.errors import describe_error, stopped_by
 from voice.providers import SttStream
+from voice.turn_lifecycle import fail, open_scope, record_late_usage
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +124,9 @@ class TurnHandle:
     work: asyncio.Task[None] | None = None
     #: the turn's cancel scope, once its work has started
     scope: TurnScope | None = None
+    #: its runtime here (deadline, budget, usage meter), kept past the
+    #: terminal write for :func:`voice.turn_lifecycle.record_late_usage`
+    runtime: TurnRuntime | None = None
     #: records its stop (see :meth:`stop`)
     stop_task: asyncio.Task[None] | None = None
     transcript: str | None = None
@@ -193,12 +198,12 @@ class TurnHandle:
             manager.on_stopping(turn.id, lambda: self.ctx.on_stopping(self))
             await self.utterance_ended.wait()
             self.enter("thinking")
-            rt = manager.runtime(turn.id)
-            self.scope = TurnScope(
+            self.runtime = manager.runtime(turn.id)
+            self.scope = open_scope(
+                manager,
                 turn.id,
                 self.ctx.clock,
                 grace_s=self.ctx.grace_ms / 1000,
-                deadline=rt.deadline if rt is not None else None,
                 shutdown_reserve_s=self.ctx.shutdown_reserve_s,
             )
             async with self.scope as scope:
@@ -215,15 +220,11 @@ class TurnHandle:
                     self.ctx.silence(self)
                     self.stop(None)
                 return
-            log.exception("turn %s failed", self.turn_id)
-            error = describe_error(exc)
             if turn is not None:
-                try:
-                    await manager.fail(turn.id, error)
-                    self.settled = True
-                except Exception:
-                    log.exception("turn %s: could not record its failure", self.turn_id)
-            self._tell_error("turn_failed", error)
+                self.settled = await fail(manager, turn.id, self.ctx.fence.active, exc, self.ctx.report)
+            else:
+                log.exception("turn %s failed", self.turn_id)
+                self._tell_error("turn_failed", describe_error(exc))
         finally:
             self.finished = True
             if self.watch_task is not None:
@@ -426,6 +427,7 @@ class TurnHandle:
             await manager.record(turn_id, transcript=transcript, reply=heard or None, reply_unheard=unheard or None)
         if scope is not None:
             await manager.settle_stop(turn_id, scope)
+            await record_late_usage(manager, turn_id, self.runtime)
         else:
             current = await manager.get(turn_id)
             if current.status is TurnStatus.RUNNING:  # a signal without a request: never leave it half-stopped
