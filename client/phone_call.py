@@ -253,20 +253,8 @@ class PhoneCallClient(SessionEvents):
         for k, m in enumerate(measures, start=2):
             if m.sent_from is None:
                 continue
-            until = (m.sent_until or m.sent_from) + VERDICT_WAIT_S
-            nxt = measures[k - 1].sent_from if k - 1 < len(measures) else None
-            if nxt is not None:
-                until = min(until, nxt)
-            fence_at: float | None = None
-            for at, ev in self._event_times:
-                if not m.sent_from <= at <= until:
-                    continue
-                if ev.get("type") == "barge_in" and not m.barged_in:
-                    m.barged_in, fence_at = True, at
-                    m.server_onset_to_fence_ms = ev.get("onset_to_fence_ms")
-                    m.old_turn_id = ev.get("old_turn_id")
-                elif ev.get("type") in ("false_interruption", "backchannel") and m.resumed is None:
-                    m.resumed = ev["type"]
+            until = self._verdict_until(measures, k - 2, VERDICT_WAIT_S)
+            fence_at = self._judge_by_events(m, until)
             t = self._onset_sent(sim, k)
             m.onset_sent_at = t
             if t is None:
@@ -313,6 +301,4 @@ class PhoneCallClient(SessionEvents):
         cleared = next(c for at, c in sim.log.clears if at == at_clear)
         if first is not None:
             m.played_ms_at_ear = max(0, cleared.at_offset - first) * 1000 / MULAW_RATE
-        for ev in self._events:
-            if ev.get("type") == "agent.interrupted" and ev.get("turn_id") == m.old_turn_id:
-                m.server_played_ms, m.server_heard = ev.get("played_ms"), ev.get("heard")
+        self._interrupted(m)

@@ -26,6 +26,8 @@ class Utterance:
         kind: what it is, for scoring: ``speech`` (should barge in),
             ``backchannel`` or ``noise`` (should cancel nothing).
         ptt: sent with push-to-talk (ptt.start before, ptt.end after).
+        abort: device calls (:mod:`client.device_call`): press abort at
+            ``at_s`` instead of saying ``pcm``.
     """
 
     pcm: bytes
@@ -33,6 +35,7 @@ class Utterance:
     label: str = ""
     kind: str = "speech"
     ptt: bool = False
+    abort: bool = False
 
 
 @dataclass
@@ -75,6 +78,17 @@ class BargeInMeasure:
     server_heard: str | None = None
     #: the interrupted turn (its id), for matching its reply
     old_turn_id: str | None = None
+    #: device calls only (:mod:`client.device_call`), None elsewhere: what
+    #: interrupted (``abort``, ``ptt`` press, ``voice``); ``onset_sent_at``
+    #: is then the press (abort or button) or the first speech sample sent
+    initiator: str | None = None
+    #: ms from the interruption to the server's ``tts stop`` at the device
+    tts_stop_ms: float | None = None
+    #: ms from the interruption to the last old-generation packet received
+    received_stop_ms: float | None = None
+    #: ms of sound the server sent after its ``tts stop`` and before the
+    #: next reply's ``tts start`` (should be 0)
+    old_audio_after_tts_stop_ms: float | None = None
 
     @property
     def stop_ms(self) -> float | None:
@@ -101,6 +115,11 @@ class BargeInMeasure:
             "played_ms_at_ear": self.played_ms_at_ear,
             "server_played_ms": self.server_played_ms,
             "server_heard": self.server_heard,
+        }) | ({} if self.initiator is None else {
+            "initiator": self.initiator,
+            "tts_stop_ms": self.tts_stop_ms,
+            "received_stop_ms": self.received_stop_ms,
+            "old_audio_after_tts_stop_ms": self.old_audio_after_tts_stop_ms,
         })
 
 
@@ -152,10 +171,12 @@ class CallResult:
     server_hung_up: bool = False
     received: list[tuple[float, float, float]] = field(default_factory=list)
     event_times: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
-    #: ``webrtc``, or the phone provider (``twilio``, ``telnyx``)
+    #: ``webrtc``, the phone provider (``twilio``, ``telnyx``) or ``device``
     transport: str = "webrtc"
-    #: phone calls: the server's protocol violations the provider saw
+    #: phone and device calls: the server's protocol violations the far end saw
     protocol_errors: list[str] = field(default_factory=list)
+    #: device calls: protocol version, listening mode, downlink audio
+    transport_info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -170,7 +191,8 @@ class CallResult:
             "received_audio_ms": self.received_audio_ms,
             "timed_out": self.timed_out,
             "server_hung_up": self.server_hung_up,
-        } | ({} if self.transport == "webrtc" else {"transport": self.transport, "protocol_errors": self.protocol_errors})
+        } | ({} if self.transport == "webrtc" else {"transport": self.transport, "protocol_errors": self.protocol_errors}) | (
+            {"device": self.transport_info} if self.transport_info else {})
 
 
 def track_turn(turns: dict[str, TurnView], ev: dict[str, Any]) -> None:

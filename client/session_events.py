@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 
 from client.phone import SILENCE_DBFS, HeardFrame
-from client.results import CallError, TurnView, track_turn
+from client.results import BargeInMeasure, CallError, TurnView, track_turn
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,41 @@ class SessionEvents:
         track_turn(self._turns, ev)
         async with self._event_cond:
             self._event_cond.notify_all()
+
+    @staticmethod
+    def _verdict_until(measures: list[BargeInMeasure], i: int, wait_s: float) -> float:
+        """The end of the window in which events count as about
+        ``measures[i]``: ``wait_s`` after it was sent, or when the next one was."""
+        m = measures[i]
+        assert m.sent_from is not None
+        until = (m.sent_until or m.sent_from) + wait_s
+        nxt = measures[i + 1].sent_from if i + 1 < len(measures) else None
+        return until if nxt is None else min(until, nxt)
+
+    def _judge_by_events(self, m: BargeInMeasure, until: float) -> float | None:
+        """Fill ``m``'s server verdict from the events between its sending
+        and ``until`` (clock s): committed barge-in (and its fence time,
+        returned; None if none), onset to fence, the old turn, or the
+        pause it made resuming (``false_interruption`` / ``backchannel``)."""
+        assert m.sent_from is not None
+        fence_at: float | None = None
+        for at, ev in self._event_times:
+            if not m.sent_from <= at <= until:
+                continue
+            if ev.get("type") == "barge_in" and not m.barged_in:
+                m.barged_in, fence_at = True, at
+                m.server_onset_to_fence_ms = ev.get("onset_to_fence_ms")
+                m.old_turn_id = ev.get("old_turn_id")
+            elif ev.get("type") in ("false_interruption", "backchannel") and m.resumed is None:
+                m.resumed = ev["type"]
+        return fence_at
+
+    def _interrupted(self, m: BargeInMeasure) -> None:
+        """What the server counted of ``m``'s interrupted reply (its
+        ``agent.interrupted`` event: played_ms and the heard text)."""
+        for ev in self._events:
+            if ev.get("type") == "agent.interrupted" and ev.get("turn_id") == m.old_turn_id:
+                m.server_played_ms, m.server_heard = ev.get("played_ms"), ev.get("heard")
 
     def _all_terminal(self) -> bool:
         return bool(self._turns) and all(t.status in TERMINAL for t in self._turns.values())
