@@ -72,7 +72,8 @@ class BargeInMeasure:
     old_audio_after_clear_ms: float | None = None
     #: ms of the interrupted reply the caller's ear played (stream bytes
     #: from the reply's first to the clear), and what the server counted
-    #: (``agent.interrupted`` played_ms) and said was heard
+    #: (``agent.interrupted`` played_ms) and said was heard; device calls:
+    #: what the device's speaker played of it before the interruption
     played_ms_at_ear: float | None = None
     server_played_ms: int | None = None
     server_heard: str | None = None
@@ -109,7 +110,7 @@ class BargeInMeasure:
             "server_onset_to_fence_ms": self.server_onset_to_fence_ms,
             "gap_ms": self.gap_ms,
             "outcome": self.outcome,
-        } | ({} if self.played_ms_at_ear is None and self.clear_after_fence_ms is None else {
+        } | ({} if self.initiator is not None or (self.played_ms_at_ear is None and self.clear_after_fence_ms is None) else {
             "clear_after_fence_ms": self.clear_after_fence_ms,
             "old_audio_after_clear_ms": self.old_audio_after_clear_ms,
             "played_ms_at_ear": self.played_ms_at_ear,
@@ -119,6 +120,9 @@ class BargeInMeasure:
             "initiator": self.initiator,
             "tts_stop_ms": self.tts_stop_ms,
             "received_stop_ms": self.received_stop_ms,
+            "played_ms_at_device": self.played_ms_at_ear,
+            "server_played_ms": self.server_played_ms,
+            "server_heard": self.server_heard,
             "old_audio_after_tts_stop_ms": self.old_audio_after_tts_stop_ms,
         })
 

@@ -5,7 +5,10 @@ framings, what the speaker played, and the stop time measured at the device."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
+import sys
 import wave
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -258,3 +261,39 @@ async def test_a_refused_upgrade_and_a_bad_version_are_clear_errors() -> None:
             await DeviceSimulator(f"ws://127.0.0.1:{port}/v1/devices/ws", "nope").connect()
     finally:
         await runner.cleanup()
+
+
+async def test_turnkeeper_call_device_prints_a_push_to_talk_timeline_with_stop_times(tmp_path: Path) -> None:
+    wav = tmp_path / "hi.wav"
+    with wave.open(str(wav), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(PLAYOUT_RATE)
+        w.writeframes(speech(500))
+    fake = FakeDeviceServer(reply_ms=2000)
+    async for url in serve(fake):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "web.cli", "call", "--device", url, "--ptt", "--wav", str(wav), "--barge-in", str(wav),
+            "--at", "0.5", "--device-token", "t0k", "--protocol-version", "3", "--out", str(tmp_path / "heard.wav"),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    text = out.decode()
+    assert proc.returncode == 0, err.decode()
+    assert text.startswith("device call (xiaozhi-esp32 protocol v3, push-to-talk, downlink Opus 24000 Hz, 60 ms packets)")
+    assert "push-to-talk pressed hi.wav at +0.50 s: silent at the device after " in text
+    assert "tts stop after" in text and "the device played" in text
+    assert fake.headers["Authorization"] == "Bearer t0k"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--local", "--ptt"], "--ptt, --realtime and --abort-at go with --device"),
+    (["--device", "ws://h/v1/devices/ws", "--phone", "twilio"], "two different transports"),
+    (["--device", "ws://h/v1/devices/ws", "--server", "http://h"], "leave out --server"),
+    (["--device"], "one of --server, --local or --device WS_URL"),
+    (["--device", "ws://h", "--ptt", "--realtime"], "not allowed with argument"),
+])
+def test_device_arguments_that_do_not_go_together_are_refused(argv: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "web.cli", "call", "--wav", "x.wav", *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr
