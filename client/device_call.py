@@ -7,7 +7,9 @@ says the opening utterance (``manual`` mode: the button held for the
 utterance's length, then released; ``realtime`` mode: the microphone open
 from the start), then interrupts the agent with each barge-in a set time
 after the device's speaker starts playing its reply: an ``abort``
-(:attr:`client.results.Utterance.abort`), a push-to-talk press while the
+(:attr:`client.results.Utterance.abort`; with a ``revive`` utterance it is
+said right after the abort's ``tts stop``, so the next interruption has a
+reply to interrupt), a push-to-talk press while the
 agent speaks (manual mode: ``abort`` + ``listen start``, the utterance, the
 release), or speech into the open microphone (realtime mode). It returns the
 same :class:`client.results.CallResult` as the WebRTC and phone clients.
@@ -240,6 +242,9 @@ class DeviceCallClient(SessionEvents):
                     await sim.wait_message(lambda msg: msg.get("type") == "tts" and msg.get("state") == "stop", TTS_STOP_WAIT_S)
                 except TimeoutError:
                     pass
+                if self._revive is not None and k - 1 < len(barge_ins):  # a reply for the next one to interrupt
+                    await asyncio.sleep(0.3)
+                    await self._say(sim, -2, self._revive.pcm, ptt=ptt)
             elif ptt:
                 m.initiator = "ptt"
                 m.sent_from = m.onset_sent_at = await self._say(sim, k, utt.pcm, ptt=True)
@@ -279,6 +284,9 @@ class DeviceCallClient(SessionEvents):
                 continue
             until = self._verdict_until(measures, k - 2, VERDICT_WAIT_S)
             self._judge_by_events(m, until)
+            if m.old_turn_id is None:  # an abort is no barge-in: the turn it stopped went CANCEL_REQUESTED
+                m.old_turn_id = next((ev.get("turn_id") for at, ev in self._event_times if m.sent_from <= at <= until
+                                      and ev.get("type") == "turn" and ev.get("status") == "CANCEL_REQUESTED"), None)
             if m.initiator == "voice":
                 m.onset_sent_at = self._onset_sent(sim, k)
             t = m.onset_sent_at
