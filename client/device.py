@@ -42,74 +42,25 @@ import json
 import logging
 import uuid
 import wave
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from client.device_log import DeviceLog, ReceivedPacket
+from client.device_mic import UPLINK_FRAME_MS, UPLINK_RATE, DeviceMicrophone
 from client.device_speaker import DeviceSpeaker, Segment, sound_end_s
 from client.phone import HeardFrame
 from client.results import CallError
 from clock import Clock, SystemClock
-from media.opus import OpusDecoder, OpusEncoder, OpusError
+from media.opus import OpusDecoder, OpusError
 from web.devices import framing
 
 log = logging.getLogger(__name__)
 
 #: the firmware waits this long for the server's hello, s (websocket_protocol.cc)
 HELLO_TIMEOUT_S = 10.0
-UPLINK_RATE = 16_000
-UPLINK_FRAME_MS = 60
 MODES = ("manual", "auto", "realtime")
-_PACKET_SAMPLES = UPLINK_RATE * UPLINK_FRAME_MS // 1000
-
-
-@dataclass(frozen=True)
-class SentPacket:
-    """A microphone packet sent: when (clock s), its number from 0, and which
-    utterance (index, -1 for silence) from which 16 kHz sample."""
-
-    at: float
-    seq: int
-    utterance: int
-    sample: int
-
-
-@dataclass(frozen=True)
-class ReceivedPacket:
-    """A downlink audio message: arrival (clock s), payload bytes, the
-    device's state then, and where it played (None: dropped, because the
-    device was not speaking, the queue was full, or it did not decode),
-    its decoded samples and where its sound ends (s into it, 0 if silent)."""
-
-    at: float
-    size: int
-    state: str
-    segment: Segment | None
-    samples: int = 0
-    sound_end: float = 0.0
-
-
-@dataclass
-class DeviceLog:
-    """What one simulated device saw, in the simulator clock's seconds.
-
-    ``messages_in`` / ``messages_out``: (time, JSON object) received / sent;
-    ``states``: (time, new state); ``errors``: the server's protocol
-    violations, as text (a bad frame, undecodable Opus, bad JSON).
-    """
-
-    sent: list[SentPacket] = field(default_factory=list)
-    received: list[ReceivedPacket] = field(default_factory=list)
-    messages_in: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
-    messages_out: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
-    states: list[tuple[float, str]] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-
-    def tts(self, state: str, after: float = float("-inf")) -> list[float]:
-        """Arrival times of ``tts`` messages with ``state`` at or after ``after``."""
-        return [at for at, m in self.messages_in if m.get("type") == "tts" and m.get("state") == state and at >= after]
 
 
 class DeviceSimulator:
@@ -163,12 +114,8 @@ class DeviceSimulator:
         self.downlink_frame_ms = 60
         self.speaker = DeviceSpeaker(self.downlink_rate)
         self._decoder: OpusDecoder | None = None
-        self._encoder = OpusEncoder(UPLINK_RATE, UPLINK_FRAME_MS, in_rate=UPLINK_RATE)
-        self._mic: list[tuple[bytes, int, int]] = []  # (one packet's PCM, utterance, sample)
-        self._mic_empty = asyncio.Event()
-        self._mic_empty.set()
-        self._mic_wake = asyncio.Event()
-        self._seq = 0
+        self.mic = DeviceMicrophone(self.clock, self._mic_open, self._send, version, self.log,
+                                    lambda: self.started_at or 0.0)
         self._http: aiohttp.ClientSession | None = None
         self._ws: aiohttp.ClientWebSocketResponse | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -238,7 +185,7 @@ class DeviceSimulator:
             raise CallError(f"the server {why}{errors}")
         self.started_at = self.clock.monotonic()
         self._set_state("idle")
-        self._tasks.append(loop.create_task(self._microphone()))
+        self._tasks.append(loop.create_task(self.mic.run()))
 
     async def close(self) -> None:
         """Close the socket (``CloseAudioChannel``) and stop the loops. Idempotent."""
@@ -294,7 +241,7 @@ class DeviceSimulator:
         """Release the button: ``listen stop`` if listening. Returns when (clock s)."""
         at = self.clock.monotonic()
         if self.state == "listening":
-            self._drain_mic()
+            self.mic.drain()
             await self.send_json({"session_id": self.session_id, "type": "listen", "state": "stop"})
             self._set_state("idle")
         return at
@@ -318,17 +265,11 @@ class DeviceSimulator:
     def say(self, pcm16k: bytes, utterance: int) -> None:
         """Queue 16 kHz mono s16 PCM for the microphone (after what is
         queued), tagged ``utterance`` (>= 0) in :attr:`DeviceLog.sent`."""
-        pcm16k = pcm16k[: len(pcm16k) // 2 * 2]
-        size = _PACKET_SAMPLES * 2
-        for i in range(0, len(pcm16k), size):
-            chunk = pcm16k[i : i + size]
-            self._mic.append((chunk + bytes(size - len(chunk)), utterance, i // 2))
-        if self._mic:
-            self._mic_empty.clear()
+        self.mic.say(pcm16k, utterance)
 
     async def said(self) -> None:
         """Wait until everything queued with :meth:`say` has been captured."""
-        await self._mic_empty.wait()
+        await self.mic.said()
 
     async def send_json(self, message: dict[str, Any]) -> None:
         """Send one text message (logged)."""
@@ -409,17 +350,10 @@ class DeviceSimulator:
         if state != self.state:
             self.state = state
             self.log.states.append((self.clock.monotonic(), state))
-            self._mic_wake.set()
+            self.mic.changed()
 
     def _mic_open(self) -> bool:
         return self.state == "listening" or (self.state == "speaking" and self.mode == "realtime")
-
-    def _drain_mic(self) -> None:
-        """What is still queued when the microphone closes is never sent."""
-        if self._mic:
-            log.debug("microphone closed with %d packets unsaid", len(self._mic))
-        self._mic.clear()
-        self._mic_empty.set()
 
     async def _send(self, data: str | bytes) -> None:
         if self._ws is None or self._ws.closed:
@@ -433,45 +367,6 @@ class DeviceSimulator:
             except (ConnectionError, RuntimeError, aiohttp.ClientError) as exc:
                 log.info("send failed (%s): the server is gone", exc)
                 self.server_closed.set()
-
-    async def _microphone(self) -> None:
-        """One 60 ms packet per 60 ms while the microphone is open; each
-        leaves once its 60 ms were captured (the first one 60 ms after the
-        microphone opened)."""
-        while True:
-            await self._while_closed()
-            t0, k = self.clock.monotonic(), 0
-            while self._mic_open():
-                k += 1
-                await self.clock.sleep(t0 + k * UPLINK_FRAME_MS / 1000 - self.clock.monotonic())
-                if not self._mic_open():
-                    break
-                pcm, utt, sample = self._mic.pop(0) if self._mic else (bytes(_PACKET_SAMPLES * 2), -1, 0)
-                for packet in self._encoder.encode(pcm):
-                    ts = round((self.clock.monotonic() - (self.started_at or 0.0)) * 1000)
-                    await self._send(framing.frame(packet, self.version, timestamp_ms=ts))
-                    self.log.sent.append(SentPacket(self.clock.monotonic(), self._seq, utt, sample))
-                    self._seq += 1
-                if not self._mic:
-                    self._mic_empty.set()
-
-    async def _while_closed(self) -> None:
-        """Wait for the microphone to open; meanwhile time passes in the
-        room and what is queued is lost, 60 ms per 60 ms."""
-        while not self._mic_open():
-            self._mic_wake.clear()
-            sleeper = asyncio.ensure_future(self.clock.sleep(UPLINK_FRAME_MS / 1000))
-            waker = asyncio.ensure_future(self._mic_wake.wait())
-            try:
-                await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
-                woke = waker.done()
-            finally:
-                sleeper.cancel()
-                waker.cancel()
-            if not woke and self._mic:
-                self._mic.pop(0)
-                if not self._mic:
-                    self._mic_empty.set()
 
     async def _receive(self) -> None:
         assert self._ws is not None

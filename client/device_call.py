@@ -42,7 +42,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from client.device import UPLINK_RATE, DeviceSimulator
+from client.device import DeviceSimulator
+from client.device_mic import UPLINK_RATE
 from client.results import BargeInMeasure, CallError, CallResult, TurnView, Utterance
 from client.session_events import NO_SPEECH_S, SessionEvents, quiet, silent_run_end
 from media.frames import PLAYOUT_RATE, PcmResampler, first_sound_sample
