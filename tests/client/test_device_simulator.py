@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
 import subprocess
 import sys
 import wave
@@ -19,8 +20,9 @@ from fake_device_server import FakeDeviceServer, tone
 
 from client.device import DeviceSimulator
 from client.device_call import DeviceCallClient
+from client.device_log import ReceivedPacket
 from client.device_speaker import DeviceSpeaker
-from client.results import CallError, Utterance
+from client.results import BargeInMeasure, CallError, Utterance
 from media.frames import PLAYOUT_RATE, rms_dbfs
 from web.devices import framing
 
@@ -297,3 +299,105 @@ def test_device_arguments_that_do_not_go_together_are_refused(argv: list[str], m
     proc = subprocess.run([sys.executable, "-m", "web.cli", "call", "--wav", "x.wav", *argv],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+async def test_version_2_frames_carry_the_firmwares_16_byte_header_with_a_timestamp(fake: FakeDeviceServer) -> None:
+    async for url in serve(fake):
+        async with DeviceSimulator(url, "tok", version=2) as sim:
+            await sim.press()
+            sim.say(tone(300, 16_000), 1)
+            await sim.said()
+            await sim.release()
+    assert len(fake.raw) >= 5
+    stamps = []
+    for raw in fake.raw:
+        version, kind, reserved, ts, size = struct.unpack(">HHIII", raw[:16])
+        assert (version, kind, reserved, size) == (2, 0, 0, len(raw) - 16)
+        stamps.append(ts)
+    assert stamps == sorted(stamps) and 50 <= stamps[1] - stamps[0] <= 70  # ms, one packet apart
+
+
+async def test_auto_mode_listens_again_after_the_reply_and_a_wake_word_is_sent_as_detect(fake: FakeDeviceServer) -> None:
+    fake.reply_ms = 400
+    async for url in serve(fake):
+        async with DeviceSimulator(url, "tok") as sim:
+            await sim.detect("hello turnkeeper")
+            assert sim.state == "listening"
+            await sim.send_json({"session_id": sim.session_id, "type": "listen", "state": "stop"})  # the server ends the turn
+            await sim.wait_message(lambda m: m.get("type") == "tts" and m.get("state") == "start", 5)
+            await sim.wait_message(lambda m: m.get("type") == "tts" and m.get("state") == "stop", 5)
+            await asyncio.sleep(0.1)
+            assert sim.state == "listening"
+            sent = [m for _, m in sim.log.messages_out]
+    assert sent[1] == {"session_id": "s-1", "type": "listen", "state": "detect", "text": "hello turnkeeper"}
+    assert sent[-1] == {"session_id": "s-1", "type": "listen", "state": "start", "mode": "auto"}
+
+
+async def test_audio_that_arrives_while_the_device_is_not_speaking_is_dropped_as_the_firmware_drops_it(
+    fake: FakeDeviceServer,
+) -> None:
+    fake.reply_ms = 1500
+    async for url in serve(fake):
+        async with DeviceSimulator(url, "tok") as sim:
+            await sim.press()
+            sim.say(tone(300, 16_000), 1)
+            await sim.said()
+            await sim.release()
+            await sim.wait_audible(0.0, 5)
+            await asyncio.sleep(0.3)
+            await sim.press()  # abort + listen: the rest of the reply is not played
+            await sim.wait_message(lambda m: m.get("type") == "tts" and m.get("state") == "stop", 5)
+            await asyncio.sleep(0.2)
+    listening = [p for p in sim.log.received if p.state == "listening"]
+    assert all(p.segment is None for p in listening)
+    assert all(p.segment is not None for p in sim.log.received if p.state == "speaking")
+
+
+def made_up_call(stop_at: float | None, late: list[float], after_stop: list[float]) -> tuple[DeviceCallClient, DeviceSimulator]:
+    """A device call put together by hand: the reply starts at 10.0 s, one
+    60 ms packet of tone per 60 ms."""
+    client = DeviceCallClient("ws://127.0.0.1:1/v1/devices/ws")
+    sim = DeviceSimulator("ws://127.0.0.1:1/v1/devices/ws")
+    sim.started_at, sim.downlink_rate = 9.0, 24_000
+    sim.speaker = DeviceSpeaker(24_000)
+    sim.log.messages_in.append((10.0, {"type": "tts", "state": "start"}))
+    pkt = tone(60, 24_000)
+    for k in range(17):  # arrivals 10.00 .. 10.96, played back to back 10.00 .. 11.02
+        at = 10.0 + 0.06 * k
+        sim.log.received.append(ReceivedPacket(at, 100, "speaking", sim.speaker.push(pkt, at), 1440, 0.06))
+    for at in late:  # old audio the server sent after the press
+        sim.log.received.append(ReceivedPacket(at, 100, "speaking", sim.speaker.push(pkt, at), 1440, 0.06))
+    if stop_at is not None:
+        sim.log.messages_in.append((stop_at, {"type": "tts", "state": "stop"}))
+    for at in after_stop:  # and after tts stop: the device is idle and drops it
+        sim.log.received.append(ReceivedPacket(at, 100, "idle", None, 1440, 0.06))
+    client.sim = sim
+    return client, sim
+
+
+def test_the_stop_is_the_end_of_the_last_old_sound_the_speaker_played() -> None:
+    client, sim = made_up_call(stop_at=11.02, late=[11.0], after_stop=[11.05, 11.11])
+    m = BargeInMeasure(label="abort", at_s=0.5, initiator="abort", sent_from=10.99, onset_sent_at=10.99, sent_until=11.1)
+    client._measure(sim, [m])
+    last = sim.log.received[17].segment  # the late packet, queued behind the reply
+    assert last is not None and m.silent_at == pytest.approx(last.start + 0.06)
+    assert m.stop_ms == pytest.approx((last.start + 0.06 - 10.99) * 1000)
+    assert m.received_stop_ms == pytest.approx(10.0)  # the late packet came 10 ms after the press
+    assert m.tts_stop_ms == pytest.approx(30.0)
+    assert m.old_audio_after_tts_stop_ms == pytest.approx(120.0)  # two 60 ms packets after tts stop
+    assert m.barged_in and m.speaking_at_onset
+    assert m.played_ms_at_ear == pytest.approx(990, abs=1)  # 10.00 .. 10.99 played before the press
+
+
+def test_without_tts_stop_the_stop_is_where_a_silent_run_begins_or_not_measured() -> None:
+    client, sim = made_up_call(stop_at=None, late=[], after_stop=[])
+    m = BargeInMeasure(label="voice", at_s=0.5, initiator="abort", sent_from=10.5, onset_sent_at=10.5, sent_until=10.6)
+    client._measure(sim, [m])
+    assert m.tts_stop_ms is None and not m.barged_in
+    assert m.silent_at is None  # nothing heard after the reply's end: no silent run to tell it by
+    sim.log.messages_in.append((11.9, {"type": "tts", "state": "start"}))  # a later reply, after 800 ms of silence
+    sim.log.received.append(ReceivedPacket(11.9, 100, "speaking", sim.speaker.push(tone(60, 24_000), 11.9), 1440, 0.06))
+    m = BargeInMeasure(label="voice", at_s=0.5, initiator="abort", sent_from=10.5, onset_sent_at=10.5, sent_until=10.6)
+    client._measure(sim, [m])
+    # the queue ran dry at 11.02 (17 packets of 60 ms from 10.00): the sound ended there, silence followed
+    assert m.silent_at == pytest.approx(11.02, abs=0.002) and m.stop_ms == pytest.approx(520, abs=2)
