@@ -10,9 +10,13 @@ an :class:`InboundFrame`, which is what the agent session consumes.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from clock import Clock
 from media.bargein import BargeInDetector, DetectorEvent
+from media.frames import FRAME_MS, VAD_RATE, frame_bytes
 
 
 @dataclass(frozen=True)
@@ -57,3 +61,38 @@ def analyse_frame(detector: BargeInDetector, pcm: bytes, at: float, *, filled: b
         pcm=pcm, at=at, voiced=verdict.voiced, gated=verdict.gated, echo=verdict.echo, events=tuple(events),
         filled=filled,
     )
+
+
+async def analysed_frames(
+    detector: BargeInDetector, inbound: asyncio.Queue[tuple[bytes, float] | None], clock: Clock, stall_ms: int
+) -> AsyncIterator[InboundFrame]:
+    """A WebSocket transport's inbound audio, analysed: each ``(pcm, at)``
+    taken from ``inbound`` (20 ms, 16 kHz, clock seconds it arrived) until
+    None; a stretch of ``stall_ms`` with nothing (the far end sends nothing:
+    a device's microphone is off while it speaks) is filled with silence,
+    one frame per 20 ms since the last, so the detector's and endpointing's
+    timers run on (0: wait for audio). Shared by the phone and device
+    transports; WebRTC's is :class:`media.inbound.InboundAudio`."""
+    silence = bytes(frame_bytes(VAD_RATE))
+    stall_s = stall_ms / 1000
+    last = clock.monotonic()
+    while True:
+        item: tuple[bytes, float] | None
+        if stall_s > 0:
+            try:
+                async with asyncio.timeout(stall_s):
+                    item = await inbound.get()
+            except TimeoutError:
+                now = clock.monotonic()
+                n = max(1, int((now - last) * 1000 // FRAME_MS))
+                for i in range(n):
+                    yield analyse_frame(detector, silence, last + (i + 1) * FRAME_MS / 1000, filled=True)
+                last = now
+                continue
+        else:
+            item = await inbound.get()
+        if item is None:
+            return
+        pcm, at = item
+        last = at
+        yield analyse_frame(detector, pcm, at)

@@ -96,7 +96,7 @@ class MarkTracker:
         """The provider echoed mark ``name`` at clock seconds ``at``. Returns
         True if it counts (its audio played); False for a mark a ``clear``
         discarded, or one never sent (``unknown_echoes``)."""
-        mark = self._pending.pop(name, None)
+        mark = self._pending.get(name)
         if mark is None:
             if name in self._discarded:
                 self._discarded.discard(name)
@@ -104,11 +104,12 @@ class MarkTracker:
             else:
                 self.unknown_echoes += 1
             return False
-        # marks are played in order: earlier ones of any generation are past too
-        for older in [m for m in self._pending.values() if m.sent_at <= mark.sent_at and m.name != name]:
-            self._pending.pop(older.name)
-            self._ack(older, at)
-        self._ack(mark, at)
+        # marks are played in the order sent: the ones sent before it are past too
+        while self._pending:
+            first_name, first = self._pending.popitem(last=False)
+            self._ack(first, at)
+            if first_name == name:
+                break
         return True
 
     def _ack(self, mark: _Mark, at: float) -> None:
@@ -150,7 +151,7 @@ class MarkTracker:
             if m.generation == generation and m.sample > base:
                 cap = min(cap, m.sample)
                 break
-        estimate = base + int(max(0.0, now - since) * self.rate)
+        estimate = base + round(max(0.0, now - since) * self.rate)
         return max(base, min(estimate, cap))
 
     def pending(self, generation: int | None = None) -> int:

@@ -7,13 +7,10 @@ sends and plays it in order, so anything already sent keeps playing unless
 the server sends ``clear`` (Twilio, "Media Streams - WebSocket Messages",
 *Clear message*). Hence:
 
-- **pacing with send-ahead**: every 20 ms tick of the injected clock the
-  pacer sends frames until the provider holds ``send_ahead_ms`` of audio
-  not yet due (it assumes the provider plays at real time from receipt), so
-  a ``clear`` throws away at most that much and a stage-1 pause (the buffer
-  paused) stops the sound within it;
-- **delivery gate**: only frames whose generation passes are sent (the same
-  rule as WebRTC's paced track); others are dropped, counted as fenced;
+- **pacing with send-ahead** and the **delivery gate**:
+  :class:`media.paced_playout.PacedPlayout` (shared with device sockets),
+  so a ``clear`` throws away at most ``send_ahead_ms`` and a stage-1 pause
+  (the buffer paused) stops the sound within it;
 - **clear**: :meth:`TelephonyPlayout.clear` (called by the session right
   after the fence moves, in the same step) empties the queue *and* sends
   ``clear`` at once, even when the queue was already empty (the provider may
@@ -36,12 +33,11 @@ from media.frames import FRAME_MS, PLAYOUT_RATE, samples_per_frame
 from media.g711 import MULAW_FRAME_BYTES, MulawEncoder
 from media.marks import MarkTracker
 from media.outbound import Passes
-from media.playout import PlayoutBuffer, PlayoutFrame
+from media.paced_playout import PacedPlayout
+from media.playout import PlayoutFrame
 
 log = logging.getLogger(__name__)
 
-#: if the loop stalls longer than this (s), pacing restarts instead of bursting
-MAX_LAG_S = 0.1
 #: how long past the end of its audio a mark may take to be echoed before
 #: :meth:`TelephonyPlayout.wait_empty` stops waiting for it, s
 MARK_TIMEOUT_S = 2.0
@@ -66,7 +62,7 @@ class Wire(Protocol):
         ...
 
 
-class TelephonyPlayout(PlayoutBuffer):
+class TelephonyPlayout(PacedPlayout):
     """One call's output sink (see the module doc). Not thread-safe.
 
     Args:
@@ -91,70 +87,30 @@ class TelephonyPlayout(PlayoutBuffer):
         self, clock: Clock, passes: Passes, wire: Wire, *, send_ahead_ms: int = 60, mark_every_ms: int = 200,
         rate: int = PLAYOUT_RATE,
     ) -> None:
-        if send_ahead_ms < FRAME_MS or send_ahead_ms % FRAME_MS:
-            raise ValueError(f"send_ahead_ms must be a positive multiple of {FRAME_MS}, got {send_ahead_ms}")
-        super().__init__(rate)
-        self.clock = clock
-        self.passes = passes
+        super().__init__(clock, passes, send_ahead_ms=send_ahead_ms, rate=rate)
         self.wire = wire
-        self.send_ahead_s = send_ahead_ms / 1000
         self.mark_every_ms = mark_every_ms
         self.marks = MarkTracker(rate)
-        self.fenced_frames = 0
         self.clears_at: list[float] = []
         self.sent_frames: dict[int, int] = {}
         self._encoder = MulawEncoder(rate)
         self._samples = samples_per_frame(rate)
         self._mulaw = b""
-        self._far_end_until = 0.0  # clock seconds when the provider will have played all sent
         self._stretch: int | None = None  # generation of the stretch being sent
         self._since_mark_ms = 0
         self._audible_end: dict[int, int] = {}
         self._sent_since_clear = False
 
-    # -- the pacer -------------------------------------------------------------------
+    # -- the pacer (media.paced_playout.PacedPlayout) --------------------------------
 
-    async def run(self) -> None:
-        """Pace the queue out, one tick every 20 ms of the clock, until
-        cancelled (:meth:`pump` each tick)."""
-        start: float | None = None
-        tick = 0
-        while True:
-            now = self.clock.monotonic()
-            if start is None:
-                start = now
-            else:
-                tick += 1
-                due = start + tick * FRAME_MS / 1000
-                if now - due > MAX_LAG_S:
-                    start, tick = now, 0  # the loop stalled: restart rather than burst
-                else:
-                    await self.clock.sleep(due - now)
-            self.pump(self.clock.monotonic())
+    def emit(self, frame: PlayoutFrame, now: float) -> None:
+        """Send one frame as mu-law (and a mark every ``mark_every_ms``)."""
+        self._send(frame, now)
 
-    def pump(self, now: float) -> int:
-        """One tick at clock seconds ``now``: send frames until the provider
-        holds ``send_ahead_ms`` not yet due; end the stretch (last bytes and
-        a mark) when nothing more may go. Returns the frames sent."""
-        sent = 0
-        while self._far_end_until - now < self.send_ahead_s - 1e-9:
-            frame = self._next_deliverable()
-            if frame is None:
-                break
-            self._send(frame, now)
-            sent += 1
-        if not sent and self._stretch is not None:
+    def idle(self, now: float) -> None:
+        """Nothing more may go now: end the stretch (last bytes and a mark)."""
+        if self._stretch is not None:
             self._end_stretch(now)
-        return sent
-
-    def _next_deliverable(self) -> PlayoutFrame | None:
-        """The delivery gate: the next frame of a generation that passes,
-        dropping (and counting) others on the way; None while paused."""
-        while (frame := self.pop()) is not None:
-            if self.passes(frame.generation):
-                return frame
-            self.fenced_frames += 1
-        return None
 
     def _send(self, frame: PlayoutFrame, now: float) -> None:
         gen = frame.generation
@@ -166,7 +122,7 @@ class TelephonyPlayout(PlayoutBuffer):
         while len(self._mulaw) >= MULAW_FRAME_BYTES:
             self.wire.send_media(self._mulaw[:MULAW_FRAME_BYTES], gen)
             self._mulaw = self._mulaw[MULAW_FRAME_BYTES:]
-        self._far_end_until = max(self._far_end_until, now) + FRAME_MS / 1000
+        self.far_end_until = max(self.far_end_until, now) + FRAME_MS / 1000
         end = frame.sample + len(frame.pcm) // 2
         self.marks.audio_sent(gen, frame.sample, end, now)
         self.sent_frames[gen] = self.sent_frames.get(gen, 0) + 1
@@ -217,7 +173,7 @@ class TelephonyPlayout(PlayoutBuffer):
         self._stretch = None
         self._since_mark_ms = 0
         self.marks.cleared(now)
-        self._far_end_until = now
+        self.far_end_until = now
         self.clears_at.append(now)
         self.wire.send_clear()
         return n
@@ -243,7 +199,7 @@ class TelephonyPlayout(PlayoutBuffer):
             now = self.clock.monotonic()
             if not len(self) and self._stretch is None:
                 if deadline is None:
-                    deadline = max(self._far_end_until, now) + MARK_TIMEOUT_S
+                    deadline = max(self.far_end_until, now) + MARK_TIMEOUT_S
                 if now >= deadline:
                     log.warning("%d marks not echoed %.1f s after their audio", self.marks.pending(), MARK_TIMEOUT_S)
                     return

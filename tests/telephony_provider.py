@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -57,6 +58,8 @@ class FakeProvider:
     stream_id: str = "MZ00000000000000000000000000000001"
     call_id: str = "CA00000000000000000000000000000001"
     echo_marks: bool = True
+    #: send the line in blocks of this many messages, each block shuffled (0: in order)
+    shuffle: int = 0
     received: list[Received] = field(default_factory=list)
     played: list[Played] = field(default_factory=list)
     echoed: list[str] = field(default_factory=list)
@@ -100,7 +103,8 @@ class FakeProvider:
                 "call_control_id": self.call_id, "client_state": encode_client_state(parameters or {}),
                 "media_format": {"encoding": "PCMU", "sample_rate": 8000, "channels": 1},
             }})
-        self._tasks.append(asyncio.ensure_future(self._read()))
+        self._reader = asyncio.ensure_future(self._read())
+        self._tasks.append(self._reader)
         if lines:
             self._tasks.append(asyncio.ensure_future(self._line_out()))
             self._tasks.append(asyncio.ensure_future(self._far_end()))
@@ -123,6 +127,11 @@ class FakeProvider:
         await self.send({"event": "stop", **self._sid(), "stop": {"accountSid": "AC0", "callSid": self.call_id}})
         await self.aclose()
 
+    async def closed(self, timeout: float = 10) -> int | None:
+        """Wait until the server closes the socket; its close code."""
+        await asyncio.wait_for(asyncio.shield(self._reader), timeout)
+        return self.ws.close_code
+
     async def aclose(self) -> None:
         for t in self._tasks:
             t.cancel()
@@ -143,6 +152,8 @@ class FakeProvider:
     async def _line_out(self) -> None:
         start = time.monotonic()
         n = 0
+        block: list[dict[str, Any]] = []
+        shuffler = random.Random(7)
         while True:
             if self._line:
                 payload, first = self._line.popleft()
@@ -151,7 +162,13 @@ class FakeProvider:
             else:
                 payload = SILENCE
                 self.idle.set()
-            await self.send(self.media_message(payload))
+            block.append(self.media_message(payload))
+            if len(block) >= max(1, self.shuffle):
+                if self.shuffle:
+                    shuffler.shuffle(block)
+                for msg in block:
+                    await self.send(msg)
+                block = []
             n += 1
             await asyncio.sleep(max(0.0, start + n * 0.02 - time.monotonic()))
 

@@ -29,7 +29,7 @@ StopKindName = Literal["user_cancel", "barge_in", "deadline_exceeded", "budget_e
 #: what the barge-in detector decided (media.bargein.DetectorEventKind), or the endpointer
 VadEventName = Literal["speech_started", "speech_confirmed", "speech_rejected", "speech_stopped", "end_of_turn"]
 #: who took the turn in a barge-in: voice activity, push-to-talk or a telephone key (DTMF)
-BargeInInitiator = Literal["vad", "ptt", "dtmf"]
+BargeInInitiator = Literal["vad", "ptt", "dtmf", "wake_word"]
 #: what the agent is doing for a voice turn
 AgentPhase = Literal["thinking", "speaking", "idle"]
 #: a tool's declared effect (voice.tools.Effect)

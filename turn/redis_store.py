@@ -19,6 +19,8 @@ Key layout (``P`` is the configurable prefix, default ``tk``)::
     P:stopreq:REQUEST_ID     string: "turn_id|fingerprint", 7 days, to refuse
                              a request id reused on another turn
     P:secret:NAME            string: shared random secrets
+    P:device:ID              hash: tenant_id, token_hash, created_at, revoked
+    P:devtoken:HASH          string: the device id of a token's hash (deleted on revoke)
     P:{turn:ID}:ledger       sorted set: the turn's intent keys, by order written
     P:{turn:ID}:intent:KEY   hash: data (the intent as JSON), status, version
     P:{turn:ID}:audit:KEY    list: audit rows (JSON)
@@ -38,6 +40,7 @@ the work queue (:mod:`turn.redis_queue`).
 from __future__ import annotations
 
 import os
+from datetime import datetime
 
 from turn.redis_events import EVENT_LUA, RedisEventRows
 from turn.redis_ledger import LEDGER_LUA, RedisLedgerRows
@@ -66,3 +69,40 @@ class RedisStore(RedisTurnRows, RedisEventRows, RedisLedgerRows, RedisWorkQueue)
         c = self._c()
         await self._call(c.set(key, os.urandom(32).hex(), nx=True))
         return bytes.fromhex(await self._call(c.get(key)))
+
+    # -- device tokens ------------------------------------------------------------
+
+    async def device_add(self, device_id: str, tenant_id: str, token_hash: str, created_at: datetime) -> None:
+        c = self._c()
+        if not await self._call(c.set(f"{self.prefix}:devtoken:{token_hash}", device_id, nx=True)):
+            raise ValueError("that token exists already")
+        created = await self._call(c.hsetnx(f"{self.prefix}:device:{device_id}", "tenant_id", tenant_id))
+        if not created:
+            await self._call(c.delete(f"{self.prefix}:devtoken:{token_hash}"))
+            raise ValueError(f"device {device_id!r} exists already")
+        await self._call(c.hset(f"{self.prefix}:device:{device_id}", mapping={
+            "token_hash": token_hash, "created_at": created_at.isoformat(), "revoked": "0",
+        }))
+
+    async def device_by_token(self, token_hash: str) -> tuple[str, str] | None:
+        c = self._c()
+        device_id = await self._call(c.get(f"{self.prefix}:devtoken:{token_hash}"))
+        if device_id is None:
+            return None
+        tenant, stored, revoked = await self._call(
+            c.hmget(f"{self.prefix}:device:{device_id}", ["tenant_id", "token_hash", "revoked"])
+        )
+        if tenant is None or stored != token_hash or revoked != "0":
+            return None
+        return device_id, tenant
+
+    async def device_revoke(self, device_id: str, tenant_id: str) -> bool:
+        c = self._c()
+        key = f"{self.prefix}:device:{device_id}"
+        tenant, token_hash, revoked = await self._call(c.hmget(key, ["tenant_id", "token_hash", "revoked"]))
+        if tenant != tenant_id or revoked != "0":
+            return False
+        # the flag first: a lookup between the two writes already refuses the token
+        await self._call(c.hset(key, "revoked", "1"))
+        await self._call(c.delete(f"{self.prefix}:devtoken:{token_hash}"))
+        return True

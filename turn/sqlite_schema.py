@@ -2,8 +2,9 @@
 
 One file holds every table: ``turns``, ``sessions`` (with the generation
 and event-sequence counters), ``events``, ``stop_requests``, ``ledger``,
-``ledger_audit``, ``work_queue`` and ``secrets``. :func:`migrate` brings a
-file of any earlier schema (1 to 4) up to ``SCHEMA_VERSION`` in place: the
+``ledger_audit``, ``work_queue``, ``secrets`` and ``devices`` (schema 6:
+device tokens, hashed). :func:`migrate` brings a
+file of any earlier schema (1 to 5) up to ``SCHEMA_VERSION`` in place: the
 tables are created if missing, the turn columns added since schema 1 are
 added, and ``PRAGMA user_version`` is set.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import sqlite3
 
 #: the schema this code writes (``PRAGMA user_version``)
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS turns (
@@ -86,6 +87,13 @@ CREATE INDEX IF NOT EXISTS work_queue_open ON work_queue (queue, acked, claimed_
 CREATE TABLE IF NOT EXISTS secrets (
     name TEXT PRIMARY KEY,
     value BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS devices (
+    device_id TEXT PRIMARY KEY,
+    tenant_id TEXT NOT NULL,
+    token_hash TEXT NOT NULL UNIQUE,
+    created_at TEXT NOT NULL,
+    revoked_at TEXT
 );
 """
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from datetime import datetime
 
 from turn.sqlite_events import SqliteEventRows
 from turn.sqlite_ledger import SqliteLedgerRows
@@ -49,3 +50,34 @@ class SqliteStore(SqliteTurnRows, SqliteEventRows, SqliteLedgerRows, SqliteWorkQ
     def _secret_in(conn: sqlite3.Connection, name: str) -> bytes:
         conn.execute("INSERT OR IGNORE INTO secrets (name, value) VALUES (?, ?)", (name, os.urandom(32)))
         return bytes(conn.execute("SELECT value FROM secrets WHERE name = ?", (name,)).fetchone()[0])
+
+    # -- device tokens ------------------------------------------------------------
+
+    async def device_add(self, device_id: str, tenant_id: str, token_hash: str, created_at: datetime) -> None:
+        def add(conn: sqlite3.Connection) -> None:
+            try:
+                conn.execute(
+                    "INSERT INTO devices (device_id, tenant_id, token_hash, created_at) VALUES (?, ?, ?, ?)",
+                    (device_id, tenant_id, token_hash, created_at.isoformat()),
+                )
+            except sqlite3.IntegrityError as exc:
+                raise ValueError(f"device {device_id!r} or its token exists already") from exc
+
+        await self._run(self._tx, add)
+
+    async def device_by_token(self, token_hash: str) -> tuple[str, str] | None:
+        row = await self._run(
+            self._read_one, "SELECT device_id, tenant_id FROM devices WHERE token_hash = ? AND revoked_at IS NULL",
+            (token_hash,),
+        )
+        return (row[0], row[1]) if row is not None else None
+
+    async def device_revoke(self, device_id: str, tenant_id: str) -> bool:
+        def revoke(conn: sqlite3.Connection) -> bool:
+            cur = conn.execute(
+                "UPDATE devices SET revoked_at = datetime('now') WHERE device_id = ? AND tenant_id = ? "
+                "AND revoked_at IS NULL", (device_id, tenant_id),
+            )
+            return cur.rowcount == 1
+
+        return await self._run(self._tx, revoke)

@@ -339,3 +339,25 @@ class TurnStore(Protocol):
         """A 32-byte random secret created on first use and the same for
         every instance sharing this store afterwards."""
         ...
+
+    # -- device tokens (xiaozhi-esp32 device sockets) ------------------------------
+
+    async def device_add(self, device_id: str, tenant_id: str, token_hash: str, created_at: datetime) -> None:
+        """Register a device of ``tenant_id`` whose token hashes to
+        ``token_hash`` (hex SHA-256; the token itself is never stored).
+
+        Raises:
+            ValueError: ``device_id`` or ``token_hash`` is taken.
+        """
+        ...
+
+    async def device_by_token(self, token_hash: str) -> tuple[str, str] | None:
+        """``(device_id, tenant_id)`` of the device whose token hashes to
+        ``token_hash``; None if none does or it was revoked."""
+        ...
+
+    async def device_revoke(self, device_id: str, tenant_id: str) -> bool:
+        """Revoke ``tenant_id``'s device ``device_id``: its token is refused
+        from now on. Returns False if the tenant has no such device (or it
+        was revoked already)."""
+        ...

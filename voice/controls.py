@@ -49,9 +49,14 @@ class SessionControls:
         def _silence(self, run: TurnHandle) -> None: ...
 
     async def _take_controls(self) -> None:
-        """The transport's control input, each carried out as it comes."""
-        async for control in self.transport.controls():
-            self._on_control(control)
+        """The transport's control input, each carried out as it comes
+        (the keys' timeout ends with it)."""
+        try:
+            async for control in self.transport.controls():
+                self._on_control(control)
+        finally:
+            if self._keypad_timer is not None:
+                self._keypad_timer.cancel()
 
     def _on_control(self, control: Control) -> None:
         """Carry out one control (:class:`voice.transport.Control`); one
@@ -60,19 +65,37 @@ class SessionControls:
         if control.kind in (ControlKind.PTT_START, ControlKind.PTT_END):
             error = self.ptt_start() if control.kind is ControlKind.PTT_START else self.ptt_end()
         elif control.kind is ControlKind.ABORT:
-            self.abort()
+            self.abort(control.initiator or "user")
+        elif control.kind is ControlKind.DETECT:
+            self.detect(control.text or "", control.at)
         elif control.kind is ControlKind.DTMF:
             self.dtmf_digits = (self.dtmf_digits + (control.digit or ""))[-64:]  # the latest keys
             self.keypad(control.digit or "", control.at)
         if error is not None:
             self.transport.refuse(control, error)
 
-    def abort(self) -> None:
-        """Stop the turn thinking or speaking (``user_cancel`` by the ``user``),
+    def abort(self, initiator: str = "user") -> None:
+        """Stop the turn thinking or speaking (``user_cancel`` by ``initiator``),
         silenced at once; nothing if there is none or it is stopping already."""
         if (run := self._active_run()) is not None and run.stop_task is None:
             self._silence(run)
-            run.stop(StopReason(kind=StopReasonKind.USER_CANCEL, initiator="user", at=self.clock.now(), detail="abort"))
+            run.stop(StopReason(kind=StopReasonKind.USER_CANCEL, initiator=initiator, at=self.clock.now(), detail="abort"))
+
+    def detect(self, text: str, at: float) -> None:
+        """A wake word's ``text`` at clock seconds ``at`` (xiaozhi ``listen
+        detect``): a turn whose transcript is the text, opened like
+        push-to-talk (a committed barge-in, initiator ``wake_word``, if the
+        agent is replying) and ended at once. Ignored (logged) while an
+        utterance is being listened to or the text is empty."""
+        tt = self.turn_taking
+        if not text.strip() or tt.listening or tt.ptt_active or self._tg is None:
+            log.info("wake word %r while listening (or empty): ignored", text[:40])
+            return
+        self._carry_out(tt.ptt_start(at, initiator="wake_word"))
+        run = self._listening
+        if run is not None and isinstance(run.stt, DigitStream):
+            run.stt.digits = text.strip()
+        self._carry_out(tt.ptt_end(at))
 
     def ptt_start(self) -> str | None:
         """Push-to-talk pressed: an immediate, committed barge-in with no VAD

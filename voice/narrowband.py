@@ -5,8 +5,10 @@ the 16 kHz pipeline, the upper half of the spectrum is digital silence, and
 the recogniser's filterbank (pocketsphinx en-us: 25 mel filters up to
 6800 Hz, trained on wideband speech) sees log energies far below anything
 it was trained on in those channels, so its cepstra are off and grammar
-decoding of clear speech fails (tests/voice/test_narrowband.py: 1 of 6
-test phrases recognised as telephone audio, 5 of 6 with the fill).
+decoding of clear speech fails (tests/voice/test_narrowband.py: of 8 test
+phrases as telephone audio, one session's utterances in turn, 1 recognised
+without the fill and 7 with it on this machine; the count moves with the
+cepstral mean the utterances start from, ``stt.cmn_start``).
 :class:`NarrowbandSpeech` fills that band with a low, steady noise floor
 (white noise differenced once: +6 dB per octave, so it lies mostly above
 4 kHz; about -58 dBFS) on the recogniser's path only: the barge-in

@@ -333,7 +333,7 @@ class AgentSession(SessionControls):
         cleared = self.playout.clear()
         self.playout.resume()
         after: asyncio.Task[None] | None = None
-        stream = DigitStream() if d.initiator == "dtmf" else self.providers.stt.open_stream(self.stt_adaptation)
+        stream = DigitStream() if d.initiator in ("dtmf", "wake_word") else self.providers.stt.open_stream(self.stt_adaptation)
         run = TurnHandle(self._turn_context(), generation, stream)
         if old is not None:
             rec, after = barge_in(

@@ -47,6 +47,7 @@ class ControlKind(StrEnum):
     PTT_END = "ptt.end"  # released: the utterance ends at once
     ABORT = "abort"  # stop the turn in flight (xiaozhi ``abort``; a stop button)
     DTMF = "dtmf"  # a telephone key
+    DETECT = "detect"  # a wake word's text said on the device (xiaozhi ``listen detect``): the user's input
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,16 @@ class Control:
         kind: which.
         at: clock seconds when it arrived (the session's monotonic clock).
         digit: for ``dtmf``: the key ("0"-"9", "*", "#", "A"-"D").
+        text: for ``detect``: the words the device recognised.
+        initiator: for ``abort``: who pressed it, as the stop reason records
+            it (None: ``user``; a device socket says ``device``).
     """
 
     kind: ControlKind
     at: float
     digit: str | None = None
+    text: str | None = None
+    initiator: str | None = None
 
 
 class OutputSink(Protocol):

@@ -7,6 +7,7 @@ Routes:
     POST /v1/webrtc/offer   {"type": "offer", "sdp": "..."} ->
                             {"type": "answer", "sdp": "...", "session_id": "..."}
     /v1/telephony/...       phone calls (web.telephony.routes)
+    /v1/devices...          push-to-talk devices, xiaozhi-esp32 (web.devices.routes)
 
 Every error under /v1 and /healthz is JSON: ``{"error": {"code", "message"}}``
 with a 4xx/5xx status; a bad request never affects other sessions.
@@ -44,6 +45,7 @@ from voice.tools import Toolbox
 from voice.tts import EspeakTTS
 from web import api
 from web.auth import Auth
+from web.devices import routes as device_routes
 from web.errors import ApiError
 from web.offer_validation import OfferRejected, validate_offer
 from web.peer import PeerSession
@@ -256,6 +258,7 @@ def create_app(
     app.router.add_post("/v1/webrtc/offer", _offer)
     api.add_routes(app)
     telephony_routes.add_routes(app)
+    device_routes.add_routes(app)
     # Startup enters these in order, cleanup leaves them in reverse: a step
     # that fails stops the server before it serves, and cleanup then undoes
     # what the steps before it did (aiohttp runs only the exits of the

@@ -15,7 +15,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import (
@@ -76,6 +76,33 @@ class TelephonySettings(BaseModel):
     max_messages_per_s: int = Field(500, ge=60, le=100_000)
 
 
+class DeviceSettings(BaseModel):
+    """Push-to-talk devices on the xiaozhi-esp32 protocol (env
+    ``TURNKEEPER_DEVICES__*``; see README "Push-to-talk devices").
+
+    Attributes:
+        downlink_sample_rate: the rate of the Opus the server sends, Hz (in
+            the server ``hello``'s ``audio_params``).
+        downlink_frame_ms: each downlink Opus packet's duration, ms.
+        send_ahead_ms: audio the device may hold beyond what is due, ms (a
+            multiple of 20): what it still plays after an abort, at most, and
+            what the heard position subtracts as in flight.
+        max_frame_bytes: largest binary message accepted, bytes (a 60 ms
+            Opus packet is a few hundred); larger closes the socket (1009).
+        max_messages_per_s: messages a second a device may send (60 ms
+            audio is about 17); more closes the socket (1008).
+        hello_timeout_s: a device that sends no ``hello`` this long after
+            connecting is closed (1008).
+    """
+
+    downlink_sample_rate: Literal[16000, 24000, 48000] = 24000
+    downlink_frame_ms: Literal[20, 40, 60] = 60
+    send_ahead_ms: int = Field(60, ge=20, le=2000, multiple_of=20)
+    max_frame_bytes: int = Field(4096, ge=512, le=1024 * 1024)
+    max_messages_per_s: int = Field(200, ge=30, le=100_000)
+    hello_timeout_s: float = Field(10.0, gt=0, le=600)
+
+
 class Settings(BaseSettings):
     """All of turnkeeper's settings.
 
@@ -124,6 +151,7 @@ class Settings(BaseSettings):
             browser and phone sessions). TOML ``[plans.default]``,
             ``[plans.tenant_a]``; env ``TURNKEEPER_PLANS`` as JSON.
         telephony: phone calls (:class:`TelephonySettings`).
+        devices: push-to-talk devices (:class:`DeviceSettings`).
     """
 
     model_config = SettingsConfigDict(
@@ -186,6 +214,7 @@ class Settings(BaseSettings):
     plans: dict[str, Plan] = Field(default_factory=lambda: {"default": Plan()})
     tts: EspeakConfig = EspeakConfig()
     telephony: TelephonySettings = TelephonySettings()
+    devices: DeviceSettings = DeviceSettings()
 
     @classmethod
     def settings_customise_sources(

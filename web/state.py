@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 class ClientSession(Protocol):
     """A connected voice client as the application tracks it: a WebRTC peer
-    (``web.peer.PeerSession``) or a phone call (``web.telephony.call.PhoneCall``)."""
+    (``web.peer.PeerSession``), a phone call (``web.telephony.call.PhoneCall``)
+    or a device (``web.devices.call.DeviceCall``)."""
 
     id: str
     #: the client's address (per-client limits)

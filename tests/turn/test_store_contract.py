@@ -294,3 +294,21 @@ async def test_closed_store_refuses(any_store) -> None:
         await any_store.get("x")
     await any_store.open()
     await any_store.open()  # idempotent
+
+
+async def test_device_tokens_are_found_by_hash_until_revoked(any_store) -> None:
+    await any_store.device_add("dev_a", "tenant_a", "h" * 64, NOW)
+    await any_store.device_add("dev_b", "tenant_b", "k" * 64, NOW)
+    assert await any_store.device_by_token("h" * 64) == ("dev_a", "tenant_a")
+    assert await any_store.device_by_token("x" * 64) is None
+    with pytest.raises(ValueError):
+        await any_store.device_add("dev_a", "tenant_a", "z" * 64, NOW)  # the id is taken
+    with pytest.raises(ValueError):
+        await any_store.device_add("dev_c", "tenant_a", "h" * 64, NOW)  # the token is taken
+    assert await any_store.device_by_token("z" * 64) is None  # the refused add left nothing
+    assert not await any_store.device_revoke("dev_a", "tenant_b")  # not that tenant's device
+    assert await any_store.device_by_token("h" * 64) == ("dev_a", "tenant_a")
+    assert await any_store.device_revoke("dev_a", "tenant_a")
+    assert not await any_store.device_revoke("dev_a", "tenant_a")  # once
+    assert await any_store.device_by_token("h" * 64) is None
+    assert await any_store.device_by_token("k" * 64) == ("dev_b", "tenant_b")

@@ -169,3 +169,22 @@ async def test_a_hang_up_mid_reply_settles_the_turn(server: Server, phone: FakeP
     assert turn.status is TurnStatus.CANCELLED
     assert turn.stop_reason is not None and turn.stop_reason.kind is StopReasonKind.TRANSPORT_DISCONNECTED
     await wait_until(lambda: not server.app[PEERS], 10, "the call is freed")
+
+
+async def test_a_telnyx_call_with_frames_out_of_order_is_answered(server: Server, say: Callable[..., Path]) -> None:
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(server.url.replace("http://", "ws://") + "/v1/telephony/telnyx")
+        phone = FakeProvider(ws, dialect="telnyx", stream_id="32DE0DEA-53CB-4B21-89A4-9E1819C043BC",
+                             call_id="v3:abc", shuffle=3)
+        await phone.start()
+        await wait_until(lambda: any(isinstance(p, PhoneCall) and p.agent for p in server.app[PEERS].values()))
+        call = server.call()
+        phone.play(say("count to twenty"))
+        [turn] = await settled(server, call.id, 1)
+        reorder = call.transport._reorder
+        assert reorder is not None and reorder.reordered > 50 and reorder.lost == 0 and reorder.late == 0
+        assert turn.status is TurnStatus.COMPLETED and turn.transcript == "count to twenty"
+        assert len(phone.audible()) > 50
+        out = phone.of("media")[0].msg
+        assert set(out) == {"event", "media"} and set(out["media"]) == {"payload"}  # Telnyx's outbound shape
+        await phone.aclose()

@@ -131,3 +131,10 @@ def tts(session_id: str, state: Literal["start", "sentence_start", "stop"], text
     if text is not None:
         out["text"] = text
     return out
+
+
+def alert(session_id: str, message: str, *, status: str = "error", emotion: str = "sad") -> dict[str, Any]:
+    """An alert the device shows (``status`` as its title, ``message``,
+    an ``emotion`` for its face): how a bad message is told to the device
+    (the firmware's ``alert`` message, application.cc)."""
+    return {"type": "alert", "session_id": session_id, "status": status, "message": message, "emotion": emotion}

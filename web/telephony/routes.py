@@ -86,7 +86,7 @@ def stream_url(request: web.Request, path: str) -> str:
     base = request_url(request, t.public_url)
     scheme, _, rest = base.partition("://")
     host = rest.split("/", 1)[0]
-    return f"{'wss' if scheme == 'https' else 'ws'}://{host}{path}"
+    return f"{'wss' if scheme in ('https', 'wss') else 'ws'}://{host}{path}"
 
 
 async def twilio_voice(request: web.Request) -> web.Response:

@@ -41,11 +41,17 @@ def request_url(request: web.Request, public_url: str) -> str:
     """The URL Twilio requested, as it signed it: ``public_url`` (the
     ``telephony.public_url`` setting: scheme and host as the world sees the
     server, behind a proxy) joined with the path and query, else the
-    request's own URL (``X-Forwarded-Proto`` honoured for the scheme)."""
+    request's own URL (``X-Forwarded-Proto`` honoured for the scheme); for a
+    WebSocket upgrade the scheme is ``ws``/``wss``, as in the ``<Stream>``
+    URL Twilio opened and signed."""
     if public_url:
-        return public_url.rstrip("/") + request.rel_url.path_qs
-    scheme = request.headers.get("X-Forwarded-Proto", request.scheme).split(",")[0].strip()
-    return f"{scheme}://{request.host}{request.rel_url.path_qs}"
+        scheme, _, host = public_url.rstrip("/").partition("://")
+    else:
+        scheme = request.headers.get("X-Forwarded-Proto", request.scheme).split(",")[0].strip()
+        host = request.host
+    if request.headers.get("Upgrade", "").lower() == "websocket":
+        scheme = {"http": "ws", "https": "wss"}.get(scheme, scheme)  # Twilio signs the wss:// URL it opened
+    return f"{scheme}://{host}{request.rel_url.path_qs}"
 
 
 def sign_tenant(secret: bytes, tenant: str, call_id: str) -> str:

@@ -32,9 +32,9 @@ from typing import Any
 
 from clock import Clock
 from media.bargein import BargeInConfig, BargeInDetector
-from media.frames import FRAME_MS, VAD_RATE, Reframer, frame_bytes
+from media.frames import VAD_RATE, Reframer
 from media.g711 import MulawDecoder
-from media.inbound_frame import InboundFrame, analyse_frame
+from media.inbound_frame import InboundFrame, analysed_frames
 from media.outbound import Passes
 from media.playout import PlayoutBuffer
 from media.reorder import ReorderBuffer
@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 #: inbound frames waiting for the session, at most (5 s; older are dropped)
 MAX_INBOUND_FRAMES = 250
+#: keys kept for a session that is starting, at most
+MAX_EARLY_KEYS = 32
 #: outbound messages waiting for the socket, at most (a stuck socket is closed)
 MAX_OUTBOUND = 2000
 
@@ -107,7 +109,7 @@ class PhoneTransport:
         self.stream_id: str | None = None
         self.wire: deque[WireRecord] = deque(maxlen=20_000)
         self.delivered = 0
-        self.stall_s = stall_ms / 1000
+        self.stall_ms = stall_ms
         self.dropped_inbound = 0
         self._decoder = MulawDecoder(VAD_RATE)
         self._reframer = Reframer(VAD_RATE)
@@ -116,6 +118,7 @@ class PhoneTransport:
         self._outbound: deque[tuple[str, WireRecord]] = deque()
         self._wake = asyncio.Event()
         self._controls = ControlInbox()
+        self._early: deque[Control] = deque()
         self._closed = CloseNotice()
 
     # -- inbound, from the socket's reader ------------------------------------------
@@ -136,9 +139,15 @@ class PhoneTransport:
                 self._inbound.put_nowait((pcm, now))
 
     def on_dtmf(self, dtmf: Dtmf) -> None:
-        """A key: a ``dtmf`` control for the session (refused if none takes it)."""
+        """A key: a ``dtmf`` control for the session. One pressed before the
+        session takes controls (it is starting) waits for it (the first
+        ``MAX_EARLY_KEYS``); after the call ended it is refused."""
         control = Control(ControlKind.DTMF, self.clock.monotonic(), dtmf.digit)
-        if not self._controls.put(control):
+        if self._controls.put(control):
+            return
+        if self._closed.reason is None and len(self._early) < MAX_EARLY_KEYS:
+            self._early.append(control)
+        else:
             self.refuse(control, "session_not_ready")
 
     def on_mark(self, mark: Mark) -> None:
@@ -199,37 +208,21 @@ class PhoneTransport:
         """The caller's analysed frames until the call ends; silence is put
         in for a stall of ``stall_ms``. The output is paced meanwhile."""
         pacer = asyncio.ensure_future(self.output.run())
-        silence = bytes(frame_bytes(VAD_RATE))
-        last = self.clock.monotonic()
         try:
-            while True:
-                item: tuple[bytes, float] | None
-                if self.stall_s > 0:
-                    try:
-                        async with asyncio.timeout(self.stall_s):
-                            item = await self._inbound.get()
-                    except TimeoutError:
-                        # no audio for a while: silence, one frame per 20 ms since the last
-                        now = self.clock.monotonic()
-                        n = max(1, int((now - last) * 1000 // FRAME_MS))
-                        for i in range(n):
-                            yield analyse_frame(self.detector, silence, last + (i + 1) * FRAME_MS / 1000, filled=True)
-                        last = now
-                        continue
-                else:
-                    item = await self._inbound.get()
-                if item is None:
-                    return
-                pcm, at = item
-                last = at
-                yield analyse_frame(self.detector, pcm, at)
+            async for frame in analysed_frames(self.detector, self._inbound, self.clock, self.stall_ms):
+                yield frame
         finally:
             pacer.cancel()
             await asyncio.wait({pacer})
 
-    def controls(self) -> AsyncIterator[Control]:
-        """The caller's DTMF keys, in order."""
-        return self._controls.items()
+    async def controls(self) -> AsyncIterator[Control]:
+        """The caller's DTMF keys, in order (those pressed before the
+        session took them first)."""
+        items = self._controls.items()
+        while self._early:
+            yield self._early.popleft()
+        async for control in items:  # no await between the last early key and taking: none is lost
+            yield control
 
     def refuse(self, control: Control, code: str) -> None:
         """Logged: a phone has no channel to say it on."""

@@ -1,0 +1,208 @@
+"""A phone stream under bad input, over the real endpoint: messages before
+``start``, unknown events, bad base64, a payload that is not 160 bytes, a
+streamSid that does not match (each logged and dropped: the call goes on and
+answers the keys pressed after it); 10,000 messages a second, a 1 MB frame,
+a socket closed mid-message (the socket is closed or gone: the turn in
+flight is settled transport_disconnected, and another call goes on)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import struct
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from conftest import start_app
+from telephony_provider import FakeProvider, wait_until
+
+from turn.models import StopReasonKind, Turn, TurnStatus
+from web.app import PEERS, STORE, create_app
+from web.settings import Settings
+from web.telephony.call import PhoneCall
+
+STREAM = "MZ00000000000000000000000000000001"
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[tuple[web.Application, str]]:
+    app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db", session={"dtmf": {"timeout_ms": 60_000}}))
+    runner, url = await start_app(app)
+    try:
+        yield app, url.replace("http://", "ws://") + "/v1/telephony/twilio"
+    finally:
+        await runner.cleanup()
+
+
+def calls(app: web.Application) -> list[PhoneCall]:
+    return [p for p in app[PEERS].values() if isinstance(p, PhoneCall)]
+
+
+async def turns_of(app: web.Application, session_id: str, n: int, timeout: float = 15) -> list[Turn]:
+    async with asyncio.timeout(timeout):
+        while True:
+            turns = await app[STORE].list_session(session_id)
+            if len(turns) >= n and all(t.status.is_terminal for t in turns):
+                return turns
+            await asyncio.sleep(0.05)
+
+
+async def open_call(app: web.Application, http: aiohttp.ClientSession, url: str, sid: str = STREAM) -> tuple[FakeProvider, PhoneCall]:
+    before = {c.id for c in calls(app)}
+    provider = FakeProvider(await http.ws_connect(url), stream_id=sid)
+    await provider.start()
+    await wait_until(lambda: any(c.id not in before and c.agent for c in calls(app)), 10, "the call starts")
+    [call] = [c for c in calls(app) if c.id not in before]
+    return provider, call
+
+
+async def keys_answered(app: web.Application, provider: FakeProvider, call: PhoneCall, keys: str = "7#") -> None:
+    """The call still works: keys pressed now become a completed turn."""
+    for k in keys:
+        await provider.dtmf(k)
+    turns = await turns_of(app, call.id, 1)
+    assert turns[-1].transcript == keys.rstrip("#") and turns[-1].status is TurnStatus.COMPLETED
+
+
+async def test_messages_before_start_are_dropped(server: tuple[web.Application, str]) -> None:
+    app, url = server
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(url)
+        provider = FakeProvider(ws)
+        await provider.send(provider.media_message(bytes(160)))
+        await provider.dtmf("5")
+        await wait_until(lambda: bool(calls(app)) and calls(app)[0].errors == ["before_start", "before_start"], 5,
+                         "both refused")
+        await provider.start()
+        call = calls(app)[0]
+        await wait_until(lambda: call.agent is not None, 5, "the call starts after all")
+        await keys_answered(app, provider, call)
+        await provider.aclose()
+
+
+@pytest.mark.parametrize(
+    "message, code",
+    [
+        ({"event": "hello", "streamSid": STREAM}, "unknown_event"),
+        ({"event": "media", "streamSid": STREAM, "media": {"payload": "%%%%"}}, "bad_base64"),
+        ({"event": "media", "streamSid": STREAM, "media": {"payload": base64.b64encode(bytes(161)).decode()}},
+         "bad_payload_size"),
+        ({"event": "media", "streamSid": STREAM, "media": {"payload": base64.b64encode(bytes(20)).decode()}},
+         "bad_payload_size"),
+        ({"event": "media", "streamSid": "MZ-someone-else", "media": {"payload": base64.b64encode(bytes(160)).decode()}},
+         "stream_mismatch"),
+        ({"event": "dtmf", "streamSid": "MZ-someone-else", "dtmf": {"digit": "9"}}, "stream_mismatch"),
+    ],
+)
+async def test_a_bad_message_is_dropped_and_the_call_goes_on(
+    server: tuple[web.Application, str], message: dict[str, object], code: str
+) -> None:
+    app, url = server
+    async with aiohttp.ClientSession() as http:
+        provider, call = await open_call(app, http, url)
+        await provider.ws.send_str(json.dumps(message))
+        await wait_until(lambda: call.errors == [code], 5, f"{code} logged")
+        assert not provider.ws.closed
+        await keys_answered(app, provider, call)  # the mismatched key was not taken
+        await provider.aclose()
+
+
+async def test_a_flood_closes_that_call_only_and_settles_its_turn(server: tuple[web.Application, str]) -> None:
+    app, url = server
+    async with aiohttp.ClientSession() as http:
+        other, other_call = await open_call(app, http, url, sid="MZ-other")
+        provider, call = await open_call(app, http, url)
+        await provider.dtmf("1")  # a keypad turn is open: the flood must settle it
+        await wait_until(lambda: bool(call.agent and call.agent.ptt_active), 5, "keys open a turn")
+        media = json.dumps(provider.media_message(bytes(160)))
+        sent = 0
+        try:
+            for _ in range(10_000):
+                await provider.ws.send_str(media)
+                sent += 1
+        except (ConnectionResetError, RuntimeError):
+            pass  # the server closed it
+        assert await provider.closed() == 1008
+        assert "flood" in call.errors
+        [turn] = await turns_of(app, call.id, 1)
+        assert turn.status is TurnStatus.CANCELLED
+        assert turn.stop_reason is not None and turn.stop_reason.kind is StopReasonKind.TRANSPORT_DISCONNECTED
+        assert other_call in calls(app) and not other.ws.closed
+        await keys_answered(app, other, other_call)
+        await provider.aclose()
+        await other.aclose()
+
+
+async def test_a_1mb_frame_closes_the_socket(server: tuple[web.Application, str]) -> None:
+    app, url = server
+    async with aiohttp.ClientSession() as http:
+        provider, call = await open_call(app, http, url)
+        await provider.dtmf("1")
+        await wait_until(lambda: bool(call.agent and call.agent.ptt_active), 5, "keys open a turn")
+        await provider.ws.send_str(json.dumps({"event": "media", "media": {"payload": "A" * (1 << 20)}}))
+        assert await provider.closed() == 1009  # message too big (RFC 6455 section 7.4.1)
+        [turn] = await turns_of(app, call.id, 1)
+        assert turn.status is TurnStatus.CANCELLED
+        assert turn.stop_reason is not None and turn.stop_reason.kind is StopReasonKind.TRANSPORT_DISCONNECTED
+        await wait_until(lambda: not calls(app), 10, "the call is freed")
+        await provider.aclose()
+
+
+def _frame(text: str | bytes, opcode: int = 1) -> bytes:
+    """One masked client frame (RFC 6455 section 5.2)."""
+    data = text.encode() if isinstance(text, str) else text
+    mask = os.urandom(4)
+    n = len(data)
+    head = bytes([0x80 | opcode])
+    if n < 126:
+        head += bytes([0x80 | n])
+    elif n < 1 << 16:
+        head += bytes([0x80 | 126]) + struct.pack("!H", n)
+    else:
+        head += bytes([0x80 | 127]) + struct.pack("!Q", n)
+    return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+
+
+async def test_a_socket_closed_mid_message_settles_the_turn(server: tuple[web.Application, str]) -> None:
+    app, url = server
+    host, port = url.removeprefix("ws://").split("/")[0].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write((
+        f"GET /v1/telephony/twilio HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    ).encode())
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 101")
+    start = {"event": "start", "streamSid": STREAM, "start": {
+        "streamSid": STREAM, "callSid": "CA1", "tracks": ["inbound"], "customParameters": {},
+        "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}}
+    writer.write(_frame(json.dumps(start)))
+    writer.write(_frame(json.dumps({"event": "dtmf", "streamSid": STREAM, "dtmf": {"digit": "3"}})))
+    await writer.drain()
+    await wait_until(lambda: bool(calls(app)) and bool(calls(app)[0].agent and calls(app)[0].agent.ptt_active), 10,
+                     "keys open a turn")
+    call = calls(app)[0]
+    whole = _frame(json.dumps({"event": "media", "streamSid": STREAM, "media": {"payload": "A" * 300}}))
+    writer.write(whole[: len(whole) // 2])  # half a message, then the connection is gone
+    await writer.drain()
+    writer.close()
+    [turn] = await turns_of(app, call.id, 1)
+    assert turn.status is TurnStatus.CANCELLED
+    assert turn.stop_reason is not None and turn.stop_reason.kind is StopReasonKind.TRANSPORT_DISCONNECTED
+    await wait_until(lambda: not calls(app), 10, "the call is freed")
+
+
+async def test_a_forged_tenant_is_refused(server: tuple[web.Application, str]) -> None:
+    app, url = server
+    async with aiohttp.ClientSession() as http:
+        provider = FakeProvider(await http.ws_connect(url))
+        await provider.start({"tenant": "tenant_a", "tenant_sig": "0" * 64}, lines=False)
+        assert await provider.closed() == 1008
+        await wait_until(lambda: not calls(app), 10, "nothing is left of it")
+        await provider.aclose()

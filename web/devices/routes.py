@@ -1,0 +1,167 @@
+"""The device routes: push-to-talk boards on the xiaozhi-esp32 protocol.
+
+Routes:
+    POST   /v1/devices         issue a device token (tenant bearer token):
+                               ``{"device_id", "token"}``; body optional:
+                               ``{"name": "kitchen"}`` (logged only)
+    DELETE /v1/devices/{id}    revoke it (tenant bearer token): 204, 404
+    GET    /v1/devices/ws      WebSocket: a device (``Authorization: Bearer
+                               <device token>``, ``Protocol-Version``,
+                               ``Device-Id``, ``Client-Id``)
+    GET    /xiaozhi/v1/        the same WebSocket at the path the firmware's
+                               default configuration and OTA answers use
+
+A device token is 32 random bytes (URL-safe base64); the store keeps only
+its SHA-256 (a random 256-bit token needs no slow hash), so a leaked store
+issues no tokens. The token is checked before the upgrade: an unknown or
+revoked one gets 401 and no audio is read. The device's turns run under
+its tenant's plan. The same ``Device-Id`` of one tenant connecting again
+ends the older connection (its turns settled ``transport_disconnected``,
+close 1001): the newer wins, as a rebooted board reconnects before the old
+socket times out. A device counts against ``max_sessions``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import os
+import uuid
+
+from aiohttp import WSCloseCode, web
+
+from turn.models import StopReasonKind
+from web.devices.call import DeviceCall
+from web.devices.framing import VERSIONS
+from web.devices.messages import MAX_TEXT_BYTES
+from web.errors import ApiError
+from web.state import AUTH, CLOCK, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE
+
+log = logging.getLogger(__name__)
+
+DEVICES_PATH = "/v1/devices"
+DEVICE_WS_PATH = "/v1/devices/ws"
+#: where xiaozhi-esp32 firmware and its OTA answers point by default (``ws://host:port/xiaozhi/v1/``)
+XIAOZHI_WS_PATH = "/xiaozhi/v1/"
+#: the connection of each (tenant, Device-Id), for "the newer wins"
+DEVICE_CONNECTIONS: web.AppKey[dict[tuple[str, str], DeviceCall]] = web.AppKey("device_connections")
+
+
+def add_routes(app: web.Application) -> None:
+    """Add the device routes to ``app``."""
+    app[DEVICE_CONNECTIONS] = {}
+    app.router.add_post(DEVICES_PATH, issue)
+    app.router.add_delete(DEVICES_PATH + "/{device_id}", revoke)
+    app.router.add_get(DEVICE_WS_PATH, device_socket)
+    app.router.add_get(XIAOZHI_WS_PATH, device_socket)
+
+
+def token_hash(token: str) -> str:
+    """What the store keeps of a device token: hex SHA-256 of its UTF-8."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+async def issue(request: web.Request) -> web.Response:
+    """Issue a device token for the caller's tenant: 201
+    ``{"device_id": "dev_...", "token": "..."}`` (the token is shown once).
+
+    Raises:
+        ApiError: 401 without a valid tenant bearer token.
+    """
+    app = request.app
+    tenant = app[AUTH].require_tenant(request)
+    device_id = "dev_" + uuid.uuid4().hex
+    token = base64.urlsafe_b64encode(os.urandom(32)).rstrip(b"=").decode()
+    store = app[STORE]
+    now = app[CLOCK].now()
+    await app[MANAGER].store_call(lambda: store.device_add(device_id, tenant, token_hash(token), now))
+    log.info("device %s issued for tenant %s", device_id, tenant)
+    return web.json_response({"device_id": device_id, "token": token, "tenant_id": tenant}, status=201)
+
+
+async def revoke(request: web.Request) -> web.Response:
+    """Revoke one of the caller's devices: 204; its token is refused from
+    now on and a connection it has open is closed (1008).
+
+    Raises:
+        ApiError: 401 without a valid tenant bearer token; 404 no such
+            device of this tenant (or revoked already).
+    """
+    app = request.app
+    tenant = app[AUTH].require_tenant(request)
+    device_id = request.match_info["device_id"]
+    store = app[STORE]
+    if not await app[MANAGER].store_call(lambda: store.device_revoke(device_id, tenant)):
+        raise ApiError(404, "unknown_device", f"no device {device_id[:80]!r} of this tenant")
+    for call in list(app[DEVICE_CONNECTIONS].values()):
+        if call.device_id == device_id:
+            call.close(StopReasonKind.TRANSPORT_DISCONNECTED, int(WSCloseCode.POLICY_VIOLATION))
+    log.info("device %s of tenant %s revoked", device_id, tenant)
+    return web.Response(status=204)
+
+
+async def _device_of(request: web.Request) -> tuple[str, str]:
+    """``(device_id, tenant)`` of the request's device token.
+
+    Raises:
+        ApiError: 401 no bearer token, or an unknown or revoked one.
+    """
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(401, "unauthorized", "a device needs 'Authorization: Bearer <device token>'",
+                       headers={"WWW-Authenticate": 'Bearer realm="turnkeeper-devices"'})
+    app = request.app
+    store = app[STORE]
+    digest = token_hash(token.strip())
+    found = await app[MANAGER].store_call(lambda: store.device_by_token(digest))
+    if found is None:
+        log.warning("refused a device from %s: unknown or revoked token", request.remote)
+        raise ApiError(401, "unauthorized", "unknown or revoked device token",
+                       headers={"WWW-Authenticate": 'Bearer realm="turnkeeper-devices", error="invalid_token"'})
+    return found
+
+
+async def device_socket(request: web.Request) -> web.StreamResponse:
+    """A device's WebSocket (see the module doc).
+
+    Raises:
+        ApiError: 401 bad token (before the upgrade); 400 a
+            ``Protocol-Version`` other than 1, 2, 3; 503 too many sessions.
+    """
+    app = request.app
+    settings = app[SETTINGS]
+    device_id, tenant = await _device_of(request)
+    raw_version = request.headers.get("Protocol-Version")
+    version: int | None = None
+    if raw_version is not None:
+        if raw_version.strip() not in {str(v) for v in VERSIONS}:
+            raise ApiError(400, "bad_protocol_version", f"Protocol-Version must be one of {VERSIONS}")
+        version = int(raw_version)
+    peers = app[PEERS]
+    mac = request.headers.get("Device-Id", "").strip()[:64] or device_id
+    key = (tenant, mac.lower())
+    older = app[DEVICE_CONNECTIONS].get(key)
+    if len(peers) - (older is not None) >= settings.max_sessions:
+        raise ApiError(503, "too_many_sessions", f"{settings.max_sessions} sessions are running; try later",
+                       headers={"Retry-After": "5"})
+    ws = web.WebSocketResponse(max_msg_size=max(settings.devices.max_frame_bytes, MAX_TEXT_BYTES) + 1024, heartbeat=None)
+    await ws.prepare(request)
+    if older is not None:
+        log.info("device %s (%s) connected again: the older connection %s ends", device_id, mac, older.id)
+        older.close(StopReasonKind.TRANSPORT_DISCONNECTED, int(WSCloseCode.GOING_AWAY))
+
+    def forget(call: DeviceCall) -> None:
+        peers.pop(call.id, None)
+        if app[DEVICE_CONNECTIONS].get(key) is call:
+            del app[DEVICE_CONNECTIONS][key]
+
+    call = DeviceCall(
+        settings=settings, manager=app[MANAGER], providers=app[PROVIDERS].for_session(), clock=app[CLOCK], ws=ws,
+        device_id=device_id, tenant=tenant, header_version=version, on_closed=forget, client=request.remote or "?",
+        mac=mac,
+    )
+    peers[call.id] = call
+    app[DEVICE_CONNECTIONS][key] = call
+    await call.run()
+    return ws
