@@ -89,6 +89,9 @@ class DevicePlayout(PacedPlayout):
         self.clears_at: list[float] = []
         self._stretch: int | None = None  # generation of the frames in the encoder / last sent
         self._in_encoder_end = 0  # end sample of the frames given to the encoder
+        self._stretch_start = 0  # first sample of the stretch being encoded
+        self._stretch_packets = 0  # packets of it sent
+        self._packet_samples = round(frame_ms * rate / 1000)  # a packet's audio, samples at ``rate``
         self._sent_end: dict[int, int] = {}
         self._first: dict[int, int] = {}
         self._frozen: dict[int, int] = {}
@@ -117,6 +120,8 @@ class DevicePlayout(PacedPlayout):
         gen = frame.generation
         if self._stretch is not None and self._stretch != gen:
             self._end_stretch(now)
+        if self._stretch is None:
+            self._stretch_start, self._stretch_packets = frame.sample, 0
         self._stretch = gen
         self._first.setdefault(gen, frame.sample)
         self._in_encoder_end = frame.sample + len(frame.pcm) // 2
@@ -148,7 +153,10 @@ class DevicePlayout(PacedPlayout):
             self.wire.send_audio(packet, generation)
             self.far_end_until = max(self.far_end_until, now) + self.packet_s
         self.sent_packets[generation] = self.sent_packets.get(generation, 0) + len(packets)
-        self._sent_end[generation] = self._in_encoder_end  # the encoder holds less than a packet now
+        self._stretch_packets += len(packets)
+        # what the packets sent so far carry (the last one of a stretch is padded past its frames)
+        sent = self._stretch_start + self._stretch_packets * self._packet_samples
+        self._sent_end[generation] = min(self._in_encoder_end, sent)
 
     def _forget(self) -> None:
         for books in (self._sent_end, self._first, self._frozen, self._audible_end):
@@ -193,6 +201,8 @@ class DevicePlayout(PacedPlayout):
         """Sound of ``generation`` is queued, in the encoder, or sent and not heard yet."""
         if super().audible_pending(generation):
             return True
+        if generation in self._frozen:
+            return False  # cleared: what was in flight is not coming
         if self._stretch == generation and self._audible_end.get(generation, 0) > self._sent_end.get(generation, 0):
             return True
         return self.played_samples(generation) < min(self._audible_end.get(generation, 0), self._sent_end.get(generation, 0))

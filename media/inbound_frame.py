@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from clock import Clock
 from media.bargein import BargeInDetector, DetectorEvent
@@ -68,31 +69,34 @@ async def analysed_frames(
 ) -> AsyncIterator[InboundFrame]:
     """A WebSocket transport's inbound audio, analysed: each ``(pcm, at)``
     taken from ``inbound`` (20 ms, 16 kHz, clock seconds it arrived) until
-    None; a stretch of ``stall_ms`` with nothing (the far end sends nothing:
-    a device's microphone is off while it speaks) is filled with silence,
-    one frame per 20 ms since the last, so the detector's and endpointing's
-    timers run on (0: wait for audio). Shared by the phone and device
-    transports; WebRTC's is :class:`media.inbound.InboundAudio`."""
+    None; a stretch of ``stall_ms`` of the (injected) clock with nothing (the
+    far end sends nothing: a device's microphone is off while it speaks)
+    yields that much silence (``filled``), so the detector's and
+    endpointing's timers run on (0: wait for audio). Shared by the phone and
+    device transports; WebRTC's is :class:`media.inbound.InboundAudio`."""
     silence = bytes(frame_bytes(VAD_RATE))
     stall_s = stall_ms / 1000
-    last = clock.monotonic()
-    while True:
-        item: tuple[bytes, float] | None
-        if stall_s > 0:
-            try:
-                async with asyncio.timeout(stall_s):
-                    item = await inbound.get()
-            except TimeoutError:
-                now = clock.monotonic()
-                n = max(1, int((now - last) * 1000 // FRAME_MS))
-                for i in range(n):
-                    yield analyse_frame(detector, silence, last + (i + 1) * FRAME_MS / 1000, filled=True)
-                last = now
-                continue
-        else:
-            item = await inbound.get()
-        if item is None:
-            return
-        pcm, at = item
-        last = at
-        yield analyse_frame(detector, pcm, at)
+    pending: asyncio.Future[tuple[bytes, float] | None] = asyncio.ensure_future(inbound.get())
+    try:
+        while True:
+            if stall_s > 0 and not pending.done():
+                sleeper: asyncio.Future[Any] = asyncio.ensure_future(clock.sleep(stall_s))
+                waiting: set[asyncio.Future[Any]] = {pending, sleeper}
+                try:
+                    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    sleeper.cancel()
+                if not pending.done():
+                    now = clock.monotonic()
+                    n = round(stall_s * 1000) // FRAME_MS
+                    for i in range(n):
+                        yield analyse_frame(detector, silence, now - (n - 1 - i) * FRAME_MS / 1000, filled=True)
+                    continue
+            item = await pending
+            if item is None:
+                return
+            pending = asyncio.ensure_future(inbound.get())
+            pcm, at = item
+            yield analyse_frame(detector, pcm, at)
+    finally:
+        pending.cancel()

@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+#: marks awaiting their echo, at most (a provider that never echoes them)
+MAX_PENDING = 1000
 #: generations whose books are kept (the recent ones; older are forgotten)
 KEEP_GENERATIONS = 64
 
@@ -88,6 +90,8 @@ class MarkTracker:
         self._serial += 1
         name = f"g{generation}.{self._serial}"
         self._pending[name] = _Mark(name, generation, sample, at)
+        if len(self._pending) > MAX_PENDING:  # a provider that never echoes: forget the oldest
+            self._pending.popitem(last=False)
         return name
 
     # -- what the provider said ------------------------------------------------------

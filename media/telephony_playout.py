@@ -26,6 +26,7 @@ Protocol framing is the caller's (:class:`Wire`); this module sends bytes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from clock import Clock
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 #: how long past the end of its audio a mark may take to be echoed before
 #: :meth:`TelephonyPlayout.wait_empty` stops waiting for it, s
 MARK_TIMEOUT_S = 2.0
+#: (generation, sample, started): a stretch of audio started / stopped leaving
+SegmentHook = Callable[[int, int, bool], None]
 #: mu-law code of silence (zero): pads the last message of a stretch to 160 bytes
 MULAW_SILENCE = b"\xff"
 
@@ -72,6 +75,9 @@ class TelephonyPlayout(PacedPlayout):
         send_ahead_ms: audio the provider may hold beyond what is due, ms
             (a multiple of 20, at least 20).
         mark_every_ms: a mark after this much audio at most, ms.
+        on_segment: told when a stretch of a generation's audio starts
+            leaving (generation, its first frame's sample, True) and stops
+            (generation, samples of it sent in all, False).
 
     Attributes:
         marks: the mark books (what the caller heard).
@@ -85,11 +91,12 @@ class TelephonyPlayout(PacedPlayout):
 
     def __init__(
         self, clock: Clock, passes: Passes, wire: Wire, *, send_ahead_ms: int = 60, mark_every_ms: int = 200,
-        rate: int = PLAYOUT_RATE,
+        rate: int = PLAYOUT_RATE, on_segment: SegmentHook | None = None,
     ) -> None:
         super().__init__(clock, passes, send_ahead_ms=send_ahead_ms, rate=rate)
         self.wire = wire
         self.mark_every_ms = mark_every_ms
+        self.on_segment = on_segment
         self.marks = MarkTracker(rate)
         self.clears_at: list[float] = []
         self.sent_frames: dict[int, int] = {}
@@ -116,6 +123,8 @@ class TelephonyPlayout(PacedPlayout):
         gen = frame.generation
         if self._stretch is not None and self._stretch != gen:
             self._end_stretch(now)
+        if self._stretch is None and self.on_segment is not None:
+            self.on_segment(gen, frame.sample, True)
         self._stretch = gen
         self._sent_since_clear = True
         self._mulaw += self._encoder.encode(frame.pcm)
@@ -143,6 +152,11 @@ class TelephonyPlayout(PacedPlayout):
         if self._since_mark_ms:
             self._mark(gen, now)
         self._stretch = None
+        self._segment_ended(gen)
+
+    def _segment_ended(self, gen: int) -> None:
+        if self.on_segment is not None:
+            self.on_segment(gen, self.sent_frames.get(gen, 0) * self._samples, False)
 
     def _mark(self, generation: int, now: float) -> None:
         self.wire.send_mark(self.marks.mark_sent(generation, now), generation)
@@ -170,6 +184,8 @@ class TelephonyPlayout(PacedPlayout):
         self._sent_since_clear = False
         self._mulaw = b""
         self._encoder.reset()
+        if self._stretch is not None:
+            self._segment_ended(self._stretch)
         self._stretch = None
         self._since_mark_ms = 0
         self.marks.cleared(now)

@@ -38,6 +38,7 @@ from turn.store import IdempotencyConflict, StopAnswer, UnknownSession, UnknownT
 from web.auth import Auth
 from web.errors import ApiError
 from web.state import AUTH, CLOCK, MANAGER, STREAMS, TEXT_TURNS
+from web.telephony.routes import OPENAPI_PATHS as TELEPHONY_PATHS
 
 log = logging.getLogger(__name__)
 
@@ -394,6 +395,7 @@ OPENAPI: dict[str, Any] = {
             "security": [],
             "responses": {"200": {"description": "JSON Schema (draft 2020-12) of one event, a union on 'type'",
                                   "content": {"application/schema+json": {"schema": {"type": "object"}}}}}}},
+        **TELEPHONY_PATHS,
     },
 }
 

@@ -113,14 +113,14 @@ class Settings(BaseSettings):
             the working directory) is the embedded default.
         max_offer_bytes: largest accepted request body, bytes (SDP offers are
             a few KiB).
-        max_sessions: concurrent WebRTC sessions; more get 503.
+        max_sessions: concurrent sessions (WebRTC peers and phone calls); more get 503.
         max_pending_sessions: sessions answered but not yet connected, at
             most (offers that never connect cannot fill ``max_sessions``).
         max_pending_per_client: of those, from one client address.
         connect_timeout_s: a peer that is not connected this many seconds
-            after its offer is closed.
-        media_timeout_s: a connected peer whose audio stops arriving for this
-            many seconds is closed (0 turns this off; clients that use Opus
+            after its offer is closed (a phone stream without ``start``, too).
+        media_timeout_s: a connected peer (or phone call) whose audio stops
+            arriving for this many seconds is closed (0 turns this off; clients that use Opus
             DTX, sending nothing in silence, need 0 or a long timeout).
         jitter_prefetch_packets: inbound jitter buffer prefetch, 20 ms packets
             (see ``media.inbound.set_jitter_prefetch`` for the trade-off).

@@ -358,3 +358,13 @@ def test_push_to_talk_held_too_long_is_let_go() -> None:
         (2010, PttTooLong(1000)), (2010, ResetDetector()), (2010, EndOfUtterance(2.01)),
     ])
     assert not tt.ptt_active and not tt.listening
+
+
+def test_a_telephone_key_commits_like_push_to_talk_with_its_own_initiator() -> None:
+    tt = machine()
+    got = tt.ptt_start(2.0, initiator="dtmf")
+    assert got[1:] == [Pause(1), Commit(2.0, "dtmf", 2.0, 0, audio=False)]  # no audio: the keys are the input
+    assert tt.ptt_active and tt.listening_ptt
+    # speech meanwhile does not end it; the terminator (ptt_end) does, at once
+    assert play(tt, [(2100, "started"), (2300, "confirmed"), (3000, "stopped"), *frames(3010, 5000, gated=False)]) == []
+    assert tt.ptt_end(5.0)[-1] == EndOfUtterance(5.0)

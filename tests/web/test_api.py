@@ -328,7 +328,8 @@ async def test_openapi_describes_the_api(api: Api) -> None:
     status, doc = await api.call("GET", "/v1/openapi.json")
     assert status == 200 and doc["openapi"].startswith("3.1")
     assert {"/v1/turns", "/v1/turns/{turn_id}", "/v1/turns/{turn_id}/stop", "/v1/sessions/{session_id}/events",
-            "/v1/events.schema.json"} <= set(doc["paths"])
+            "/v1/events.schema.json", "/v1/telephony/twilio/voice", "/v1/telephony/twilio",
+            "/v1/telephony/telnyx"} <= set(doc["paths"])
     assert "Turn" in doc["components"]["schemas"] and "StopReason" in doc["components"]["schemas"]
     stop = doc["paths"]["/v1/turns/{turn_id}/stop"]["post"]["responses"]
     assert {"202", "200", "409", "422", "413"} <= set(stop)

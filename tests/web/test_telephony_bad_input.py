@@ -206,3 +206,40 @@ async def test_a_forged_tenant_is_refused(server: tuple[web.Application, str]) -
         assert await provider.closed() == 1008
         await wait_until(lambda: not calls(app), 10, "nothing is left of it")
         await provider.aclose()
+
+
+async def test_a_server_shutdown_ends_the_call_and_settles_its_turn(tmp_path: Path) -> None:
+    app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db", session={"dtmf": {"timeout_ms": 60_000}}))
+    runner, url = await start_app(app)
+    async with aiohttp.ClientSession() as http:
+        provider, call = await open_call(app, http, url.replace("http://", "ws://") + "/v1/telephony/twilio")
+        await provider.dtmf("1")
+        await wait_until(lambda: bool(call.agent and call.agent.ptt_active), 5, "keys open a turn")
+        store = app[STORE]
+        await asyncio.wait_for(runner.shutdown(), 15)  # on_shutdown: every session ends, worker_shutdown
+        [turn] = await store.list_session(call.id)
+        assert turn.status is TurnStatus.CANCELLED
+        assert turn.stop_reason is not None and turn.stop_reason.kind is StopReasonKind.WORKER_SHUTDOWN
+        assert await provider.closed() == 1000
+        await runner.cleanup()
+        await provider.aclose()
+
+
+async def test_a_stream_that_never_starts_or_goes_silent_is_closed(tmp_path: Path) -> None:
+    app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db", connect_timeout_s=0.5, media_timeout_s=1.0))
+    runner, url = await start_app(app)
+    ws_url = url.replace("http://", "ws://") + "/v1/telephony/twilio"
+    try:
+        async with aiohttp.ClientSession() as http:
+            mute = FakeProvider(await http.ws_connect(ws_url))
+            mute._reader = asyncio.ensure_future(mute._read())  # listens, never starts
+            assert await mute.closed() == 1008
+            provider, call = await open_call(app, http, ws_url)
+            for task in provider._tasks[1:]:
+                task.cancel()  # the line goes quiet
+            assert await provider.closed() == 1000
+            await wait_until(lambda: not calls(app), 10, "both are freed")
+            await mute.aclose()
+            await provider.aclose()
+    finally:
+        await runner.cleanup()

@@ -98,6 +98,11 @@ async def test_a_call_is_answered_over_the_phone(server: Server, phone: FakeProv
     assert marks and set(phone.echoed) >= {m.msg["mark"]["name"] for m in marks}
     assert call.transport.output.marks.pending() == 0 and call.transport.output.marks.unknown_echoes == 0
     assert not phone.of("clear")  # no barge-in, no clear
+    events = await server.events(call.id)
+    segments = [(e["type"], e["generation"]) for e in events if e["type"] in ("audio.start", "audio.end")]
+    assert segments[0] == ("audio.start", turn.generation) and segments[-1] == ("audio.end", turn.generation)
+    [end] = [e for e in events if e["type"] == "audio.end"][-1:]
+    assert end["turn_id"] == turn.id and end["samples_sent"] > 48_000
     session = await server.app[MANAGER].store.get_session(call.id)
     assert session.tenant_id == "default"
 
@@ -139,6 +144,11 @@ async def test_a_barge_in_clears_the_far_end_and_history_keeps_what_was_heard(
     played_ms = len([p for p in phone.played if p.before_clear == 0 and p.at >= 0]) * 20
     heard_ms = interrupted["played_ms"]
     assert abs(heard_ms - played_ms) < 400, (heard_ms, played_ms)  # a sanity bound
+    old_sound = [p.at for p in phone.audible() if p.before_clear == 0]
+    stop_ms = (max(old_sound) - phone.speech_started_at[-1]) * 1000
+    print(f"phone barge-in: audible stop at the far end {stop_ms:.0f} ms after the speech's first message; "
+          f"heard {heard_ms} ms of the reply by the marks, {played_ms} ms played at the far end")
+    assert stop_ms < 1000  # a sanity bound: stage 1 pauses sending at speech_started
     history = await call.agent.history()  # type: ignore[union-attr]
     assistant = [m for m in history if m.role == "assistant"]
     assert assistant and assistant[0].content == old.reply and assistant[0].interrupted

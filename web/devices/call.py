@@ -178,6 +178,9 @@ class DeviceCall:
         try:
             msg = parse_device_message(data)
         except DeviceMessageError as exc:
+            if self.transport is None and str(exc).startswith("bad 'hello'"):  # a hello we cannot serve
+                raise DeviceError("bad_hello", str(exc), fatal=True, close_code=int(WSCloseCode.UNSUPPORTED_DATA),
+                                  tell=True) from None
             raise DeviceError("bad_message", str(exc), tell=True) from None
         if isinstance(msg, Hello):
             self._hello(msg)

@@ -254,9 +254,11 @@ class DeviceTransport:
             self.send_json(stt(self.session_id, str(event["text"])), "stt", gen)
         elif kind == "agent.delta" and isinstance(gen, int):
             self._sentence(gen, str(event.get("text", "")))
-        elif (kind == "agent.done" or (kind == "turn" and event.get("status") in TERMINAL)) and gen == self.speaking:
-            self.stop_speaking()
-            self._sentences.pop(gen, None)
+        elif kind == "agent.done" or (kind == "turn" and event.get("status") in TERMINAL):
+            if gen is not None and gen == self.speaking:
+                self.stop_speaking()
+            if isinstance(gen, int):
+                self._sentences.pop(gen, None)
         elif kind == "error":
             self.send_json(alert(self.session_id, str(event.get("message", ""))[:200]), "alert", gen)
 

@@ -13,8 +13,10 @@ that is not JSON, an unknown event, bad base64, a payload that is not 160
 bytes, a message for another stream, media before ``start``: logged and
 dropped, the call goes on. A ``start`` we cannot serve (another format, a
 forged tenant), more than ``max_messages_per_s`` messages in a second, a
-frame over ``max_message_bytes``, too many bad messages: logged, the socket
-closed (1008 policy violation / 1009 too big), the call's turns settled.
+frame over ``max_message_bytes``, too many bad messages, no ``start`` within
+``connect_timeout_s``: logged, the socket closed (1008 policy violation /
+1009 too big), the call's turns settled; a stream silent for
+``media_timeout_s`` is closed too (a provider sends silence as audio).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Callable
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from clock import Clock
+from turn.event_catalogue import AudioEnd, AudioStart
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import StopReasonKind, TurnKind
@@ -42,6 +45,8 @@ log = logging.getLogger(__name__)
 
 #: bad messages a call may send before its socket is closed
 MAX_BAD_MESSAGES = 100
+#: how often the watchdog looks at the stream, s
+WATCH_INTERVAL_S = 0.25
 #: how long a closing call waits for its agent to settle its turns, s
 SETTLE_WAIT_S = 10.0
 
@@ -87,7 +92,7 @@ class PhoneCall:
         self.transport = PhoneTransport(
             clock, self.fence.passes, dialect, ws.send_str, vad=settings.vad, bargein=settings.bargein,
             send_ahead_ms=t.send_ahead_ms, mark_every_ms=t.mark_every_ms, stall_ms=settings.inbound_stall_ms,
-            name=self.id,
+            name=self.id, on_segment=self._on_segment,
         )
         self.log = manager.events.log(self.id, gate=self.fence)
         self.agent: AgentSession | None = None
@@ -96,6 +101,8 @@ class PhoneCall:
         self.close_code: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._writer: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._last_message_at = clock.monotonic()
         self._closing: asyncio.Task[None] | None = None
         self._window_start = 0.0
         self._window_count = 0
@@ -106,7 +113,9 @@ class PhoneCall:
     async def run(self) -> None:
         """Read the socket until it closes or the call ends, then free the
         call (its turns settled). The WebSocket handler awaits this."""
-        self._writer = asyncio.get_running_loop().create_task(self.transport.write(), name=f"call-writer-{self.id}")
+        loop = asyncio.get_running_loop()
+        self._writer = loop.create_task(self.transport.write(), name=f"call-writer-{self.id}")
+        self._watchdog = loop.create_task(self._watch(), name=f"call-watch-{self.id}")
         try:
             async for msg in self.ws:
                 if msg.type is WSMsgType.TEXT:
@@ -121,10 +130,29 @@ class PhoneCall:
         finally:
             await asyncio.shield(self.close(StopReasonKind.TRANSPORT_DISCONNECTED))
 
+    async def _watch(self) -> None:
+        """Close a stream that sends no ``start`` within ``connect_timeout_s``,
+        or nothing at all for ``media_timeout_s`` once started (a provider
+        sends the caller's line every 20 ms, silence included)."""
+        s = self.settings
+        opened = self.clock.monotonic()
+        while True:
+            await self.clock.sleep(WATCH_INTERVAL_S)
+            now = self.clock.monotonic()
+            if self.transport.stream_id is None:
+                if now - opened > s.connect_timeout_s:
+                    self._bad(ProtocolError("no_start", f"no start within {s.connect_timeout_s:g} s", fatal=True))
+                    return
+            elif s.media_timeout_s > 0 and now - self._last_message_at > s.media_timeout_s:
+                log.info("call %s: nothing received for %.1f s, closing", self.id, s.media_timeout_s)
+                self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
+                return
+
     def _on_text(self, data: str) -> None:
         """One text message: rate-checked, parsed, handed on. Nothing here
         raises into the reader."""
         now = self.clock.monotonic()
+        self._last_message_at = now
         if now - self._window_start >= 1.0:
             self._window_start, self._window_count = now, 0
         self._window_count += 1
@@ -195,6 +223,15 @@ class PhoneCall:
             self.close_code = int(WSCloseCode.POLICY_VIOLATION)
             self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
 
+    def _on_segment(self, generation: int, sample: int, started: bool) -> None:
+        """A stretch of a turn's audio started or stopped leaving on the
+        socket: ``audio.start`` / ``audio.end``, as a WebRTC session logs them."""
+        turn_id = self.agent.turn_id_of(generation) if self.agent is not None else None
+        if started:
+            self.log.emit_event(AudioStart(generation=generation, turn_id=turn_id, sample=sample))
+        else:
+            self.log.emit_event(AudioEnd(generation=generation, turn_id=turn_id, samples_sent=sample))
+
     # -- the agent ------------------------------------------------------------------------
 
     async def _run_agent(self) -> None:
@@ -228,6 +265,8 @@ class PhoneCall:
                     self._task.cancel()
                     await asyncio.wait({self._task})
             await self.manager.events.close(self.id)
+            if self._watchdog is not None and self._watchdog is not asyncio.current_task():
+                self._watchdog.cancel()
             if self._writer is not None:
                 self._writer.cancel()
                 await asyncio.wait({self._writer})

@@ -15,6 +15,7 @@ refused with 403 (``bad_signature``). A call counts against
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from aiohttp import web
 
@@ -42,6 +43,30 @@ TELNYX_STREAM_PATH = "/v1/telephony/telnyx"
 
 #: response header of the stream's upgrade naming the call's session
 SESSION_HEADER = "X-Turnkeeper-Session"
+
+#: the routes in the OpenAPI document (web.api.OPENAPI)
+OPENAPI_PATHS: dict[str, Any] = {
+    TWILIO_VOICE_PATH: {"post": {
+        "summary": "Twilio's voice webhook: TwiML connecting the call to the media stream",
+        "security": [],
+        "parameters": [{"name": "X-Twilio-Signature", "in": "header", "schema": {"type": "string"},
+                        "description": "required when telephony.twilio_auth_token is set"}],
+        "requestBody": {"required": True, "content": {"application/x-www-form-urlencoded": {
+            "schema": {"type": "object", "required": ["CallSid"], "properties": {
+                "CallSid": {"type": "string"}, "To": {"type": "string"}, "From": {"type": "string"}}}}}},
+        "responses": {
+            "200": {"description": "TwiML: <Response><Connect><Stream url=...> with the signed tenant",
+                    "content": {"text/xml": {"schema": {"type": "string"}}}},
+            "400": {"description": "no CallSid"}, "403": {"description": "bad or missing X-Twilio-Signature"}}}},
+    TWILIO_STREAM_PATH: {"get": {
+        "summary": "WebSocket: Twilio Media Streams (bidirectional)", "security": [],
+        "responses": {"101": {"description": "switching protocols"}, "403": {"description": "bad or missing X-Twilio-Signature"},
+                      "503": {"description": "too many sessions"}}}},
+    TELNYX_STREAM_PATH: {"get": {
+        "summary": "WebSocket: Telnyx media streaming (bidirectional RTP, PCMU)", "security": [],
+        "responses": {"101": {"description": "switching protocols"}, "503": {"description": "too many sessions"}}}},
+}
+
 
 def add_routes(app: web.Application) -> None:
     """Add the telephony routes to ``app``."""

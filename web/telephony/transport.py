@@ -38,7 +38,7 @@ from media.inbound_frame import InboundFrame, analysed_frames
 from media.outbound import Passes
 from media.playout import PlayoutBuffer
 from media.reorder import ReorderBuffer
-from media.telephony_playout import TelephonyPlayout
+from media.telephony_playout import SegmentHook, TelephonyPlayout
 from media.vad import VadConfig
 from turn.models import StopReasonKind
 from voice.transport import CloseNotice, Control, ControlInbox, ControlKind
@@ -84,6 +84,7 @@ class PhoneTransport:
         stall_ms: a stretch this long with no inbound audio is filled with
             silence (0: never).
         name: the session's id, for logs.
+        on_segment: see :class:`media.telephony_playout.TelephonyPlayout`.
 
     Attributes:
         output: the output sink.
@@ -98,13 +99,15 @@ class PhoneTransport:
     def __init__(
         self, clock: Clock, passes: Passes, dialect: Dialect, send: Callable[[str], Awaitable[None]], *,
         vad: VadConfig | None = None, bargein: BargeInConfig | None = None, send_ahead_ms: int = 60,
-        mark_every_ms: int = 200, stall_ms: int = 240, name: str = "?",
+        mark_every_ms: int = 200, stall_ms: int = 240, name: str = "?", on_segment: SegmentHook | None = None,
     ) -> None:
         self.clock = clock
         self.dialect = dialect
         self.name = name
         self._send = send
-        self.output = TelephonyPlayout(clock, passes, self, send_ahead_ms=send_ahead_ms, mark_every_ms=mark_every_ms)
+        self.output = TelephonyPlayout(
+            clock, passes, self, send_ahead_ms=send_ahead_ms, mark_every_ms=mark_every_ms, on_segment=on_segment
+        )
         self.detector = BargeInDetector(vad, bargein)
         self.stream_id: str | None = None
         self.wire: deque[WireRecord] = deque(maxlen=20_000)
@@ -205,8 +208,10 @@ class PhoneTransport:
     # -- the seam --------------------------------------------------------------------
 
     async def frames(self) -> AsyncIterator[InboundFrame]:
-        """The caller's analysed frames until the call ends; silence is put
-        in for a stall of ``stall_ms``. The output is paced meanwhile."""
+        """The caller's analysed frames until the call ends; a stretch of
+        ``stall_ms`` of the clock with no audio yields that much silence
+        (``filled``), so the detector's and endpointer's timers run on. The
+        output is paced meanwhile."""
         pacer = asyncio.ensure_future(self.output.run())
         try:
             async for frame in analysed_frames(self.detector, self._inbound, self.clock, self.stall_ms):
