@@ -44,7 +44,18 @@ words the ear played of the interrupted reply against the heard text the
 server kept from the marks (bench/phone_figures.py). No speakerphone calls
 on the phone path (the simulator has no echo path).
 
-Usage: python bench/bargein.py [--json] [--seed S] [--per-call K] [--quick] [--transport webrtc|twilio|telnyx]
+Over the device path (``--transport device``) the same corpus is played by
+the simulated xiaozhi-esp32 device (client/device_call.py) in realtime mode
+(the microphone open while the agent speaks, barge-in by voice; 16 kHz Opus
+in 60 ms packets up, Opus at the announced rate down) and the figures are
+taken at the device's speaker: audible stop from the packet carrying the
+first sample of speech leaving to the end of the last old-generation sound
+the speaker played. Besides: ``tts stop`` after the speech, old audio sent
+after it, and the words the speaker played of the interrupted reply against
+the heard text the server kept (sent minus the send-ahead in flight). No
+speakerphone calls on the device path either.
+
+Usage: python bench/bargein.py [--json] [--seed S] [--per-call K] [--quick] [--transport webrtc|twilio|telnyx|device]
 """
 
 from __future__ import annotations
@@ -69,6 +80,8 @@ import phone_figures as P  # noqa: E402  (the phone path's own figures)
 from local_server import server  # noqa: E402  (its own process, the tests' grammar)
 
 from client.call import CallClient  # noqa: E402
+from client.command import issue_device_token  # noqa: E402
+from client.device_call import DeviceCallClient  # noqa: E402
 from client.phone_call import PhoneCallClient  # noqa: E402
 from client.results import BargeInMeasure, CallResult, Utterance  # noqa: E402
 from media.frames import PLAYOUT_RATE, VAD_RATE  # noqa: E402
@@ -79,11 +92,20 @@ WEATHER = "what is the weather like today"
 BENCH_TOKEN = "bench-events"  # the bench server's API token for the default tenant (phone calls' events)
 
 
-def make_client(url: str, transport: str, **kw: object) -> CallClient | PhoneCallClient:
-    """The headless client of ``transport``: WebRTC, or the phone simulator."""
+def make_client(url: str, transport: str, device_token: str | None = None,
+                **kw: object) -> CallClient | PhoneCallClient | DeviceCallClient:
+    """The headless client of ``transport``: WebRTC, the phone simulator, or
+    the device simulator in realtime mode."""
     if transport == "webrtc":
         return CallClient(url, **kw)  # type: ignore[arg-type]
+    if transport == "device":
+        return DeviceCallClient(device_url(url), mode="realtime", device_token=device_token, token=BENCH_TOKEN)
     return PhoneCallClient(url, transport, token=BENCH_TOKEN)
+
+
+def device_url(url: str) -> str:
+    """The device WebSocket of the server at ``url`` (http://h:p)."""
+    return "ws" + url[len("http"):] + "/v1/devices/ws"
 
 
 def up(pcm16: bytes) -> bytes:
@@ -137,12 +159,13 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     measures: list[BargeInMeasure] = []
     echo_calls: list[CallResult] = []
     echo_gap_ms: list[float] = []
-    phone = args.transport != "webrtc"
+    phone = args.transport != "webrtc"  # a simulated far end (phone or device), read through the events
     heard_checks: list[dict[str, object]] = []
     env = {"TURNKEEPER_API_TOKENS": f"default:{BENCH_TOKEN}"} if phone else None
     async with server("tk-bench-", env) as (url, _proc):
+        device_token = await issue_device_token(url, BENCH_TOKEN) if args.transport == "device" else None
         # The story heard with no clip: what the inserted gaps are measured against.
-        ref_call = await make_client(url, args.transport).run(
+        ref_call = await make_client(url, args.transport, device_token).run(
             Utterance(up(story), label="story"), [Utterance(bytes(9600), at_s=REFERENCE_S, label="reference", kind="none")],
             timeout_s=REFERENCE_S + 20, settle_s=0.2, hangup_after_s=0.3,
         )
@@ -155,7 +178,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             script = [*chunk, last]
             for u in script:
                 u.at_s = round(rng.uniform(args.min_at, args.max_at), 2)
-            result = await make_client(url, args.transport).run(
+            result = await make_client(url, args.transport, device_token).run(
                 Utterance(up(story), label="story"), script, timeout_s=60 + 15 * len(script), settle_s=0.3,
                 revive=Utterance(up(story), label="story again"),  # the recogniser misheard: ask again
             )
@@ -244,6 +267,14 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             for m in speech
         ],
         "transport": args.transport,
+        **({"device": {
+            "tts_stop_ms": stats([m.tts_stop_ms for m in speech if m.barged_in and m.tts_stop_ms is not None]),
+            "received_stop_ms": stats([m.received_stop_ms for m in speech if m.barged_in and m.received_stop_ms is not None]),
+            "old_audio_after_tts_stop_ms": sum(m.old_audio_after_tts_stop_ms or 0.0 for m in speech),
+            "heard_within_one_word": sum(1 for h in heard_checks if h["word_diff"] <= 1),  # type: ignore[operator]
+            "heard_checked": len(heard_checks),
+            "heard_detail": heard_checks,
+        }} if args.transport == "device" else {}),
         **({"phone": {
             **P.clear_figures([m for m in speech if m.barged_in]),
             "heard_within_one_word": sum(1 for h in heard_checks if h["word_diff"] <= 1),  # type: ignore[operator]
@@ -251,7 +282,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             # the re-synthesis gave the server's own heard text back from its played_ms (else it is off by its own error)
             "resynthesis_matches": sum(1 for h in heard_checks if h["resynthesis_matches"]),
             "heard_detail": heard_checks,
-        }} if phone else {}),
+        }} if phone and args.transport != "device" else {}),
         "failures": [
             m.as_dict() for m in measures if m.barged_in != (m.kind == "speech") and (m.kind != "speech" or m.speaking_at_onset)
         ],
@@ -267,8 +298,9 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="a small subset of the corpus")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print one JSON object of the figures")
-    p.add_argument("--transport", choices=["webrtc", "twilio", "telnyx"], default="webrtc",
-                   help="WebRTC (default), or a phone call through the simulated Twilio or Telnyx media stream")
+    p.add_argument("--transport", choices=["webrtc", "twilio", "telnyx", "device"], default="webrtc",
+                   help="WebRTC (default), a phone call through the simulated Twilio or Telnyx media stream, "
+                        "or the simulated xiaozhi-esp32 device in realtime mode")
     args = p.parse_args()
     out = asyncio.run(run(args))
     if args.json:
@@ -278,7 +310,8 @@ def main() -> int:
           f"(agent already silent at onset: {out['agent_silent_at_onset']})")
     print(f"{'figure':<34}{'n':>4}{'min':>9}{'p50':>9}{'p95':>9}{'max':>9}")
     for name, key in (
-        ("audible stop at client (ms)" if out["transport"] == "webrtc" else "audible stop at the ear (ms)", "audible_stop_ms"),
+        ({"webrtc": "audible stop at client (ms)", "device": "audible stop at the device (ms)"}.get(
+            str(out["transport"]), "audible stop at the ear (ms)"), "audible_stop_ms"),
         ("  stopped at the first pause (ms)", "audible_stop_first_pause_ms"),
         ("commit time on server (ms)", "commit_ms"),
     ):
@@ -304,6 +337,15 @@ def main() -> int:
         print(f"heard text within one word of what the ear played: {ph['heard_within_one_word']}/{ph['heard_checked']} "
               f"(re-synthesis reproduced the server's text in {ph['resynthesis_matches']})")
         for h in ph["heard_detail"]:
+            if h["word_diff"] > 1:
+                print(f"  heard differs: {h}")
+    if "device" in out:
+        dv = out["device"]
+        assert isinstance(dv, dict)
+        print(f"tts stop after the speech (ms): {dv['tts_stop_ms']}; last old packet (ms): {dv['received_stop_ms']}; "
+              f"old audio sent after tts stop: {dv['old_audio_after_tts_stop_ms']:.0f} ms")
+        print(f"heard text within one word of what the device played: {dv['heard_within_one_word']}/{dv['heard_checked']}")
+        for h in dv["heard_detail"]:
             if h["word_diff"] > 1:
                 print(f"  heard differs: {h}")
     for f in out["failures"]:  # type: ignore[union-attr]

@@ -10,11 +10,13 @@ import secrets
 import tempfile
 from pathlib import Path
 
+import aiohttp
 from aiohttp import web
 
 from client.call import CallClient
+from client.device_call import DeviceCallClient
 from client.phone_call import PhoneCallClient
-from client.results import CallResult, Utterance
+from client.results import BargeInMeasure, CallError, CallResult, Utterance
 from media.frames import PLAYOUT_RATE, load_pcm
 from web.app import create_app
 from web.settings import Settings
@@ -56,15 +58,19 @@ async def run_call(args: argparse.Namespace, settings: Settings) -> int:
         barge_ins.append(Utterance(pcm=b"", at_s=args.at, label=f"keys {keys}", keys=keys))
     elif args.barge_in:
         barge_ins.append(Utterance(pcm=load_pcm(args.barge_in, PLAYOUT_RATE), at_s=args.at, label=Path(args.barge_in).name))
+    device = getattr(args, "device", None)
+    if getattr(args, "abort_at", None) is not None:
+        barge_ins.append(Utterance(pcm=b"", at_s=args.abort_at, label="abort", abort=True))
     runner: web.AppRunner | None = None
     tmp = tempfile.TemporaryDirectory(prefix="turnkeeper-call-")
     phone = getattr(args, "phone", None)
     token = getattr(args, "token", None) or os.environ.get("TURNKEEPER_TOKEN")
+    device_token = getattr(args, "device_token", None) or os.environ.get("TURNKEEPER_DEVICE_TOKEN")
     try:
         if args.local:
             store = args.store or f"sqlite:///{tmp.name}/turnkeeper.db"
             update: dict[str, object] = {"store": store}
-            if phone:  # a token of the call's tenant, so the caller can read the timeline
+            if phone or device is not None:  # a token of the call's tenant, so the caller can read the timeline
                 token = secrets.token_urlsafe(16)
                 tokens = ",".join(p for p in (settings.api_tokens, f"default:{token}") if p)
                 update["api_tokens"] = tokens
@@ -74,9 +80,21 @@ async def run_call(args: argparse.Namespace, settings: Settings) -> int:
             await site.start()
             port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
             url = f"http://127.0.0.1:{port}"
+            if device is not None:
+                assert token is not None
+                device_token = await issue_device_token(url, token)
+                device = f"ws://127.0.0.1:{port}/v1/devices/ws"
         else:
             url = args.server
-        client: CallClient | PhoneCallClient = PhoneCallClient(url, phone, token=token) if phone else CallClient(url)
+        client: CallClient | PhoneCallClient | DeviceCallClient
+        if device:
+            mode = "realtime" if getattr(args, "realtime", False) else "manual"
+            client = DeviceCallClient(device, mode=mode, device_token=device_token, token=token,
+                                      version=getattr(args, "protocol_version", 1))
+        elif phone:
+            client = PhoneCallClient(url, phone, token=token)
+        else:
+            client = CallClient(url)
         result = await client.run(opening, barge_ins, out_wav=out, timeout_s=args.timeout)
     finally:
         if runner is not None:
@@ -90,6 +108,25 @@ async def run_call(args: argparse.Namespace, settings: Settings) -> int:
     return 0 if result.ok and not failed else 1
 
 
+async def issue_device_token(base_url: str, tenant_token: str) -> str:
+    """A device token from ``POST /v1/devices`` (a tenant's bearer token).
+
+    Raises:
+        CallError: the server refused or answered without a token.
+    """
+    async with aiohttp.ClientSession() as http:
+        try:
+            async with http.post(f"{base_url}/v1/devices", json={"name": "turnkeeper call"},
+                                 headers={"Authorization": f"Bearer {tenant_token}"}) as resp:
+                body = await resp.json(content_type=None) if resp.status < 300 else await resp.text()
+                status = resp.status
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            raise CallError(f"cannot issue a device token at {base_url}/v1/devices: {exc or type(exc).__name__}") from exc
+    if status >= 300 or not isinstance(body, dict) or not isinstance(body.get("token"), str):
+        raise CallError(f"POST /v1/devices answered HTTP {status}: {str(body)[:200]!r}")
+    return str(body["token"])
+
+
 def format_timeline(result: CallResult, out: str | None = None) -> str:
     """The human-readable timeline of a call."""
     lines = [f"session {result.session_id}"]
@@ -100,9 +137,14 @@ def format_timeline(result: CallResult, out: str | None = None) -> str:
         lines.append(f"    user:  {t.transcript!r}")
         reply = t.reply if len(t.reply) <= 160 else t.reply[:157] + "..."
         lines.append(f"    agent: {reply!r}")
-        lines.append(f"    states: {' -> '.join(t.states)}")
-    phone = result.transport != "webrtc"
+        if t.states:
+            lines.append(f"    states: {' -> '.join(t.states)}")
+    phone = result.transport in ("twilio", "telnyx")
+    device = result.transport == "device"
     for b in result.barge_ins:
+        if device:
+            lines += _device_lines(b)
+            continue
         stop = "n/a" if b.stop_ms is None else f"{b.stop_ms:.0f} ms"
         fence = "n/a" if b.server_onset_to_fence_ms is None else f"{b.server_onset_to_fence_ms:.0f} ms"
         speaking = "" if b.speaking_at_onset else " (agent was already silent at onset)"
@@ -119,8 +161,14 @@ def format_timeline(result: CallResult, out: str | None = None) -> str:
                 lines.append(f"    heard (history keeps): {b.server_heard!r}")
     if out:
         lines.append(f"  heard audio: {out} ({result.received_audio_ms / 1000:.1f} s)")
-    if phone:
-        lines.insert(0, f"phone call ({result.transport} media stream)")
+    if phone or device:
+        if phone:
+            lines.insert(0, f"phone call ({result.transport} media stream)")
+        else:
+            d = result.transport_info
+            mode = "push-to-talk" if d.get("mode") == "manual" else f"{d.get('mode')} mode"
+            lines.insert(0, f"device call (xiaozhi-esp32 protocol v{d.get('protocol_version')}, {mode}, "
+                            f"downlink Opus {d.get('downlink_rate')} Hz, {d.get('downlink_frame_ms')} ms packets)")
         for e in result.protocol_errors:
             lines.append(f"  PROTOCOL ERROR from the server: {e}")
     if result.timed_out:
@@ -128,3 +176,25 @@ def format_timeline(result: CallResult, out: str | None = None) -> str:
     if result.server_hung_up:
         lines.append("  the server ended the call before the last turn ended")
     return "\n".join(lines)
+
+
+def _ms(v: float | None, signed: bool = False) -> str:
+    return "n/a" if v is None else (f"{v:+.0f} ms" if signed else f"{v:.0f} ms")
+
+
+def _device_lines(b: BargeInMeasure) -> list[str]:
+    """A device call's interruption: stop times measured at the device."""
+    what = {"abort": "abort pressed", "ptt": "push-to-talk pressed", "voice": "voice barge-in"}.get(b.initiator or "", "barge-in")
+    speaking = "" if b.speaking_at_onset else " (the agent was already silent)"
+    label = f" {b.label}" if b.label and b.initiator != "abort" else ""
+    out = [f"  {what}{label} at +{b.at_s:.2f} s: silent at the device after {_ms(b.stop_ms)}{speaking}; "
+           f"tts stop after {_ms(b.tts_stop_ms)}; last old audio received after {_ms(b.received_stop_ms)}"]
+    extra = [f"old audio after tts stop {_ms(b.old_audio_after_tts_stop_ms)}"]
+    if b.server_onset_to_fence_ms is not None:
+        extra.append(f"server onset->fence {_ms(b.server_onset_to_fence_ms)}")
+    counted = "" if b.server_played_ms is None else f", the server counted {b.server_played_ms} ms"
+    extra.append(f"the device played {_ms(b.played_ms_at_ear)} of the reply{counted}")
+    out.append("    " + "; ".join(extra))
+    if b.server_heard is not None:
+        out.append(f"    heard (history keeps): {b.server_heard!r}")
+    return out

@@ -26,32 +26,28 @@ import asyncio
 import base64
 import hashlib
 import hmac
-import json
 import logging
 import time
 import uuid
 import xml.etree.ElementTree as ET  # Python's expat refuses entity-expansion bombs
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
-from client.phone import SILENCE_DBFS, HeardFrame, PhoneSimulator
+from client.phone import SILENCE_DBFS, PhoneSimulator
 from client.phone_dialects import Dialect, TelnyxDialect, TwilioDialect
-from client.results import BargeInMeasure, CallError, CallResult, TurnView, Utterance, track_turn
+from client.results import BargeInMeasure, CallError, CallResult, Utterance
+from client.session_events import SessionEvents, quiet, silent_run_end
 from media.frames import PLAYOUT_RATE, PcmResampler, first_sound_sample
 from media.g711 import MULAW_RATE
 
 log = logging.getLogger(__name__)
 
-SILENT_RUN_MS = 500  # without a clear: agent counts as stopped once silent this long
 LEAD_SILENCE_S = 0.3  # line silence before the opening utterance
-NO_SPEECH_S = 5.0
 VERDICT_WAIT_S = 1.5
 REVIVE_AFTER_S = 5.0
 KEY_GAP_S = 0.1  # between two telephone keys
 SESSION_HEADER = "X-Turnkeeper-Session"
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "RECONCILE_REQUIRED"}
 
 
 def twilio_signature(auth_token: str, url: str, params: dict[str, str]) -> str:
@@ -69,7 +65,7 @@ def to_8k(pcm48: bytes) -> bytes:
     return r.pcm(pcm48, PLAYOUT_RATE) + r.flush()
 
 
-class PhoneCallClient:
+class PhoneCallClient(SessionEvents):
     """One phone call against ``base_url`` (``http://127.0.0.1:8080``).
 
     Args:
@@ -101,11 +97,7 @@ class PhoneCallClient:
         self.reorder, self.seed, self.to_number = reorder, seed, to_number
         self.session_id = ""
         self.sim: PhoneSimulator | None = None
-        self._turns: dict[str, TurnView] = {}
-        self._events: list[dict[str, Any]] = []
-        self._event_times: list[tuple[float, dict[str, Any]]] = []
-        self._event_cond = asyncio.Condition()
-        self._wall_offset = time.time() - time.monotonic()  # server "at" (Unix s) -> our clock
+        self._init_events()
         self._onsets: dict[int, float] = {}  # utterance -> onset, s into it
         self._keys_at: dict[int, float] = {}  # utterance of keys -> when the first was sent
         self._revive: Utterance | None = None
@@ -214,41 +206,6 @@ class PhoneCallClient:
             protocol_errors=list(sim.log.errors),
         )
 
-    async def _follow(self, http: aiohttp.ClientSession) -> None:
-        """Read the session's event log (SSE) into turns and timed events;
-        retries while the session is not there yet."""
-        url = f"{self.base_url}/v1/sessions/{self.session_id}/events"
-        headers = {"Authorization": f"Bearer {self.token}"}
-        after = 0
-        while True:
-            try:
-                async with http.get(url, headers=headers, params={"after_seq": str(after)} if after else None,
-                                    timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as resp:
-                    if resp.status == 404:
-                        await asyncio.sleep(0.05)
-                        continue
-                    if resp.status != 200:
-                        log.warning("events of %s: HTTP %s", self.session_id, resp.status)
-                        return
-                    async for raw in resp.content:
-                        line = raw.decode().strip()
-                        if line.startswith("data:"):
-                            ev = json.loads(line[5:])
-                            if isinstance(ev.get("seq"), int):
-                                after = ev["seq"]
-                                await self._on_event(ev)
-            except (aiohttp.ClientError, OSError) as exc:
-                log.info("events of %s: %s; following again", self.session_id, exc)
-                await asyncio.sleep(0.1)
-
-    async def _on_event(self, ev: dict[str, Any]) -> None:
-        at = ev["at"] - self._wall_offset if isinstance(ev.get("at"), int | float) else time.monotonic()
-        self._events.append(ev)
-        self._event_times.append((at, ev))
-        track_turn(self._turns, ev)
-        async with self._event_cond:
-            self._event_cond.notify_all()
-
     # -- the script ------------------------------------------------------------------------
 
     def _say(self, sim: PhoneSimulator, index: int, pcm48: bytes) -> None:
@@ -293,30 +250,10 @@ class PhoneCallClient:
         if hangup_after_s is not None:
             await asyncio.sleep(hangup_after_s)
             return
-        if self.token and self.session_id:
-            async with self._event_cond:
-                await self._event_cond.wait_for(self._all_terminal)
+        if self.following:
+            await self._wait_all_terminal()
         else:  # no events: wait for the agent to fall silent
-            await sim.wait_heard(lambda f: self._quiet(sim))
-
-    def _all_terminal(self) -> bool:
-        return bool(self._turns) and all(t.status in TERMINAL for t in self._turns.values())
-
-    @staticmethod
-    def _quiet(sim: PhoneSimulator) -> bool:
-        run = SILENT_RUN_MS // 20 * 4
-        tail = sim.log.heard[-run:]
-        return len(tail) == run and all(f.dbfs <= SILENCE_DBFS for f in tail)
-
-    async def _expect_a_turn(self) -> None:
-        if not (self.token and self.session_id):
-            return
-        try:
-            async with asyncio.timeout(NO_SPEECH_S):
-                async with self._event_cond:
-                    await self._event_cond.wait_for(lambda: bool(self._turns))
-        except TimeoutError:
-            raise CallError(f"the server heard no speech in the opening audio ({NO_SPEECH_S:.0f} s after it ended)") from None
+            await sim.wait_heard(lambda f: quiet(sim.log.heard))
 
     # -- measuring ----------------------------------------------------------------------------
 
@@ -325,20 +262,8 @@ class PhoneCallClient:
         for k, m in enumerate(measures, start=2):
             if m.sent_from is None:
                 continue
-            until = (m.sent_until or m.sent_from) + VERDICT_WAIT_S
-            nxt = measures[k - 1].sent_from if k - 1 < len(measures) else None
-            if nxt is not None:
-                until = min(until, nxt)
-            fence_at: float | None = None
-            for at, ev in self._event_times:
-                if not m.sent_from <= at <= until:
-                    continue
-                if ev.get("type") == "barge_in" and not m.barged_in:
-                    m.barged_in, fence_at = True, at
-                    m.server_onset_to_fence_ms = ev.get("onset_to_fence_ms")
-                    m.old_turn_id = ev.get("old_turn_id")
-                elif ev.get("type") in ("false_interruption", "backchannel") and m.resumed is None:
-                    m.resumed = ev["type"]
+            until = self._verdict_until(measures, k - 2, VERDICT_WAIT_S)
+            fence_at = self._judge_by_events(m, until)
             t = self._onset_sent(sim, k)
             m.onset_sent_at = t
             if t is None:
@@ -354,7 +279,7 @@ class PhoneCallClient:
                     m.clear_after_fence_ms = round((at_clear - fence_at) * 1000, 1)
                 self._after_clear(sim, m, at_clear, cleared.at_offset + cleared.dropped)
             else:
-                m.silent_at = self._silent_run_end(heard, t)
+                m.silent_at = silent_run_end(heard, t)
 
     def _onset_sent(self, sim: PhoneSimulator, k: int) -> float | None:
         """When the first sample of utterance ``k``'s speech left (clock s)."""
@@ -367,17 +292,6 @@ class PhoneCallClient:
         for f in sim.log.sent:
             if f.utterance == k and f.sample + 160 > onset:
                 return f.at + max(0, onset - f.sample) / MULAW_RATE
-        return None
-
-    @staticmethod
-    def _silent_run_end(heard: list[HeardFrame], t: float) -> float | None:
-        run = SILENT_RUN_MS // 20
-        start = next((i for i, f in enumerate(heard) if f.at >= t), len(heard))
-        for i in range(start, len(heard)):
-            window = heard[i : i + run]
-            if len(window) == run and all(f.dbfs <= SILENCE_DBFS for f in window):
-                prev = heard[i - 1] if i > start else None
-                return prev.at + prev.sound_end_ms / 1000 if prev is not None else heard[i].at
         return None
 
     def _after_clear(self, sim: PhoneSimulator, m: BargeInMeasure, at_clear: float, received_at_clear: int) -> None:
@@ -398,6 +312,4 @@ class PhoneCallClient:
         cleared = next(c for at, c in sim.log.clears if at == at_clear)
         if first is not None:
             m.played_ms_at_ear = max(0, cleared.at_offset - first) * 1000 / MULAW_RATE
-        for ev in self._events:
-            if ev.get("type") == "agent.interrupted" and ev.get("turn_id") == m.old_turn_id:
-                m.server_played_ms, m.server_heard = ev.get("played_ms"), ev.get("heard")
+        self._interrupted(m)

@@ -28,6 +28,8 @@ class Utterance:
         ptt: sent with push-to-talk (ptt.start before, ptt.end after).
         keys: phone calls only: telephone keys pressed (``dtmf`` messages,
             100 ms apart) instead of saying ``pcm``.
+        abort: device calls (:mod:`client.device_call`): press abort at
+            ``at_s`` instead of saying ``pcm``.
     """
 
     pcm: bytes
@@ -36,6 +38,7 @@ class Utterance:
     kind: str = "speech"
     ptt: bool = False
     keys: str = ""
+    abort: bool = False
 
 
 @dataclass
@@ -72,12 +75,24 @@ class BargeInMeasure:
     old_audio_after_clear_ms: float | None = None
     #: ms of the interrupted reply the caller's ear played (stream bytes
     #: from the reply's first to the clear), and what the server counted
-    #: (``agent.interrupted`` played_ms) and said was heard
+    #: (``agent.interrupted`` played_ms) and said was heard; device calls:
+    #: what the device's speaker played of it before the interruption
     played_ms_at_ear: float | None = None
     server_played_ms: int | None = None
     server_heard: str | None = None
     #: the interrupted turn (its id), for matching its reply
     old_turn_id: str | None = None
+    #: device calls only (:mod:`client.device_call`), None elsewhere: what
+    #: interrupted (``abort``, ``ptt`` press, ``voice``); ``onset_sent_at``
+    #: is then the press (abort or button) or the first speech sample sent
+    initiator: str | None = None
+    #: ms from the interruption to the server's ``tts stop`` at the device
+    tts_stop_ms: float | None = None
+    #: ms from the interruption to the last old-generation packet received
+    received_stop_ms: float | None = None
+    #: ms of sound the server sent after its ``tts stop`` and before the
+    #: next reply's ``tts start`` (should be 0)
+    old_audio_after_tts_stop_ms: float | None = None
 
     @property
     def stop_ms(self) -> float | None:
@@ -98,12 +113,20 @@ class BargeInMeasure:
             "server_onset_to_fence_ms": self.server_onset_to_fence_ms,
             "gap_ms": self.gap_ms,
             "outcome": self.outcome,
-        } | ({} if self.played_ms_at_ear is None and self.clear_after_fence_ms is None else {
+        } | ({} if self.initiator is not None or (self.played_ms_at_ear is None and self.clear_after_fence_ms is None) else {
             "clear_after_fence_ms": self.clear_after_fence_ms,
             "old_audio_after_clear_ms": self.old_audio_after_clear_ms,
             "played_ms_at_ear": self.played_ms_at_ear,
             "server_played_ms": self.server_played_ms,
             "server_heard": self.server_heard,
+        }) | ({} if self.initiator is None else {
+            "initiator": self.initiator,
+            "tts_stop_ms": self.tts_stop_ms,
+            "received_stop_ms": self.received_stop_ms,
+            "played_ms_at_device": self.played_ms_at_ear,
+            "server_played_ms": self.server_played_ms,
+            "server_heard": self.server_heard,
+            "old_audio_after_tts_stop_ms": self.old_audio_after_tts_stop_ms,
         })
 
 
@@ -155,10 +178,12 @@ class CallResult:
     server_hung_up: bool = False
     received: list[tuple[float, float, float]] = field(default_factory=list)
     event_times: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
-    #: ``webrtc``, or the phone provider (``twilio``, ``telnyx``)
+    #: ``webrtc``, the phone provider (``twilio``, ``telnyx``) or ``device``
     transport: str = "webrtc"
-    #: phone calls: the server's protocol violations the provider saw
+    #: phone and device calls: the server's protocol violations the far end saw
     protocol_errors: list[str] = field(default_factory=list)
+    #: device calls: protocol version, listening mode, downlink audio
+    transport_info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -173,7 +198,8 @@ class CallResult:
             "received_audio_ms": self.received_audio_ms,
             "timed_out": self.timed_out,
             "server_hung_up": self.server_hung_up,
-        } | ({} if self.transport == "webrtc" else {"transport": self.transport, "protocol_errors": self.protocol_errors})
+        } | ({} if self.transport == "webrtc" else {"transport": self.transport, "protocol_errors": self.protocol_errors}) | (
+            {"device": self.transport_info} if self.transport_info else {})
 
 
 def track_turn(turns: dict[str, TurnView], ev: dict[str, Any]) -> None:

@@ -3,6 +3,8 @@
     turnkeeper serve [--host H] [--port P] [--config FILE]
     turnkeeper call (--server URL | --local) --wav FILE [--phone twilio|telnyx]
                     [--barge-in FILE --at SECONDS] [--out FILE] [--json]
+    turnkeeper call (--device WS_URL | --local --device) --wav FILE [--ptt | --realtime]
+                    [--barge-in FILE --at SECONDS] [--abort-at SECONDS] [--json]
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--config", help="TOML settings file (default $TURNKEEPER_CONFIG)")
 
     call = sub.add_parser("call", help="call a server headlessly with WAV files as the microphone")
-    where = call.add_mutually_exclusive_group(required=True)
+    where = call.add_mutually_exclusive_group()
     where.add_argument("--server", help="server URL, e.g. http://127.0.0.1:8080")
     where.add_argument("--local", action="store_true", help="start a server in this process")
     call.add_argument("--config", help="TOML settings file for --local")
@@ -48,10 +50,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     call.add_argument("--keys", help="with --phone: press these telephone keys (e.g. 12#) --at seconds after the agent starts talking")
     call.add_argument(
-        "--token", help="with --phone --server: a bearer token of the call's tenant, to read its events (default $TURNKEEPER_TOKEN)"
+        "--token",
+        help="with --phone or --device: a bearer token of the call's tenant, to read its events (default $TURNKEEPER_TOKEN)",
     )
+    call.add_argument(
+        "--device", nargs="?", const="", metavar="WS_URL",
+        help="call as a push-to-talk device (a simulated xiaozhi-esp32 board) at WS_URL, e.g. "
+             "ws://127.0.0.1:8080/v1/devices/ws; with --local, no URL",
+    )
+    mode = call.add_mutually_exclusive_group()
+    mode.add_argument("--ptt", action="store_true", help="with --device: hold the button while speaking (the default)")
+    mode.add_argument("--realtime", action="store_true", help="with --device: the microphone stays open; barge in by voice")
+    call.add_argument("--abort-at", type=float, help="with --device: press abort this many seconds after the agent starts talking")
+    call.add_argument("--device-token", help="with --device WS_URL: the device's token (default $TURNKEEPER_DEVICE_TOKEN)")
+    call.add_argument("--protocol-version", type=int, choices=[1, 2, 3], default=1,
+                      help="with --device: the binary protocol version (default 1)")
 
     args = parser.parse_args(argv)
+    if args.command == "call":
+        if not (args.server or args.local or args.device):
+            parser.error("call: one of --server, --local or --device WS_URL is required")
+        if args.device and (args.server or args.local):
+            parser.error("call: --device WS_URL calls that server; leave out --server and --local (or give --local --device)")
+        if args.device is not None and args.phone:
+            parser.error("call: --phone and --device are two different transports; give one")
+        if args.device is None and (args.realtime or args.ptt or args.abort_at is not None):
+            parser.error("call: --ptt, --realtime and --abort-at go with --device")
     try:
         if args.command == "serve":
             settings = load_settings(args.config, host=args.host, port=args.port)
