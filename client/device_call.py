@@ -45,7 +45,7 @@ import aiohttp
 from client.device import DeviceSimulator
 from client.device_mic import UPLINK_RATE
 from client.results import BargeInMeasure, CallError, CallResult, TurnView, Utterance
-from client.session_events import NO_SPEECH_S, SessionEvents, quiet, silent_run_end
+from client.session_events import NO_SPEECH_S, SessionEvents, quiet, run_until_hangup, silent_run_end
 from media.frames import PLAYOUT_RATE, PcmResampler, first_sound_sample
 from web.devices import framing
 
@@ -133,7 +133,6 @@ class DeviceCallClient(SessionEvents):
             OSError: ``out_wav`` cannot be written.
         """
         measures = [BargeInMeasure(label=u.label, at_s=u.at_s or 0.0, kind=u.kind) for u in barge_ins]
-        timed_out = server_hung_up = False
         self._revive = revive
         sim = self.sim = DeviceSimulator(self.url, self.device_token, version=self.version, device_id=self.device_id,
                                          hello_timeout_s=self.hello_timeout_s)
@@ -142,20 +141,9 @@ class DeviceCallClient(SessionEvents):
             self.session_id = sim.session_id or sim.response_headers.get("X-Turnkeeper-Session", "")
             follower = asyncio.ensure_future(self._follow(http)) if self.following else None
             try:
-                script = asyncio.ensure_future(self._script(sim, opening, barge_ins, measures, hangup_after_s))
-                hangup = asyncio.ensure_future(sim.server_closed.wait())
-                try:
-                    done, _ = await asyncio.wait({script, hangup}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for task in (script, hangup):
-                        task.cancel()
-                    await asyncio.gather(script, hangup, return_exceptions=True)
-                if script in done:
-                    script.result()
-                elif hangup in done:
-                    server_hung_up = True
-                else:
-                    timed_out = True
+                timed_out, server_hung_up = await run_until_hangup(
+                    self._script(sim, opening, barge_ins, measures, hangup_after_s), sim.server_closed, timeout_s
+                )
                 await asyncio.sleep(settle_s)
             finally:
                 await sim.close()

@@ -37,7 +37,7 @@ import aiohttp
 from client.phone import SILENCE_DBFS, PhoneSimulator
 from client.phone_dialects import Dialect, TelnyxDialect, TwilioDialect
 from client.results import BargeInMeasure, CallError, CallResult, Utterance
-from client.session_events import SessionEvents, quiet, silent_run_end
+from client.session_events import SessionEvents, quiet, run_until_hangup, silent_run_end
 from media.frames import PLAYOUT_RATE, PcmResampler, first_sound_sample
 from media.g711 import MULAW_RATE
 
@@ -154,7 +154,6 @@ class PhoneCallClient(SessionEvents):
             OSError: ``out_wav`` cannot be written.
         """
         measures = [BargeInMeasure(label=u.label, at_s=u.at_s or 0.0, kind=u.kind) for u in barge_ins]
-        timed_out = server_hung_up = False
         self._revive = revive
         async with aiohttp.ClientSession() as http:
             dialect, stream_url, params = await self._answer(http)
@@ -167,20 +166,9 @@ class PhoneCallClient(SessionEvents):
             self.session_id = sim.response_headers.get(SESSION_HEADER, "")
             follower = asyncio.ensure_future(self._follow(http)) if self.token and self.session_id else None
             try:
-                script = asyncio.ensure_future(self._script(sim, opening, barge_ins, measures, hangup_after_s))
-                hangup = asyncio.ensure_future(sim.server_closed.wait())
-                try:
-                    done, _ = await asyncio.wait({script, hangup}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for task in (script, hangup):
-                        task.cancel()
-                    await asyncio.gather(script, hangup, return_exceptions=True)
-                if script in done:
-                    script.result()
-                elif hangup in done:
-                    server_hung_up = True
-                else:
-                    timed_out = True
+                timed_out, server_hung_up = await run_until_hangup(
+                    self._script(sim, opening, barge_ins, measures, hangup_after_s), sim.server_closed, timeout_s
+                )
                 await asyncio.sleep(settle_s)
             finally:
                 await sim.hangup()

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import aiohttp
@@ -156,3 +157,30 @@ def quiet(heard: list[HeardFrame]) -> bool:
     run = SILENT_RUN_MS // 20 * 4
     tail = heard[-run:]
     return len(tail) == run and all(f.dbfs <= SILENCE_DBFS for f in tail)
+
+
+async def run_until_hangup(
+    script: Coroutine[Any, Any, None], server_closed: asyncio.Event, timeout_s: float
+) -> tuple[bool, bool]:
+    """Run a simulated call's ``script`` until it ends, the server closes
+    the connection (``server_closed`` set) or ``timeout_s`` seconds pass;
+    whichever comes first, the others are cancelled and awaited.
+
+    Returns:
+        (timed_out, server_hung_up).
+
+    Raises:
+        Exception: what ``script`` raised, if it ended first.
+    """
+    task = asyncio.ensure_future(script)
+    hangup = asyncio.ensure_future(server_closed.wait())
+    try:
+        done, _ = await asyncio.wait({task, hangup}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, hangup):
+            t.cancel()
+        await asyncio.gather(task, hangup, return_exceptions=True)
+    if task in done:
+        task.result()
+        return False, False
+    return hangup not in done, hangup in done
