@@ -26,7 +26,8 @@ from telephony_provider import wait_until
 
 from media.opus import OpusDecoder
 from turn.events import EventFollower, event_json
-from turn.models import StopReasonKind, Turn, TurnStatus
+from turn.models import Session, StopReasonKind, Turn, TurnStatus
+from turn.store import UnknownSession
 from web.app import PEERS, STORE, create_app
 from web.devices.call import DeviceCall
 from web.settings import Settings
@@ -102,6 +103,17 @@ async def push_to_talk(dev: FakeDevice, speech: Path) -> None:
     await dev.listen("stop")
 
 
+async def stored_session(server: Server, session_id: str, timeout: float = 30) -> Session:
+    """The session row, once the device's agent has written it (it is
+    written by the agent's task, a moment after the call object exists)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                return await server.app[STORE].get_session(session_id)
+            except UnknownSession:
+                await asyncio.sleep(0.02)
+
+
 async def test_tokens_are_issued_revoked_and_checked_before_the_upgrade(server: Server) -> None:
     async with server.http.post(server.url + "/v1/devices") as r:
         assert r.status == 401  # issuing needs the tenant's bearer token
@@ -111,7 +123,7 @@ async def test_tokens_are_issued_revoked_and_checked_before_the_upgrade(server: 
             await server.http.ws_connect(server.ws_url, headers={"Authorization": bad} if bad else {})
         assert err.value.status == 401
     dev, call = await server.device(token)
-    session = await server.app[STORE].get_session(call.id)
+    session = await stored_session(server, call.id)
     assert session.tenant_id == "tenant_a" and call.device_id == device_id
     assert call.agent is not None and call.agent.plan.deadline_s == 45.0  # the tenant's plan
     async with server.http.delete(server.url + f"/v1/devices/{device_id}", headers=API) as r:
