@@ -106,6 +106,15 @@ class DeviceSettings(BaseModel):
     max_messages_per_s: int = Field(200, ge=30, le=100_000)
     hello_timeout_s: float = Field(10.0, gt=0, le=600)
 
+    @field_validator("downlink_sample_rate", "downlink_frame_ms", mode="before")
+    @classmethod
+    def _int_from_env(cls, value: object) -> object:
+        """An environment variable is text: ``"20"`` is read as 20 before
+        the choice is checked (a ``Literal`` of ints does not coerce)."""
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value)
+        return value
+
 
 class Settings(BaseSettings):
     """All of turnkeeper's settings.

@@ -156,3 +156,16 @@ def test_readme_lists_every_setting_and_only_settings() -> None:
     documented = _readme_setting_names()
     assert len(documented) > 50  # the table was found
     assert documented == _setting_names(Settings)
+
+
+def test_device_choices_are_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A choice of numbers (the downlink's frame and rate) set as text, as
+    every environment variable is, is read as the number; one not offered
+    is still refused (from a bench run: ``"20"`` was refused)."""
+    monkeypatch.setenv("TURNKEEPER_DEVICES__DOWNLINK_FRAME_MS", "20")
+    monkeypatch.setenv("TURNKEEPER_DEVICES__DOWNLINK_SAMPLE_RATE", "16000")
+    s = load_settings()
+    assert s.devices.downlink_frame_ms == 20 and s.devices.downlink_sample_rate == 16000
+    monkeypatch.setenv("TURNKEEPER_DEVICES__DOWNLINK_FRAME_MS", "30")
+    with pytest.raises(ValueError, match="downlink_frame_ms"):
+        load_settings()
