@@ -76,8 +76,8 @@ class DevicePlayout(PacedPlayout):
     """
 
     def __init__(
-        self, clock: Clock, passes: Passes, wire: DeviceWire, *, sample_rate: int = 24_000, frame_ms: int = 60,
-        send_ahead_ms: int = 60, on_played: Callable[[bytes | None, float], None] | None = None,
+        self, clock: Clock, passes: Passes, wire: DeviceWire, *, sample_rate: int = 24_000, frame_ms: int = 20,
+        send_ahead_ms: int = 40, on_played: Callable[[bytes | None, float], None] | None = None,
         rate: int = PLAYOUT_RATE,
     ) -> None:
         super().__init__(clock, passes, send_ahead_ms=send_ahead_ms, rate=rate)

@@ -50,6 +50,7 @@ class Received:
     packet: bytes | None = None
     tts_stops: int = 0  # ``tts stop`` messages received before it
     loud: bool = False  # a packet with sound (decoded: louder than -50 dBFS)
+    samples: int = 0  # a packet's decoded length, samples at 16 kHz
 
 
 @dataclass
@@ -135,8 +136,9 @@ class FakeDevice:
                     self.stops += 1
             elif msg.type is aiohttp.WSMsgType.BINARY:
                 payload = framing.parse(msg.data, self.version).payload
-                loud = rms_dbfs(self._decoder.decode(payload)) > -50
-                self.received.append(Received(now, packet=payload, tts_stops=self.stops, loud=loud))
+                pcm = self._decoder.decode(payload)
+                self.received.append(Received(now, packet=payload, tts_stops=self.stops,
+                                              loud=rms_dbfs(pcm) > -50, samples=len(pcm) // 2))
             else:
                 break
 
@@ -163,3 +165,7 @@ class FakeDevice:
     def audible(self, before_stops: int | None = None) -> list[Received]:
         """Packets with sound."""
         return [r for r in self.packets(before_stops) if r.loud]
+
+    def audible_ms(self, before_stops: int | None = None) -> float:
+        """Sound received, ms (whatever the downlink packet duration)."""
+        return sum(r.samples for r in self.audible(before_stops)) / 16

@@ -87,10 +87,14 @@ class DeviceSettings(BaseModel):
     Attributes:
         downlink_sample_rate: the rate of the Opus the server sends, Hz (in
             the server ``hello``'s ``audio_params``).
-        downlink_frame_ms: each downlink Opus packet's duration, ms.
+        downlink_frame_ms: each downlink Opus packet's duration, ms (20 by
+            default: a device plays at most one packet it has begun after an
+            abort, so the packet is part of the stop time).
         send_ahead_ms: audio the device may hold beyond what is due, ms (a
-            multiple of 20): what it still plays after an abort, at most, and
-            what the heard position subtracts as in flight.
+            multiple of 20; 40 by default): what it still plays after an
+            abort, at most, and what the heard position subtracts as in
+            flight. Raise it on a jittery Wi-Fi link; the stop at the device
+            grows by the same amount.
         max_frame_bytes: largest binary message accepted, bytes (a 60 ms
             Opus packet is a few hundred); larger closes the socket (1009).
         max_messages_per_s: messages a second a device may send (60 ms
@@ -100,8 +104,8 @@ class DeviceSettings(BaseModel):
     """
 
     downlink_sample_rate: Literal[16000, 24000, 48000] = 24000
-    downlink_frame_ms: Literal[20, 40, 60] = 60
-    send_ahead_ms: int = Field(60, ge=20, le=2000, multiple_of=20)
+    downlink_frame_ms: Literal[20, 40, 60] = 20
+    send_ahead_ms: int = Field(40, ge=20, le=2000, multiple_of=20)
     max_frame_bytes: int = Field(4096, ge=512, le=1024 * 1024)
     max_messages_per_s: int = Field(200, ge=30, le=100_000)
     hello_timeout_s: float = Field(10.0, gt=0, le=600)

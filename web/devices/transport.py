@@ -95,7 +95,7 @@ class DeviceTransport:
     def __init__(
         self, clock: Clock, passes: Passes, send_str: Callable[[str], Awaitable[None]],
         send_bytes: Callable[[bytes], Awaitable[None]], *, session_id: str, version: int, downlink: AudioParams,
-        send_ahead_ms: int = 60, vad: VadConfig | None = None, bargein: BargeInConfig | None = None,
+        send_ahead_ms: int = 40, vad: VadConfig | None = None, bargein: BargeInConfig | None = None,
         stall_ms: int = 240,
     ) -> None:
         self.clock = clock
