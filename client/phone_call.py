@@ -16,8 +16,10 @@ Audible stop time on a phone call = from the first sample of barge-in
 speech sent (in the ``media`` message that carried it; for telephone keys,
 the first ``dtmf`` message) to the last sample
 of old-generation audio played at the caller's ear: old audio is what the
-server sent before the ``clear`` that followed the speech; without a
-``clear``, the end of the sound before ``SILENT_RUN_MS`` of silence.
+server sent before the barge-in's ``clear`` (the first from
+``FENCE_CLEAR_SLACK_S`` before the fence's event on; a stage-1 pause may have sent one before, recalling what the
+provider held); without a ``clear``, the end of the sound before
+``SILENT_RUN_MS`` of silence.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ LEAD_SILENCE_S = 0.3  # line silence before the opening utterance
 VERDICT_WAIT_S = 1.5
 REVIVE_AFTER_S = 5.0
 KEY_GAP_S = 0.1  # between two telephone keys
+#: a barge-in's clear may reach the ear this long before its fence's event (s)
+FENCE_CLEAR_SLACK_S = 0.05
 SESSION_HEADER = "X-Turnkeeper-Session"
 
 
@@ -257,8 +261,13 @@ class PhoneCallClient(SessionEvents):
             if t is None:
                 continue
             m.speaking_at_onset = any(t - 0.1 <= f.at <= t and f.real and f.dbfs > SILENCE_DBFS for f in heard)
-            clear = next(((at, c) for at, c in sim.log.clears if at >= t and at <= until + 1.0), None)
-            if clear is not None:
+            # the barge-in's clear: the first about the fence (it may come a
+            # few ms before the fence's event; one sent earlier recalled the
+            # provider's audio on a stage-1 pause, hundreds of ms before the
+            # commit); a pause taken back made no barge-in: its clear measures nothing
+            after = max(t, fence_at - FENCE_CLEAR_SLACK_S) if fence_at is not None else t
+            clear = next(((at, c) for at, c in sim.log.clears if at >= after and at <= until + 1.0), None)
+            if clear is not None and (fence_at is not None or not self.following):
                 at_clear, cleared = clear
                 old = [f for f in heard if f.start < cleared.at_offset and f.real and f.at >= t - 0.02]
                 loud = [f for f in old if f.dbfs > SILENCE_DBFS]

@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
-from pydantic import BaseModel, Field, model_validator
 
+from media.bargein_config import BargeInConfig
 from media.echo_guard import ECHO_WINDOW_MS, EchoGuard, EchoReference
 from media.frames import FRAME_MS, VAD_RATE, frame_bytes
 from media.noise_floor import SILENCE_DBFS, NoiseFloor
@@ -64,119 +64,12 @@ from media.vad import VadConfig, VoiceActivityDetector
 SIBILANT_FRAMES = 2
 
 
-class BargeInConfig(BaseModel):
-    """Barge-in detection settings (env ``TURNKEEPER_BARGEIN__*``).
-
-    Attributes:
-        pause_after_ms: stage 1: consecutive gated frames (ms, multiple of 20)
-            before SPEECH_STARTED (the caller pauses playout) can be given.
-        pause_speech_threshold: stage 1 also needs the speech-onset score
-            (:mod:`media.speech_onset`, 0..1) of a gated frame at least this
-            high; 0 pauses on the gate alone. 0.8: on the corpus (speech
-            clean and through a 48 kHz round trip), with the trial pauses
-            below, speech pauses 60-100 ms (p50 60, p95 100) after its first
-            sample; noise, tones, clicks
-            and coughs peak at 0.57, and a 200-6000 Hz sweep at 0.72 when a
-            run starts mid-sweep (0.7 would let it pause and confirm).
-        pause_tentative_threshold: a gated frame scoring at least this
-            (but under ``pause_speech_threshold``) pauses at once, once per
-            run, on trial: unless the run reaches ``pause_speech_threshold``
-            within ``pause_verify_ms``, SPEECH_REJECTED (reason
-            "not_speech") resumes playout before the hole is audible. Set
-            it to 1 to pause only on ``pause_speech_threshold``. 0.5: most
-            onsets of "tell ..." score 0.57-0.92 on the frame where the gate
-            has been open 60 ms and >= 0.8 a frame later (20 ms sooner
-            heard); noise, clicks and coughs stay under 0.5.
-        pause_verify_ms: how long (ms, multiple of 20) a tentative pause
-            waits for the onset to score as speech.
-        pause_sibilant_verify_ms: a run whose gated frames sound like /s/
-            (:func:`media.speech_onset.is_sibilant`, ``SIBILANT_FRAMES`` of
-            them) pauses on trial too and waits this long (ms, multiple of
-            20) for its vowel: "stop" at 120 wpm pauses at 60 ms instead of
-            180-200. 0 turns it off.
-        confirm_speech_ms: stage 2: ms of audio with Silero probability
-            ``>= silero_threshold`` and energy ``>= floor + energy_margin_db``
-            (and not echo) before SPEECH_CONFIRMED (multiple of 20).
-        silero_threshold: Silero speech probability (0..1) a chunk needs.
-        confirm_timeout_ms: SPEECH_STARTED not confirmed this long (ms,
-            multiple of 20) -> SPEECH_REJECTED.
-        energy_margin_db: confirmation needs chunk energy this far (dB) above
-            the adaptive noise floor.
-        gate_margin_db: the stage-1 gate needs frame energy this far (dB)
-            above the noise floor, so a steady noise stops gating once the
-            floor has learnt it.
-        rearm_ms: after SPEECH_REJECTED the gate must be closed this long
-            (ms, multiple of 20) before a new SPEECH_STARTED.
-        gate_dropout_frames: non-gated frames (0..2) tolerated inside a stage-1
-            run without breaking it (a weak frame inside a syllable); they do
-            not count towards ``pause_after_ms``. A frame explained as echo is
-            never tolerated: it ends the run.
-        echo_guard: run the echo guard when an
-            :class:`media.echo_guard.EchoReference` is given.
-        echo_max_delay_ms: longest round trip (ms: outbound sent -> heard back
-            inbound) the echo guard searches.
-        echo_threshold: similarity (0..1) above which inbound audio counts as
-            explained by the outbound signal. 0.8: on the corpus, echo frames
-            (two Opus trips, 40..400 ms, -6..-20 dB) score p5 0.89 / median
-            0.97, double-talk frames median 0.49 (0 when the newest frame has
-            unexplained energy).
-        floor_init_dbfs: noise floor (dBFS) before anything was heard.
-        floor_min_dbfs / floor_max_dbfs: clamp of the noise floor (dBFS).
-        floor_down_ms: time constant (ms) of the floor following a quieter
-            background (fast).
-        floor_up_ms: time constant (ms) of the floor following a louder
-            background (slow: a steady noise is learnt in about
-            ``floor_up_ms * ln(gap / gate_margin_db)``, ~2 s for a 40 dB step).
-    """
-
-    pause_after_ms: int = Field(60, ge=FRAME_MS, le=1000)
-    pause_speech_threshold: float = Field(0.8, ge=0.0, lt=1.0)
-    pause_tentative_threshold: float = Field(0.5, ge=0.0, le=1.0)
-    pause_verify_ms: int = Field(40, ge=FRAME_MS, le=200)
-    pause_sibilant_verify_ms: int = Field(160, ge=0, le=400)
-    confirm_speech_ms: int = Field(160, ge=FRAME_MS, le=2000)
-    silero_threshold: float = Field(0.5, gt=0.0, lt=1.0)
-    confirm_timeout_ms: int = Field(600, ge=FRAME_MS, le=5000)
-    energy_margin_db: float = Field(10.0, ge=0.0, le=60.0)
-    gate_margin_db: float = Field(6.0, ge=0.0, le=60.0)
-    rearm_ms: int = Field(200, ge=0, le=5000)
-    gate_dropout_frames: int = Field(1, ge=0, le=2)
-    echo_guard: bool = True
-    echo_max_delay_ms: int = Field(500, ge=FRAME_MS, le=2000)
-    echo_threshold: float = Field(0.8, gt=0.0, lt=1.0)
-    floor_init_dbfs: float = Field(-60.0, ge=-100.0, le=0.0)
-    floor_min_dbfs: float = Field(-70.0, ge=-100.0, le=0.0)
-    floor_max_dbfs: float = Field(-20.0, ge=-100.0, le=0.0)
-    floor_down_ms: int = Field(100, ge=FRAME_MS, le=60_000)
-    floor_up_ms: int = Field(1000, ge=FRAME_MS, le=60_000)
-
-    @model_validator(mode="after")
-    def _consistent(self) -> BargeInConfig:
-        for name in (
-            "pause_after_ms", "confirm_speech_ms", "confirm_timeout_ms", "rearm_ms", "echo_max_delay_ms",
-            "pause_verify_ms", "pause_sibilant_verify_ms",
-        ):
-            if getattr(self, name) % FRAME_MS:
-                raise ValueError(f"{name} must be a multiple of {FRAME_MS} ms")
-        if self.confirm_timeout_ms < self.confirm_speech_ms:
-            raise ValueError("confirm_timeout_ms must be at least confirm_speech_ms")
-        if not self.floor_min_dbfs <= self.floor_init_dbfs <= self.floor_max_dbfs:
-            raise ValueError("need floor_min_dbfs <= floor_init_dbfs <= floor_max_dbfs")
-        return self
-
-    @property
-    def pause_frames(self) -> int:
-        return self.pause_after_ms // FRAME_MS
-
-    @property
-    def rearm_frames(self) -> int:
-        return self.rearm_ms // FRAME_MS
-
-
 class DetectorEventKind(StrEnum):
-    """The decisions of :class:`BargeInDetector`."""
+    """The decisions of :class:`BargeInDetector`. ``SPEECH_VERIFIED``: a
+    pause on trial scored as speech within its verify time (it stands)."""
 
     SPEECH_STARTED = "speech_started"
+    SPEECH_VERIFIED = "speech_verified"
     SPEECH_CONFIRMED = "speech_confirmed"
     SPEECH_REJECTED = "speech_rejected"
     SPEECH_STOPPED = "speech_stopped"
@@ -193,8 +86,8 @@ class DetectorEvent:
         speech_ms: confirmed-speech ms counted so far (Silero-positive audio;
             after CONFIRMED, gated frames are added, 20 ms each).
         probability: highest Silero probability seen in the run.
-        reason: for REJECTED: "timeout", or "not_speech" (a tentative pause
-            whose onset did not score as speech in time).
+        reason: for STARTED, "trial" for a pause on trial (else empty); for
+            REJECTED, "timeout" or "not_speech" (a trial pause not verified).
         onset_score: highest speech-onset score (0..1) of the run's frames
             scored before SPEECH_STARTED.
     """
@@ -407,7 +300,7 @@ class BargeInDetector:
             verify_ms = c.pause_sibilant_verify_ms if sibilant else c.pause_verify_ms
             self._verify_left = 0 if verified else verify_ms // FRAME_MS
             self._tentative_tried = self._tentative_tried or not verified
-            events.append(self._event(DetectorEventKind.SPEECH_STARTED, at))
+            events.append(self._event(DetectorEventKind.SPEECH_STARTED, at, "" if verified else "trial"))
             if verified:
                 self._maybe_confirm(at, events)
         elif at - self._onset_at >= c.confirm_timeout_ms / 1000 - 1e-9:
@@ -429,6 +322,7 @@ class BargeInDetector:
                 self._onset_max = max(self._onset_max, self._onset.score(b"".join(self._recent)))
             if self._onset_max >= self.config.pause_speech_threshold:
                 self._verify_left = 0
+                events.append(self._event(DetectorEventKind.SPEECH_VERIFIED, at))
             else:
                 self._verify_left -= 1
                 if not self._verify_left:

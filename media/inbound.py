@@ -20,7 +20,8 @@ from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 from aiortc.mediastreams import MediaStreamError
 
 from clock import Clock
-from media.bargein import BargeInConfig, BargeInDetector
+from media.bargein import BargeInDetector
+from media.bargein_config import BargeInConfig
 from media.echo_guard import EchoReference
 from media.frames import FRAME_MS, VAD_RATE, PcmResampler, Reframer, frame_bytes
 from media.inbound_frame import InboundFrame, analyse_frame

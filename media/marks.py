@@ -50,6 +50,7 @@ class _Generation:
     acked_sample: int | None = None
     acked_at: float = 0.0
     frozen: int | None = None  # set by a clear
+    held: bool = False  # recalled by a pause: nothing plays until audio is sent again
 
 
 class MarkTracker:
@@ -80,6 +81,8 @@ class MarkTracker:
             g = self._gens[generation] = _Generation(start, at, end)
             while len(self._gens) > KEEP_GENERATIONS:
                 self._gens.popitem(last=False)
+        if g.held:  # the recalled audio goes out again: it plays from now
+            g.held, g.acked_at = False, at
         g.sent_end = max(g.sent_end, end)
 
     def mark_sent(self, generation: int, at: float) -> str:
@@ -130,10 +133,29 @@ class MarkTracker:
         for gen, g in self._gens.items():
             if g.frozen is None:
                 g.frozen = self.played_samples(gen, at)
+        self._discard_pending()
+
+    def _discard_pending(self) -> None:
         self._discarded.update(self._pending)
         if len(self._discarded) > 4096:  # echoes that never came: forget them
             self._discarded.clear()
         self._pending.clear()
+
+    def recalled(self, at: float, rewind: dict[int, int]) -> None:
+        """A ``clear`` at clock seconds ``at`` recalled audio that had not
+        played, to be sent again: of each generation in ``rewind``, from
+        that sample on. Pending marks are discarded (their echoes will not
+        count); each such generation's heard position holds at its value
+        now (at most the rewind sample) until its audio is sent again, and
+        what was sent ends at the rewind sample."""
+        heard = {gen: min(self.played_samples(gen, at), sample) for gen, sample in rewind.items()}
+        self._discard_pending()
+        for gen, sample in rewind.items():
+            g = self._gens.get(gen)
+            if g is None or g.frozen is not None:
+                continue
+            g.acked_sample, g.acked_at, g.held = heard[gen], at, True
+            g.sent_end = sample
 
     # -- what was heard -----------------------------------------------------------------
 
@@ -150,6 +172,8 @@ class MarkTracker:
             base, since = g.acked_sample, g.acked_at
         else:
             base, since = g.first_sample, g.first_sent_at
+        if g.held:
+            return base
         cap = g.sent_end
         for m in self._pending.values():
             if m.generation == generation and m.sample > base:

@@ -67,9 +67,10 @@ class PlayoutBuffer:
         self._frames.append(frame)
         self._empty.clear()
 
-    def pause(self) -> bool:
+    def pause(self, trial: bool = False) -> bool:
         """Hold playout where it is; queued frames stay. Returns True if it
-        was playing (not already paused)."""
+        was playing (not already paused). ``trial`` changes nothing here
+        (see :meth:`voice.transport.OutputSink.pause`)."""
         was, self.paused = self.paused, True
         return not was
 
@@ -100,6 +101,13 @@ class PlayoutBuffer:
         if not self._frames:
             self._empty.set()
         return frame
+
+    def requeue(self, frames: list[PlayoutFrame]) -> None:
+        """Put ``frames`` (sent, but recalled before they played) back at
+        the head of the queue, in their order, ahead of what is queued."""
+        self._frames.extendleft(reversed(frames))
+        if self._frames:
+            self._empty.clear()
 
     def clear(self) -> int:
         """Drop everything queued, at once. Returns how many frames went."""

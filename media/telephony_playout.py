@@ -9,8 +9,16 @@ the server sends ``clear`` (Twilio, "Media Streams - WebSocket Messages",
 
 - **pacing with send-ahead** and the **delivery gate**:
   :class:`media.paced_playout.PacedPlayout` (shared with device sockets),
-  so a ``clear`` throws away at most ``send_ahead_ms`` and a stage-1 pause
-  (the buffer paused) stops the sound within it;
+  so a ``clear`` throws away at most ``send_ahead_ms``;
+- **recall on a stage-1 pause**: a pause on verified speech
+  (:meth:`TelephonyPlayout.pause`, not on trial) sends ``clear`` at once,
+  so the caller hears silence within a message instead of after the
+  send-ahead, and puts the frames the provider had not yet played back at
+  the head of the queue: a pause that is taken back (a backchannel, a
+  false interruption) plays on from the first frame the caller did not
+  hear (at most one 20 ms frame heard twice). A pause on trial (resumed
+  within ``pause_verify_ms`` unless verified) only stops sending, so the
+  provider's buffer covers it and a noise makes no hole;
 - **clear**: :meth:`TelephonyPlayout.clear` (called by the session right
   after the fence moves, in the same step) empties the queue *and* sends
   ``clear`` at once, even when the queue was already empty (the provider may
@@ -26,6 +34,7 @@ Protocol framing is the caller's (:class:`Wire`); this module sends bytes.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
@@ -107,6 +116,10 @@ class TelephonyPlayout(PacedPlayout):
         self._since_mark_ms = 0
         self._audible_end: dict[int, int] = {}
         self._sent_since_clear = False
+        #: frames sent and when the provider starts playing each (clock s), oldest first
+        self._in_flight: deque[tuple[PlayoutFrame, float]] = deque()
+        #: frames recalled from the provider by a pause, in all
+        self.recalled_frames = 0
 
     # -- the pacer (media.paced_playout.PacedPlayout) --------------------------------
 
@@ -131,7 +144,10 @@ class TelephonyPlayout(PacedPlayout):
         while len(self._mulaw) >= MULAW_FRAME_BYTES:
             self.wire.send_media(self._mulaw[:MULAW_FRAME_BYTES], gen)
             self._mulaw = self._mulaw[MULAW_FRAME_BYTES:]
-        self.far_end_until = max(self.far_end_until, now) + FRAME_MS / 1000
+        starts_at = max(self.far_end_until, now)
+        self.far_end_until = starts_at + FRAME_MS / 1000
+        self._played_by(now)
+        self._in_flight.append((frame, starts_at))
         end = frame.sample + len(frame.pcm) // 2
         self.marks.audio_sent(gen, frame.sample, end, now)
         self.sent_frames[gen] = self.sent_frames.get(gen, 0) + 1
@@ -169,7 +185,49 @@ class TelephonyPlayout(PacedPlayout):
         played (see :meth:`media.marks.MarkTracker.echoed`)."""
         return self.marks.echoed(name, self.clock.monotonic())
 
+    def _played_by(self, now: float) -> None:
+        """Forget in-flight frames the provider has played by ``now``."""
+        while self._in_flight and self._in_flight[0][1] + FRAME_MS / 1000 <= now + 1e-9:
+            self._in_flight.popleft()
+
     # -- the seam (voice.transport.OutputSink) --------------------------------------
+
+    def pause(self, trial: bool = False) -> bool:
+        """Stop sending (a stage-1 pause). Unless ``trial``, also recall
+        what the provider holds: ``clear`` now, and the frames it had not
+        started playing (and the one playing) go back to the head of the
+        queue, to play on :meth:`resume`; their pending marks no longer
+        count, and the heard position holds where the caller stopped
+        hearing. Returns True if it was playing."""
+        started = super().pause()
+        if not trial:
+            recalled = self._recall(self.clock.monotonic())
+            log.debug("pause: clear, %d frames recalled from the provider", recalled)
+        return started
+
+    def _recall(self, now: float) -> int:
+        self._played_by(now)
+        if not self._in_flight:
+            return 0
+        frames = [f for f, _ in self._in_flight]
+        self._in_flight.clear()
+        rewind: dict[int, int] = {}
+        for f in frames:
+            self.sent_frames[f.generation] -= 1
+            rewind[f.generation] = min(rewind.get(f.generation, f.sample), f.sample)
+        self._mulaw = b""
+        self._encoder.reset()
+        if self._stretch is not None:
+            self._segment_ended(self._stretch)
+        self._stretch = None
+        self._since_mark_ms = 0
+        self.marks.recalled(now, rewind)
+        self.far_end_until = now
+        self.clears_at.append(now)
+        self.recalled_frames += len(frames)
+        self.wire.send_clear()
+        self.requeue(frames)
+        return len(frames)
 
     def clear(self) -> int:
         """Drop everything queued and send ``clear`` at once, whether or
@@ -189,6 +247,7 @@ class TelephonyPlayout(PacedPlayout):
         self._stretch = None
         self._since_mark_ms = 0
         self.marks.cleared(now)
+        self._in_flight.clear()
         self.far_end_until = now
         self.clears_at.append(now)
         self.wire.send_clear()

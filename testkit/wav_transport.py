@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from clock import Clock
-from media.bargein import BargeInConfig, BargeInDetector
+from media.bargein import BargeInDetector
+from media.bargein_config import BargeInConfig
 from media.frames import FRAME_MS, VAD_RATE, frame_bytes, load_pcm
 from media.inbound_frame import InboundFrame, analyse_frame
 from media.outbound import PacedAudioTrack, Passes

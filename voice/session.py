@@ -67,6 +67,7 @@ from voice.turn_taking import (
     Decision,
     EndOfUtterance,
     Pause,
+    PauseStands,
     PttTooLong,
     ResetDetector,
     Resume,
@@ -238,9 +239,11 @@ class AgentSession(SessionControls):
             if isinstance(d, Announce):
                 self._send(Vad(generation=self.fence.active, event=d.event))
             elif isinstance(d, Pause):
-                self.playout.pause()
+                self.playout.pause(trial=d.trial)
                 self._held = [*self._preroll]
                 self._preroll.clear()
+            elif isinstance(d, PauseStands):
+                self.playout.pause()  # a far end's buffer goes now (media.telephony_playout)
             elif isinstance(d, Resume):
                 self._resume(d)
             elif isinstance(d, ClassifyBackchannel):

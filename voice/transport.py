@@ -87,8 +87,11 @@ class OutputSink(Protocol):
         """
         ...
 
-    def pause(self) -> bool:
-        """Hold playout where it is (queued frames stay). True if it was playing."""
+    def pause(self, trial: bool = False) -> bool:
+        """Hold playout where it is (queued frames stay). True if it was
+        playing. ``trial``: the pause may be taken back within tens of ms
+        (a stage-1 pause on trial); a sink whose far end buffers (a phone)
+        lets that buffer play instead of recalling it."""
         ...
 
     def resume(self) -> bool:

@@ -87,7 +87,19 @@ ANNOUNCED: dict[DetectorEventKind, VadEventName] = {
 @dataclass(frozen=True)
 class Pause:
     """Stage 1: pause playout (if it plays) and hold candidate ``candidate``'s
-    audio from now on, the pre-roll first."""
+    audio from now on, the pre-roll first. ``trial``: the onset is not yet
+    verified as speech (a pause on trial, resumed within ``pause_verify_ms``
+    unless it is), so a far end's buffer is left to play (the sink's
+    :meth:`voice.transport.OutputSink.pause`)."""
+
+    candidate: int
+    trial: bool = False
+
+
+@dataclass(frozen=True)
+class PauseStands:
+    """A pause on trial for candidate ``candidate`` scored as speech: it
+    stands, and a sink whose far end buffers may now recall that buffer."""
 
     candidate: int
 
@@ -170,7 +182,10 @@ class ResetDetector:
     """Forget the detector's current run (push-to-talk pressed or released)."""
 
 
-Decision = Announce | Pause | Resume | ClassifyBackchannel | CancelClassification | Commit | EndOfUtterance | PttTooLong | ResetDetector
+Decision = (
+    Announce | Pause | PauseStands | Resume | ClassifyBackchannel | CancelClassification | Commit | EndOfUtterance
+    | PttTooLong | ResetDetector
+)
 
 
 # -- state ----------------------------------------------------------------------
@@ -256,6 +271,10 @@ class TurnTaking:
         """One detector decision (ignored while push-to-talk is held)."""
         if self.ptt_active:
             return []
+        if ev.kind is DetectorEventKind.SPEECH_VERIFIED:
+            # a pause on trial stands: the far end's buffer may go too (not announced)
+            cand = self.candidate
+            return [PauseStands(cand.n)] if cand is not None and cand.paused and self.paused else []
         out: list[Decision] = [Announce(ANNOUNCED[ev.kind])]
         cand = self.candidate
         bc = self.backchannel
@@ -273,7 +292,9 @@ class TurnTaking:
                 cand.classification = None
                 cand.resumed_from, cand.ended_at, cand.release_at = cand.ended_at, None, None
                 return out
-            out.append(self._open(ev.onset_at, ev.at, lead_ms=round((ev.at - ev.onset_at) * 1000) + FRAME_MS))
+            out.append(self._open(
+                ev.onset_at, ev.at, lead_ms=round((ev.at - ev.onset_at) * 1000) + FRAME_MS, trial=ev.reason == "trial"
+            ))
         elif kind is DetectorEventKind.SPEECH_CONFIRMED:
             self.last_speech_at = ev.at
             if self.listening:
@@ -400,11 +421,11 @@ class TurnTaking:
 
     # -- steps ----------------------------------------------------------------
 
-    def _open(self, onset_at: float, at: float, lead_ms: int = 0) -> Pause:
+    def _open(self, onset_at: float, at: float, lead_ms: int = 0, trial: bool = False) -> Pause:
         self._serial += 1
         paused, self.paused = not self.paused, True
         self.candidate = Candidate(self._serial, onset_at, paused, at, lead_ms=lead_ms)
-        return Pause(self._serial)
+        return Pause(self._serial, trial)
 
     def _commit(self, at: float, initiator: BargeInInitiator = "vad") -> list[Decision]:
         cand = self.candidate

@@ -25,7 +25,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from media.bargein import BargeInConfig
+from media.bargein_config import BargeInConfig
 from media.inbound import MIN_STALL_MS
 from media.vad import VadConfig
 from turn.models import Plan

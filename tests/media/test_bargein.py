@@ -16,13 +16,13 @@ import pytest
 from pydantic import ValidationError
 
 from media.bargein import (
-    BargeInConfig,
     BargeInDetector,
     DetectorEvent,
 )
 from media.bargein import (
     DetectorEventKind as K,
 )
+from media.bargein_config import BargeInConfig
 from media.echo_guard import EchoReference
 from media.frames import PLAYOUT_RATE, VAD_RATE
 from media.speech_onset import shared_scorer
@@ -43,7 +43,9 @@ class Run:
     detector: BargeInDetector = field(repr=False)
 
     def kinds(self) -> list[K]:
-        return [e.kind for e in self.events]
+        """The run's lifecycle (a trial pause's verification, a step inside
+        SPEECH_STARTED, is left out: see the test of it)."""
+        return [e.kind for e in self.events if e.kind is not K.SPEECH_VERIFIED]
 
     def first(self, kind: K) -> DetectorEvent | None:
         return next((e for e in self.events if e.kind == kind), None)
@@ -73,12 +75,17 @@ def run_clip(clip: C.Clip, config: BargeInConfig | None = None, vad: VadConfig |
 
 
 def assert_well_formed(run: Run) -> None:
-    """Events follow STARTED -> (CONFIRMED -> STOPPED | REJECTED)."""
+    """Events follow STARTED -> [VERIFIED] -> (CONFIRMED -> STOPPED | REJECTED),
+    VERIFIED only after a STARTED on trial."""
     state = "idle"
+    trial = False
     for e in run.events:
         if e.kind == K.SPEECH_STARTED:
             assert state == "idle", run.kinds()
-            state = "pending"
+            state, trial = "pending", e.reason == "trial"
+        elif e.kind == K.SPEECH_VERIFIED:
+            assert state == "pending" and trial, run.events
+            trial = False
         elif e.kind == K.SPEECH_CONFIRMED:
             assert state == "pending", run.kinds()
             state = "speech"
@@ -521,3 +528,26 @@ def test_echo_guard_cost_and_similarity_figures() -> None:
     assert np.mean(np.array(echo) >= thr) > 0.9
     assert np.mean(np.array(dt) >= thr) < 0.3
     assert np.mean(cost) < 0.001
+
+
+def test_a_pause_on_trial_that_scores_as_speech_is_verified_once() -> None:
+    """A pause on trial (SPEECH_STARTED, reason "trial") whose onset then
+    scores as speech gives one SPEECH_VERIFIED before it confirms (a phone
+    call recalls the provider's buffer on it); a pause on speech at once
+    gives none (the order is checked by ``assert_well_formed``)."""
+    verified_trials = at_once = 0
+    for clip in C.speech_clips():
+        run = run_clip(clip)
+        assert_well_formed(run)
+        first = run.events[0]
+        assert first.kind is K.SPEECH_STARTED, (clip.name, run.events)
+        second = run.events[1]
+        if first.reason == "trial":
+            assert second.kind is K.SPEECH_VERIFIED, (clip.name, run.events)  # speech: it stands
+            verified_trials += 1
+            confirmed = run.first(K.SPEECH_CONFIRMED)
+            assert confirmed is not None and first.at < second.at <= confirmed.at
+        else:
+            at_once += 1
+            assert second.kind is K.SPEECH_CONFIRMED, (clip.name, run.events)
+    assert verified_trials and at_once  # the corpus has both

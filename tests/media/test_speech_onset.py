@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from test_bargein import run_clip
 
-from media.bargein import BargeInConfig
 from media.bargein import DetectorEventKind as K
+from media.bargein_config import BargeInConfig
 from media.frames import PLAYOUT_RATE, VAD_RATE
 from media.speech_onset import WINDOW_BYTES, OnsetScorer, shared_scorer
 

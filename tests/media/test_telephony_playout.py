@@ -119,7 +119,7 @@ async def test_send_ahead_then_one_message_per_tick() -> None:
     assert wire.kinds().count("media") == 10 and wire.kinds()[-1] == "mark"
 
 
-async def test_a_pause_stops_sending_and_a_mark_closes_the_stretch() -> None:
+async def test_a_pause_on_trial_stops_sending_and_a_mark_closes_the_stretch() -> None:
     clock = VirtualClock()
     wire = Wire()
     out = TelephonyPlayout(clock, lambda g: True, wire, send_ahead_ms=60, mark_every_ms=1000)
@@ -127,12 +127,59 @@ async def test_a_pause_stops_sending_and_a_mark_closes_the_stretch() -> None:
         out.push(f)
     now = clock.monotonic()
     out.pump(now)
-    out.pause()
+    out.pause(trial=True)  # the provider's 60 ms play on: a trial taken back makes no hole
     assert out.pump(now + 0.1) == 0
     assert wire.kinds() == ["media"] * 3 + ["mark"]  # the stretch ends: a mark after what was sent
     assert out.marks.pending(1) == 1
     out.resume()
     assert out.pump(now + 0.12) == 3
+
+
+async def test_a_pause_on_speech_recalls_what_the_provider_holds_and_resume_plays_on_from_there() -> None:
+    clock = VirtualClock()
+    wire = Wire()
+    out = TelephonyPlayout(clock, lambda g: True, wire, send_ahead_ms=60, mark_every_ms=40)
+    for f in frames(1, 20):
+        out.push(f)
+    t0 = clock.monotonic()
+    out.pump(t0)  # frames 0-2, playing from t0, t0+20 ms, t0+40 ms
+    out.pump(t0 + 0.02)  # frame 3, from t0+60 ms
+    first_mark = wire.marks()[0]  # after frames 0-1
+    await clock.advance(0.03)  # frame 0 played, frame 1 playing
+    out.pause()
+    assert wire.kinds()[-1] == "clear" and out.clears_at == [t0 + 0.03]  # at once, in the same step
+    assert out.recalled_frames == 3 and len(out) == 16 + 3  # frames 1-3 back at the head of the queue
+    assert out.played_samples(1) == FRAME  # the caller heard frame 0 (and a part of 1)
+    assert not out.on_mark(first_mark)  # returned because of the clear: not counted
+    assert out.pump(t0 + 0.05) == 0  # paused: nothing goes
+    await clock.advance(0.5)
+    assert out.played_samples(1) == FRAME  # nothing plays while held
+    out.resume()  # taken back (a backchannel): on from the first frame not heard
+    assert out.pump(clock.monotonic()) == 3
+    assert out.sent_frames[1] == 4  # frames 0-3, each counted once (1-3 recalled, then sent again)
+    await clock.advance(0.02)
+    assert FRAME < out.played_samples(1) <= 2 * FRAME  # plays again from frame 1, at real time
+    # a commit now still sends clear (the provider holds the resent frames)
+    assert out.clear() == 16 and wire.kinds()[-1] == "clear"
+
+
+async def test_a_pause_with_nothing_at_the_provider_sends_no_clear() -> None:
+    clock = VirtualClock()
+    wire = Wire()
+    out = TelephonyPlayout(clock, lambda g: True, wire, send_ahead_ms=60)
+    for f in frames(1, 2):
+        out.push(f)
+    out.pump(clock.monotonic())
+    out.pause(trial=True)
+    assert "clear" not in wire.kinds()
+    out.pause()  # the trial is verified while paused: what the provider still holds is recalled
+    assert wire.kinds().count("clear") == 1
+    out.resume()
+    out.pump(clock.monotonic())  # the two frames again
+    await clock.advance(1.0)  # all played long ago
+    n = len(wire.sent)
+    out.pause()
+    assert len(wire.sent) == n  # nothing to recall: nothing sent
 
 
 async def test_clear_is_sent_at_once_even_with_an_empty_queue_and_nothing_old_follows() -> None:

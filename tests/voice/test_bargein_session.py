@@ -20,7 +20,7 @@ from test_agent_session import Harness, Mic, pcm48
 
 from demo_shop.service import DemoService
 from demo_shop.tools import demo_tools
-from media.bargein import BargeInConfig
+from media.bargein_config import BargeInConfig
 from media.echo_guard import EchoReference
 from media.frames import PLAYOUT_RATE, VAD_RATE
 from media.inbound import InboundAudio

@@ -20,6 +20,7 @@ from voice.turn_taking import (
     Commit,
     EndOfUtterance,
     Pause,
+    PauseStands,
     PttTooLong,
     ResetDetector,
     Resume,
@@ -90,6 +91,19 @@ def committed(tt: TurnTaking, at_ms: int = 1010) -> None:
 
 
 # -- candidate speech, pause, resume ------------------------------------------------
+
+
+def test_a_pause_on_trial_stands_once_verified_and_is_not_announced() -> None:
+    tt = machine()
+    got = tt.on_event(DetectorEvent(DetectorEventKind.SPEECH_STARTED, 1.01, 0.97, reason="trial"), SPEAKING)
+    assert got == [Announce("speech_started"), Pause(1, trial=True)]
+    assert tt.on_event(DetectorEvent(DetectorEventKind.SPEECH_VERIFIED, 1.03, 0.97), SPEAKING) == [PauseStands(1)]
+    # a pause on speech at once is no trial
+    other = machine()
+    assert other.on_event(DetectorEvent(DetectorEventKind.SPEECH_STARTED, 1.01, 0.97), SPEAKING)[1] == Pause(1)
+    # nothing paused (no candidate): a verification changes nothing
+    assert machine().on_event(DetectorEvent(DetectorEventKind.SPEECH_VERIFIED, 1.03, 0.97), SPEAKING) == []
+
 
 
 @pytest.mark.parametrize(

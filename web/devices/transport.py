@@ -36,7 +36,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from clock import Clock
-from media.bargein import BargeInConfig, BargeInDetector
+from media.bargein import BargeInDetector
+from media.bargein_config import BargeInConfig
 from media.device_playout import DevicePlayout
 from media.echo_guard import EchoReference
 from media.frames import VAD_RATE, Reframer

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from clock import Clock
-from media.bargein import BargeInConfig, BargeInDetector
+from media.bargein import BargeInDetector
+from media.bargein_config import BargeInConfig
 from media.frames import VAD_RATE, Reframer
 from media.g711 import MulawDecoder
 from media.inbound_frame import InboundFrame, analysed_frames
