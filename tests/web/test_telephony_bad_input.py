@@ -12,6 +12,7 @@ import base64
 import json
 import os
 import struct
+import xml.etree.ElementTree as ET
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -173,7 +174,9 @@ def _frame(text: str | bytes, opcode: int = 1) -> bytes:
     return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data))
 
 
-async def test_a_socket_closed_mid_message_settles_the_turn(server: tuple[web.Application, str]) -> None:
+async def test_a_socket_closed_mid_message_settles_the_turn(
+    server: tuple[web.Application, str], caplog: pytest.LogCaptureFixture
+) -> None:
     app, url = server
     host, port = url.removeprefix("ws://").split("/")[0].split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
@@ -201,6 +204,29 @@ async def test_a_socket_closed_mid_message_settles_the_turn(server: tuple[web.Ap
     assert turn.status is TurnStatus.CANCELLED
     assert turn.stop_reason is not None and turn.stop_reason.kind is StopReasonKind.TRANSPORT_DISCONNECTED
     await wait_until(lambda: not calls(app), 10, "the call is freed")
+    assert any("closed without a stop" in r.getMessage() for r in caplog.records)  # the abrupt end is logged
+
+
+async def test_a_replayed_tenant_signature_opens_no_second_call(server: tuple[web.Application, str]) -> None:
+    """The parameters our webhook signed for one call, replayed on a second
+    stream (seen in a log, say), are refused; the first call goes on."""
+    app, url = server
+    http_url = url.replace("ws://", "http://").removesuffix("/v1/telephony/twilio")
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{http_url}/v1/telephony/twilio/voice", data={"CallSid": "CA-replayed"}) as r:
+            twiml = await r.text()
+        params = {p.get("name") or "": p.get("value") or "" for p in ET.fromstring(twiml).iter("Parameter")}
+        first = FakeProvider(await http.ws_connect(url), stream_id="MZ-first", call_id="CA-replayed")
+        await first.start(params)
+        await wait_until(lambda: any(c.agent for c in calls(app)), 10, "the call starts")
+        [call] = calls(app)
+        assert call.tenant == "default"
+        second = FakeProvider(await http.ws_connect(url), stream_id="MZ-second", call_id="CA-replayed")
+        await second.start(params, lines=False)
+        assert await second.closed() == 1008
+        await keys_answered(app, first, call)
+        await first.aclose()
+        await second.aclose()
 
 
 async def test_a_forged_tenant_is_refused(server: tuple[web.Application, str]) -> None:

@@ -7,6 +7,8 @@ without a valid signature when an auth token is set."""
 from __future__ import annotations
 
 import base64
+import time
+import xml.etree.ElementTree as ET
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from twilio.request_validator import RequestValidator
 from web.app import create_app
 from web.settings import Settings
 from web.telephony.dialect import Dtmf, Mark, Media, ProtocolError, Start, Stop, loads
-from web.telephony.signature import sign_tenant, tenant_of, twilio_signature_valid
+from web.telephony.signature import TENANT_SIG_TTL_S, TenantSigner, twilio_signature_valid
 from web.telephony.telnyx import TelnyxDialect, client_state_parameters, encode_client_state
 from web.telephony.twilio import TwilioDialect
 from web.telephony.twiml import connect_stream
@@ -102,14 +104,31 @@ def test_the_signature_check_matches_twilios_worked_example() -> None:
     assert not twilio_signature_valid("12345", url, params, None)
 
 
-def test_the_tenant_is_ours_and_bound_to_the_call() -> None:
-    secret = b"k" * 32
-    sig = sign_tenant(secret, "tenant_a", "CA1")
-    assert tenant_of(secret, {"tenant": "tenant_a", "tenant_sig": sig}, "CA1") == "tenant_a"
-    assert tenant_of(secret, {"tenant": "tenant_a", "tenant_sig": sig}, "CA2") is None  # another call
-    assert tenant_of(secret, {"tenant": "tenant_b", "tenant_sig": sig}, "CA1") is None  # another tenant
-    assert tenant_of(secret, {"tenant": "tenant_a"}, "CA1") is None  # unsigned
-    assert tenant_of(secret, {}, "CA1") == "default"
+def test_the_tenant_is_ours_bound_to_the_call_and_good_once() -> None:
+    now = 1_800_000_000.0
+    signer = TenantSigner(b"k" * 32)
+    params = signer.parameters("tenant_a", "CA1", now)
+    assert set(params) == {"tenant", "tenant_sig", "tenant_ts"}
+    assert signer.tenant_of(params, "CA2", now) is None  # another call
+    assert signer.tenant_of({**params, "tenant": "tenant_b"}, "CA1", now) is None  # another tenant
+    assert signer.tenant_of({**params, "tenant_ts": str(int(now) + 1)}, "CA1", now) is None  # another issue time
+    assert signer.tenant_of({"tenant": "tenant_a"}, "CA1", now) is None  # unsigned
+    assert signer.tenant_of({**params, "tenant_ts": "x" * 40}, "CA1", now) is None  # garbage
+    assert TenantSigner(b"j" * 32).tenant_of(params, "CA1", now) is None  # another key
+    assert signer.tenant_of(params, "CA1", now + 5) == "tenant_a"
+    assert signer.tenant_of(params, "CA1", now + 6) is None  # a second stream with the same parameters: a replay
+    assert signer.tenant_of({}, "CA1", now) == "default"
+    # expired: the stream must start soon after the webhook
+    late = signer.parameters("tenant_a", "CA3", now)
+    assert signer.tenant_of(late, "CA3", now + TENANT_SIG_TTL_S + 1) is None
+    # issued in the future (beyond another instance's clock skew): refused
+    ahead = signer.parameters("tenant_a", "CA4", now + 3600)
+    assert signer.tenant_of(ahead, "CA4", now) is None
+    # the claims of expired signatures are forgotten, not kept for ever
+    for k in range(50):
+        signer.tenant_of(signer.parameters("t", f"CB{k}", now), f"CB{k}", now)
+    signer.tenant_of(signer.parameters("t", "CC", now + 2 * TENANT_SIG_TTL_S), "CC", now + 2 * TENANT_SIG_TTL_S)
+    assert len(signer._claimed) == 1
 
 
 def test_twiml_connects_the_stream_with_its_parameters() -> None:
@@ -150,8 +169,10 @@ async def test_webhook_and_upgrade_need_a_valid_signature(signed_server: str) ->
             assert r.status == 200 and r.content_type == "text/xml"
             twiml = await r.text()
         assert '<Stream url="ws://127.0.0.1:' in twiml and "/v1/telephony/twilio" in twiml
-        sig = sign_tenant(b"sec", "tenant_a", "CA9")
-        assert f'<Parameter name="tenant" value="tenant_a" /><Parameter name="tenant_sig" value="{sig}" />' in twiml
+        params = {p.get("name"): p.get("value") for p in ET.fromstring(twiml).iter("Parameter")}
+        assert params["tenant"] == "tenant_a"
+        assert abs(int(params["tenant_ts"]) - time.time()) < 60
+        assert TenantSigner(b"sec").tenant_of(params, "CA9", time.time()) == "tenant_a"  # signed with the setting
         ws_url = url.replace("http://", "ws://") + "/v1/telephony/twilio"
         with pytest.raises(aiohttp.WSServerHandshakeError) as err:
             await http.ws_connect(ws_url)

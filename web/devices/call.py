@@ -52,12 +52,16 @@ from voice.transport import Control, ControlKind
 from web.devices import framing
 from web.devices.messages import Abort, AudioParams, DeviceMessageError, Hello, Ignored, Listen, alert, parse_device_message, server_hello
 from web.devices.transport import DeviceTransport
+from web.rate_limit import TokenBucket
 from web.settings import Settings
 
 log = logging.getLogger(__name__)
 
 #: bad messages a device may send before its socket is closed
+#: bad messages a socket may send at once before it is closed, and how many a
+#: second it may go on sending (an occasional bad one never closes a long call)
 MAX_BAD_MESSAGES = 100
+BAD_MESSAGES_PER_S = 1.0
 #: how long a closing connection waits for its agent to settle its turns, s
 SETTLE_WAIT_S = 10.0
 
@@ -129,8 +133,9 @@ class DeviceCall:
         self._tasks: list[asyncio.Task[None]] = []
         self._agent_task: asyncio.Task[None] | None = None
         self._closing: asyncio.Task[None] | None = None
-        self._window_start = 0.0
-        self._window_count = 0
+        limit = settings.devices.max_messages_per_s
+        self._messages = TokenBucket(limit, limit)  # a second's worth at once, the rate on average
+        self._bad_budget = TokenBucket(BAD_MESSAGES_PER_S, MAX_BAD_MESSAGES)
         self.closed = asyncio.Event()
 
     # -- the socket ---------------------------------------------------------------------
@@ -158,14 +163,10 @@ class DeviceCall:
 
     def _guard(self, handle: Callable[[object], None], data: object) -> None:
         """Rate-check one message and hand it on; nothing raises into the reader."""
-        now = self.clock.monotonic()
-        if now - self._window_start >= 1.0:
-            self._window_start, self._window_count = now, 0
-        self._window_count += 1
         limit = self.settings.devices.max_messages_per_s
         try:
-            if self._window_count > limit:
-                raise DeviceError("flood", f"more than {limit} messages in a second (60 ms audio is 17)", fatal=True)
+            if not self._messages.take(self.clock.monotonic()):
+                raise DeviceError("flood", f"more than {limit} messages a second (60 ms audio is 17)", fatal=True)
             handle(data)
         except DeviceError as exc:
             self._bad(exc)
@@ -267,7 +268,7 @@ class DeviceCall:
         """A bad message: logged with its code, told to the device if it
         says so; the socket is closed if fatal or the device sent too many."""
         self.errors = [*self.errors[-999:], exc.code]
-        fatal = exc.fatal or len(self.errors) >= MAX_BAD_MESSAGES
+        fatal = exc.fatal or not self._bad_budget.take(self.clock.monotonic())
         log.warning("device %s: %s: %s%s", self.id, exc.code, exc, " (closing)" if fatal else "")
         if exc.tell:
             self._alert(str(exc))

@@ -36,15 +36,19 @@ from turn.manager import TurnManager
 from turn.models import StopReasonKind, TurnKind
 from voice.narrowband import NarrowbandSpeech
 from voice.session import AgentSession, Providers
+from web.rate_limit import TokenBucket
 from web.settings import Settings
 from web.telephony.dialect import Connected, Dialect, Dtmf, Mark, Media, ProtocolError, Start, Stop, loads
-from web.telephony.signature import tenant_of
+from web.telephony.signature import TenantSigner
 from web.telephony.transport import PhoneTransport
 
 log = logging.getLogger(__name__)
 
 #: bad messages a call may send before its socket is closed
+#: bad messages a socket may send at once before it is closed, and how many a
+#: second it may go on sending (an occasional bad one never closes a long call)
 MAX_BAD_MESSAGES = 100
+BAD_MESSAGES_PER_S = 1.0
 #: how often the watchdog looks at the stream, s
 WATCH_INTERVAL_S = 0.25
 #: how long a closing call waits for its agent to settle its turns, s
@@ -61,7 +65,7 @@ class PhoneCall:
         clock: time source.
         ws: the provider's WebSocket (prepared).
         dialect: its JSON.
-        secret: the key our tenant signatures are made with.
+        signer: checks the tenant our webhook signed into the stream's parameters.
         on_closed: called once with this call after it has been freed.
         client: the provider's address.
 
@@ -72,7 +76,7 @@ class PhoneCall:
 
     def __init__(
         self, *, settings: Settings, manager: TurnManager, providers: Providers, clock: Clock,
-        ws: web.WebSocketResponse, dialect: Dialect, secret: bytes, on_closed: Callable[[PhoneCall], None],
+        ws: web.WebSocketResponse, dialect: Dialect, signer: TenantSigner, on_closed: Callable[[PhoneCall], None],
         client: str = "?",
     ) -> None:
         self.id = uuid.uuid4().hex
@@ -87,7 +91,7 @@ class PhoneCall:
         self.clock = clock
         self.ws = ws
         self.dialect = dialect
-        self._secret = secret
+        self._signer = signer
         self._on_closed = on_closed
         self.fence = GenerationFence(clock)
         t = settings.telephony
@@ -106,8 +110,9 @@ class PhoneCall:
         self._watchdog: asyncio.Task[None] | None = None
         self._last_media_at = clock.monotonic()
         self._closing: asyncio.Task[None] | None = None
-        self._window_start = 0.0
-        self._window_count = 0
+        limit = settings.telephony.max_messages_per_s
+        self._messages = TokenBucket(limit, limit)  # a second's worth at once, the rate on average
+        self._bad_budget = TokenBucket(BAD_MESSAGES_PER_S, MAX_BAD_MESSAGES)
         self.closed = asyncio.Event()
 
     # -- the socket ---------------------------------------------------------------------
@@ -129,6 +134,9 @@ class PhoneCall:
                     break
                 if self._closing is not None:
                     break
+            else:  # the socket closed under us: no ``stop``, not our close
+                if self._closing is None:
+                    log.warning("call %s: the socket closed without a stop (close code %s)", self.id, self.ws.close_code)
         finally:
             await asyncio.shield(self.close(StopReasonKind.TRANSPORT_DISCONNECTED))
 
@@ -153,13 +161,9 @@ class PhoneCall:
     def _on_text(self, data: str) -> None:
         """One text message: rate-checked, parsed, handed on. Nothing here
         raises into the reader."""
-        now = self.clock.monotonic()
-        if now - self._window_start >= 1.0:
-            self._window_start, self._window_count = now, 0
-        self._window_count += 1
-        if self._window_count > self.settings.telephony.max_messages_per_s:
+        if not self._messages.take(self.clock.monotonic()):
             self._bad(ProtocolError(
-                "flood", f"more than {self.settings.telephony.max_messages_per_s} messages in a second "
+                "flood", f"more than {self.settings.telephony.max_messages_per_s} messages a second "
                 "(20 ms media is 50 a second)", fatal=True,
             ))
             return
@@ -203,9 +207,12 @@ class PhoneCall:
     def _start(self, start: Start) -> None:
         if self.transport.stream_id is not None:
             raise ProtocolError("duplicate_start", "a second start on one stream: ignored")
-        tenant = tenant_of(self._secret, start.parameters, start.call_id)
+        tenant = self._signer.tenant_of(start.parameters, start.call_id, self.clock.now().timestamp())
         if tenant is None:
-            raise ProtocolError("bad_tenant", "the stream names a tenant without our signature for this call", fatal=True)
+            raise ProtocolError(
+                "bad_tenant", "the stream names a tenant without our valid signature for this call "
+                "(missing, wrong, expired, or used by another stream)", fatal=True,
+            )
         self.tenant = tenant
         self.connected = True
         self.transport.started(start.stream_id)
@@ -222,7 +229,7 @@ class PhoneCall:
         """A bad message: logged with its code; the socket is closed if it
         is fatal or the call has sent too many."""
         self.errors = [*self.errors[-999:], exc.code]
-        fatal = exc.fatal or len(self.errors) >= MAX_BAD_MESSAGES
+        fatal = exc.fatal or not self._bad_budget.take(self.clock.monotonic())
         log.warning("call %s: %s: %s%s", self.id, exc.code, exc, " (closing)" if fatal else "")
         if fatal:
             self.close_code = int(WSCloseCode.POLICY_VIOLATION)

@@ -25,13 +25,7 @@ from web.errors import ApiError
 from web.state import CLOCK, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE
 from web.telephony.call import PhoneCall
 from web.telephony.dialect import Dialect
-from web.telephony.signature import (
-    TENANT_PARAM,
-    TENANT_SIG_PARAM,
-    request_url,
-    sign_tenant,
-    twilio_signature_valid,
-)
+from web.telephony.signature import TenantSigner, request_url, twilio_signature_valid
 from web.telephony.telnyx import TelnyxDialect
 from web.telephony.twilio import TwilioDialect
 from web.telephony.twiml import connect_stream
@@ -74,19 +68,31 @@ OPENAPI_PATHS: dict[str, Any] = {
 
 def add_routes(app: web.Application) -> None:
     """Add the telephony routes to ``app``."""
+    app[SIGNER] = []
     app.router.add_post(TWILIO_VOICE_PATH, twilio_voice)
     app.router.add_get(TWILIO_STREAM_PATH, twilio_stream)
     app.router.add_get(TELNYX_STREAM_PATH, telnyx_stream)
 
 
-async def tenant_secret(app: web.Application) -> bytes:
-    """The key tenant signatures are made with: ``telephony.tenant_secret``,
+#: the server's tenant signer, made on first use (its key may live in the store)
+SIGNER: web.AppKey[list[TenantSigner]] = web.AppKey("telephony_signer")
+
+
+async def tenant_signer(app: web.Application) -> TenantSigner:
+    """The server's :class:`TenantSigner`, keyed with ``telephony.tenant_secret``,
     else a secret kept in the store (the same for every instance)."""
+    held = app[SIGNER]
+    if held:
+        return held[0]
     configured = app[SETTINGS].telephony.tenant_secret
     if configured:
-        return configured.encode()
-    store = app[STORE]
-    return await app[MANAGER].store_call(lambda: store.secret("telephony-tenant"))
+        secret = configured.encode()
+    else:
+        store = app[STORE]
+        secret = await app[MANAGER].store_call(lambda: store.secret("telephony-tenant"))
+    if not held:  # another request may have made it meanwhile: keep one (its claims)
+        held.append(TenantSigner(secret))
+    return held[0]
 
 
 def _check_twilio(request: web.Request, params: dict[str, str], *, stream: bool = False) -> None:
@@ -138,10 +144,9 @@ async def twilio_voice(request: web.Request) -> web.Response:
         raise ApiError(400, "bad_request", "the webhook has no CallSid")
     t = request.app[SETTINGS].telephony
     tenant = t.tenant_by_number.get(params.get("To", ""), "default")
-    secret = await tenant_secret(request.app)
+    signer = await tenant_signer(request.app)
     twiml = connect_stream(
-        stream_url(request, TWILIO_STREAM_PATH),
-        {TENANT_PARAM: tenant, TENANT_SIG_PARAM: sign_tenant(secret, tenant, call_sid)},
+        stream_url(request, TWILIO_STREAM_PATH), signer.parameters(tenant, call_sid, request.app[CLOCK].now().timestamp())
     )
     return web.Response(text=twiml, content_type="text/xml")
 
@@ -185,7 +190,7 @@ async def _stream(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     peers = app[PEERS]
     client = request.remote or "?"
     admit(app, client)  # early: a full server answers before the store is asked
-    secret = await tenant_secret(app)
+    signer = await tenant_signer(app)
     ws = web.WebSocketResponse(max_msg_size=settings.telephony.max_message_bytes, heartbeat=None)
 
     def forget(call: PhoneCall) -> None:
@@ -196,7 +201,7 @@ async def _stream(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     admit(app, client)
     call = PhoneCall(
         settings=settings, manager=app[MANAGER], providers=app[PROVIDERS].for_session(), clock=app[CLOCK], ws=ws,
-        dialect=dialect, secret=secret, on_closed=forget, client=client,
+        dialect=dialect, signer=signer, on_closed=forget, client=client,
     )
     peers[call.id] = call
     # the call's session id, for operators' tooling (``turnkeeper call --phone``

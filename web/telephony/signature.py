@@ -9,16 +9,21 @@ WebSocket upgrade is signed over its URL alone). Checked with Twilio's own
 
 **The tenant** a call belongs to is never taken from the caller: the voice
 webhook writes it into the TwiML's ``<Parameter>`` elements together with
-an HMAC-SHA256 over the tenant and the call's ``CallSid`` (keyed with the
-``telephony.tenant_secret`` setting, or a secret kept in the store), and the
-stream's ``start`` must carry both back for the same call. A stream with a
-tenant and no valid signature is refused.
+an HMAC-SHA256 over the tenant, the call's ``CallSid`` and the time it was
+issued (keyed with the ``telephony.tenant_secret`` setting, or a secret kept
+in the store), and the stream's ``start`` must carry them back for the same
+call, within ``TENANT_SIG_TTL_S`` of issue, and only once: a second stream
+presenting the same call's signature is refused on this instance (a stream
+URL and its parameters seen in a log cannot be replayed to open another
+call on the tenant's budget). A stream with a tenant and no valid signature
+is refused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections import OrderedDict
 
 from aiohttp import web
 from twilio.request_validator import RequestValidator
@@ -26,6 +31,13 @@ from twilio.request_validator import RequestValidator
 #: the custom parameters carrying the signed tenant
 TENANT_PARAM = "tenant"
 TENANT_SIG_PARAM = "tenant_sig"
+TENANT_TS_PARAM = "tenant_ts"
+#: a signed tenant must reach the stream's ``start`` this soon after the webhook, s
+TENANT_SIG_TTL_S = 300
+#: how far ahead of our clock an issue time may be (another instance's clock), s
+CLOCK_SKEW_S = 60
+#: calls remembered as having started a stream, at most
+MAX_CLAIMS = 100_000
 
 
 def twilio_signature_valid(auth_token: str, url: str, params: dict[str, str], signature: str | None) -> bool:
@@ -54,19 +66,56 @@ def request_url(request: web.Request, public_url: str) -> str:
     return f"{scheme}://{host}{request.rel_url.path_qs}"
 
 
-def sign_tenant(secret: bytes, tenant: str, call_id: str) -> str:
-    """The signature binding ``tenant`` to the call ``call_id`` (hex HMAC-SHA256)."""
-    return hmac.new(secret, f"{tenant}\n{call_id}".encode(), hashlib.sha256).hexdigest()
+def sign_tenant(secret: bytes, tenant: str, call_id: str, issued_at: int) -> str:
+    """The signature binding ``tenant`` to the call ``call_id``, issued at
+    ``issued_at`` (Unix seconds): hex HMAC-SHA256."""
+    return hmac.new(secret, f"{tenant}\n{call_id}\n{issued_at}".encode(), hashlib.sha256).hexdigest()
 
 
-def tenant_of(secret: bytes, parameters: dict[str, str], call_id: str) -> str | None:
-    """The tenant a stream's ``start`` names, if signed by us for ``call_id``:
-    ``"default"`` when it names none, None when the signature is missing or
-    wrong (the stream is refused)."""
-    tenant = parameters.get(TENANT_PARAM)
-    if tenant is None:
-        return "default"
-    given = parameters.get(TENANT_SIG_PARAM, "")
-    if not call_id or not hmac.compare_digest(given, sign_tenant(secret, tenant, call_id)):
-        return None
-    return tenant
+class TenantSigner:
+    """Signs the tenant into a call's TwiML and checks it when the stream
+    starts (see the module doc). One per server; not thread-safe.
+
+    Args:
+        secret: the HMAC key.
+    """
+
+    def __init__(self, secret: bytes) -> None:
+        self.secret = secret
+        self._claimed: OrderedDict[str, float] = OrderedDict()  # call id -> when its signature expires
+
+    def parameters(self, tenant: str, call_id: str, now: float) -> dict[str, str]:
+        """The ``<Parameter>``s for call ``call_id`` of ``tenant``, issued
+        at ``now`` (Unix seconds)."""
+        issued = int(now)
+        return {TENANT_PARAM: tenant, TENANT_TS_PARAM: str(issued),
+                TENANT_SIG_PARAM: sign_tenant(self.secret, tenant, call_id, issued)}
+
+    def tenant_of(self, parameters: dict[str, str], call_id: str, now: float) -> str | None:
+        """The tenant a stream's ``start`` names, if signed by us for
+        ``call_id``, not expired at ``now`` (Unix seconds) and not used by
+        another stream before: ``"default"`` when it names none, None when
+        it is refused (the stream is closed)."""
+        tenant = parameters.get(TENANT_PARAM)
+        if tenant is None:
+            return "default"
+        given = parameters.get(TENANT_SIG_PARAM, "")
+        issued_text = parameters.get(TENANT_TS_PARAM, "")
+        if not call_id or not issued_text.isdigit() or len(issued_text) > 12:
+            return None
+        issued = int(issued_text)
+        if not hmac.compare_digest(given, sign_tenant(self.secret, tenant, call_id, issued)):
+            return None
+        if not now - TENANT_SIG_TTL_S <= issued <= now + CLOCK_SKEW_S:
+            return None
+        return tenant if self._claim(call_id, issued + TENANT_SIG_TTL_S, now) else None
+
+    def _claim(self, call_id: str, expires: float, now: float) -> bool:
+        while self._claimed and next(iter(self._claimed.values())) < now:
+            self._claimed.popitem(last=False)  # expired: its signature is refused anyway
+        if call_id in self._claimed:
+            return False
+        self._claimed[call_id] = expires
+        if len(self._claimed) > MAX_CLAIMS:
+            self._claimed.popitem(last=False)
+        return True
