@@ -126,6 +126,16 @@ class SessionReady(_Turnless):
     session_id: str
 
 
+class SessionDraining(_Turnless):
+    """This instance is draining (a deploy): the session may go on for
+    ``left_s`` more, then it ends ``worker_shutdown``. A client can
+    reconnect to another instance between turns."""
+
+    type: Literal["session.draining"] = "session.draining"
+    left_s: float = Field(description="how long the session may go on, s")
+    reason: str = Field(description='why the instance drains, e.g. "SIGTERM", "admin"')
+
+
 class Vad(_Turnless):
     """A decision of the barge-in detector (media.bargein.DetectorEventKind)
     or the endpointer's ``end_of_turn``."""
@@ -378,6 +388,16 @@ class StreamStart(CatalogueModel):
     expires_in_s: int = Field(description="the token's lifetime, s")
 
 
+class StreamEnd(CatalogueModel):
+    """The last message of an SSE event stream the server ends (no
+    envelope): every event logged before it was sent. ``shutting_down``:
+    the instance is draining; resume on another with the last event's id."""
+
+    type: Literal["stream.end"] = "stream.end"
+    reason: Literal["shutting_down"]
+    last_seq: int = Field(description="the seq of the last event sent (resume after it)")
+
+
 class SnapshotTurn(TurnFields):
     """One turn of a resumed stream's snapshot, as stored now."""
 
@@ -395,12 +415,12 @@ class Snapshot(CatalogueModel):
 
 
 EVENT_MODELS: tuple[type[CatalogueModel], ...] = (
-    SessionReady, Vad, FalseInterruption, Backchannel, BargeIn, StopDeferred,
+    SessionReady, SessionDraining, Vad, FalseInterruption, Backchannel, BargeIn, StopDeferred,
     TurnEvent, AgentState, Transcript, AgentDelta, AgentDone, AgentInterrupted, AudioStart, AudioEnd,
     Usage, ErrorEvent,
     ToolStarted, ToolError, ToolNotStarted, ToolCancelled,
     ToolIntent, ToolDone, ToolCompensated, ToolAbandoned, ToolEffectUnknown, ToolHumanRequired,
-    Pong, StreamStart, Snapshot,
+    Pong, StreamStart, StreamEnd, Snapshot,
 )  # fmt: skip
 
 #: every server event: a discriminated union on ``type``

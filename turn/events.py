@@ -287,6 +287,12 @@ class EventLogs:
         if lg is not None:
             await lg.aclose()
 
+    async def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every writer has written what was emitted so far
+        (at most ``timeout_s`` each); False if one timed out."""
+        results = await asyncio.gather(*(lg.flush(timeout_s) for lg in list(self._logs.values())))
+        return all(results)
+
     async def aclose(self) -> None:
         """Flush and forget every writer."""
         for session_id in list(self._logs):

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from clock import Clock
+from clock import Clock, timeout_after
 from turn.event_catalogue import AgentDelta, AgentDone, Transcript
 from turn.events import SessionEventLog
 from turn.generation import GenerationFence
@@ -298,6 +298,24 @@ class TextTurns:
             await self.manager.record(turn_id, reply=shown, reply_unheard=rest)
         except Exception:
             log.exception("turn %s: could not record its partial reply", turn_id)
+
+    def _running(self) -> list[asyncio.Task[None]]:
+        return [t for ts in self._sessions.values() for t in ts.running.values() if not t.done()]
+
+    def running_count(self) -> int:
+        """Text turns running here now."""
+        return len(self._running())
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no text turn runs here, at most ``timeout_s`` of the
+        clock; True if none runs (turns that start meanwhile count too)."""
+        try:
+            async with timeout_after(self.clock, timeout_s):
+                while running := self._running():
+                    await asyncio.wait(running)
+        except TimeoutError:
+            return False
+        return True
 
     async def aclose(self) -> None:
         """Stop every running text turn with ``worker_shutdown`` and wait."""

@@ -30,12 +30,13 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from turn.catalogue_schema import catalogue_schema
-from turn.event_catalogue import Snapshot, SnapshotTurn, StreamStart, wire_of
+from turn.event_catalogue import Snapshot, SnapshotTurn, StreamEnd, StreamStart, wire_of
 from turn.events import EventFollower, event_json
 from turn.manager import TurnManager, turn_fields
 from turn.models import Budget, Session, StopReason, StopReasonKind, Turn
 from turn.store import IdempotencyConflict, StopAnswer, UnknownSession, UnknownTurn, WrongSessionKind
 from web.auth import Auth
+from web.drain import DRAIN
 from web.errors import ApiError
 from web.state import AUTH, CLOCK, MANAGER, STREAMS, TEXT_TURNS
 from web.telephony.routes import OPENAPI_PATHS as TELEPHONY_PATHS
@@ -259,16 +260,40 @@ async def session_events(request: web.Request) -> web.StreamResponse:
                 for t in turns
             ])))
         follower = EventFollower(manager.store, session.id, after_seq, poll_s=KEEPALIVE_S)
-        async for batch in follower.follow():
-            if not batch:
-                await resp.write(b": keep-alive\n\n")
-            for ev in batch:
-                await _send(resp, event_json(ev), event_id=ev.seq)
+        closing = app[DRAIN].streams_closing
+        sent = [after_seq]  # the seq of the last event sent
+        gone = False
+        try:
+            async with asyncio.TaskGroup() as tg:
+                live = tg.create_task(_live(resp, follower, sent))
+                await closing.wait()
+                live.cancel()  # the instance drains: what is logged goes out, then the end
+        except* ConnectionResetError:
+            gone = True  # the client went away
+        if gone:
+            return resp
+        follower.cursor = max(sent[0], after_seq)  # from the last event sent: none is lost, none sent twice
+        for ev in await follower.read_available():
+            await _send(resp, event_json(ev), event_id=ev.seq)
+        await _send(resp, wire_of(StreamEnd(reason="shutting_down", last_seq=follower.cursor)))
+        await resp.write_eof()
     except ConnectionResetError:
         pass  # the client went away
-    finally:  # also when cancelled at shutdown (CancelledError goes on)
+    finally:  # also when cut at shutdown (CancelledError goes on)
         streams.discard(task)
     return resp
+
+
+async def _live(resp: web.StreamResponse, follower: EventFollower, sent: list[int]) -> None:
+    """Send the session's events as they are logged (a keep-alive comment
+    when nothing came for ``KEEPALIVE_S``), until cancelled; ``sent[0]``
+    is kept at the seq of the last one sent."""
+    async for batch in follower.follow():
+        if not batch:
+            await resp.write(b": keep-alive\n\n")
+        for ev in batch:
+            await _send(resp, event_json(ev), event_id=ev.seq)
+            sent[0] = ev.seq
 
 
 def _cursor(request: web.Request) -> tuple[int, bool]:

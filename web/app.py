@@ -43,10 +43,11 @@ from voice.stt import PocketsphinxSTT
 from voice.text_turns import TextTurns
 from voice.tools import Toolbox
 from voice.tts import EspeakTTS
-from web import api
+from web import api, drain
 from web.admission import admit
 from web.auth import Auth
 from web.devices import routes as device_routes
+from web.drain import DRAIN, close_streams
 from web.errors import ApiError
 from web.offer_validation import OfferRejected, validate_offer
 from web.peer import PeerSession
@@ -259,6 +260,7 @@ def create_app(
     app.router.add_get("/healthz", _healthz)
     app.router.add_post("/v1/webrtc/offer", _offer)
     api.add_routes(app)
+    drain.add_routes(app, drain.Drain(app[CLOCK], settings.shutdown))
     telephony_routes.add_routes(app)
     device_routes.add_routes(app)
     # Startup enters these in order, cleanup leaves them in reverse: a step
@@ -356,17 +358,17 @@ async def _providers_started(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _end_sessions(app: web.Application) -> None:
-    """Shutdown: end the event streams, close every peer with
-    ``worker_shutdown`` (at most 10 s), stop the text turns, then write the
-    event logs' queues to the store."""
-    streams = app[STREAMS]
-    for task in list(streams):
-        task.cancel()  # event streams end; clients resume elsewhere or later
+    """Shutdown (after a drain, or at once on a second signal): close every
+    peer still open with ``worker_shutdown`` (at most 10 s), stop the text
+    turns, write the event logs' queues to the store, and let each event
+    stream send what is logged and end (see :mod:`web.drain`)."""
     peers = list(app[PEERS].values())
     closing = [p.close(StopReasonKind.WORKER_SHUTDOWN) for p in peers]
     if closing:
         await asyncio.wait(closing, timeout=10)
     await app[TEXT_TURNS].aclose()
+    await app[MANAGER].events.flush()
+    await close_streams(app[DRAIN], app)  # the terminal events reach every stream, then it ends
     await app[MANAGER].events.aclose()
 
 

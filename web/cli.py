@@ -1,6 +1,7 @@
 """The ``turnkeeper`` command.
 
     turnkeeper serve [--host H] [--port P] [--config FILE]
+    turnkeeper drain [--server URL] [--config FILE] [--wait [--timeout S]]
     turnkeeper call (--server URL | --local) --wav FILE [--phone twilio|telnyx]
                     [--barge-in FILE --at SECONDS] [--out FILE] [--json]
     turnkeeper call (--device WS_URL | --local --device) --wav FILE [--ptt | --realtime]
@@ -14,9 +15,9 @@ import asyncio
 import logging
 import sys
 
-from aiohttp import web
+import aiohttp
 
-from web.app import create_app
+from web.serve import serve
 from web.settings import Settings, load_settings
 
 
@@ -25,10 +26,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="turnkeeper", description="A real-time voice agent server whose Stop really stops.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the server")
-    serve.add_argument("--host", help="listen address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="TCP port (default 8080)")
-    serve.add_argument("--config", help="TOML settings file (default $TURNKEEPER_CONFIG)")
+    serve_ = sub.add_parser("serve", help="run the server")
+    serve_.add_argument("--host", help="listen address (default 127.0.0.1)")
+    serve_.add_argument("--port", type=int, help="TCP port (default 8080)")
+    serve_.add_argument("--config", help="TOML settings file (default $TURNKEEPER_CONFIG)")
+
+    drain_ = sub.add_parser("drain", help="make a running server drain and exit (a preStop hook)")
+    drain_.add_argument("--server", help="server URL (default http://127.0.0.1:<port of the settings>)")
+    drain_.add_argument("--config", help="TOML settings file (default $TURNKEEPER_CONFIG): port and admin_token")
+    drain_.add_argument("--wait", action="store_true", help="return only once the server has exited (or --timeout)")
+    drain_.add_argument("--timeout", type=float, default=60.0, help="with --wait: give up after this many seconds (default 60)")
 
     call = sub.add_parser("call", help="call a server headlessly with WAV files as the microphone")
     where = call.add_mutually_exclusive_group()
@@ -80,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             settings = load_settings(args.config, host=args.host, port=args.port)
             _logging(settings)
-            return _serve(settings)
+            return asyncio.run(serve(settings))
+        if args.command == "drain":
+            settings = load_settings(args.config)
+            server = args.server or f"http://127.0.0.1:{settings.port}"
+            return asyncio.run(_drain(server, settings.admin_token, args.timeout if args.wait else None))
         settings = load_settings(args.config, port=0)
         _logging(settings, quiet=True)  # the in-process server's INFO lines would bury the timeline
         # the headless client is a tool beside the server, loaded only for this command
@@ -110,17 +121,36 @@ def _logging(settings: Settings, quiet: bool = False) -> None:
     logging.getLogger("aiortc").setLevel(logging.WARNING)
 
 
-def _serve(settings: Settings) -> int:
-    app = create_app(settings)
-
-    def ready(_: str) -> None:  # aiohttp calls this once the socket is bound
-        print(f"turnkeeper serving on http://{settings.host}:{settings.port}", flush=True)
-
-    try:
-        web.run_app(app, host=settings.host, port=settings.port, print=ready, access_log=None)
-    except OSError as exc:
-        raise OSError(exc.errno, f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from exc
-    return 0
+async def _drain(server: str, admin_token: str, wait_s: float | None) -> int:
+    """``POST /v1/admin/drain`` on ``server`` and print the answer; with
+    ``wait_s``, then wait until the server has exited (its listener gone),
+    at most that long. Exit 0 when it drains (and, waiting, exited), 1 otherwise."""
+    headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+    base = server.rstrip("/")
+    async with aiohttp.ClientSession() as http:
+        try:
+            async with http.post(f"{base}/v1/admin/drain", headers=headers) as r:
+                body, status = await r.text(), r.status
+        except aiohttp.ClientError as exc:
+            print(f"turnkeeper: cannot reach {server}: {exc}", file=sys.stderr)
+            return 1
+        if status != 202:
+            print(f"turnkeeper: drain refused ({status}): {body}", file=sys.stderr)
+            return 1
+        print(body)
+        if wait_s is None:
+            return 0
+        loop = asyncio.get_running_loop()
+        until = loop.time() + wait_s
+        while loop.time() < until:
+            try:
+                async with http.get(f"{base}/healthz") as r:
+                    await r.read()
+            except aiohttp.ClientError:
+                return 0  # gone: the drain ran and the process exited
+            await asyncio.sleep(0.2)
+    print(f"turnkeeper: {server} still runs after {wait_s:g} s", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -120,6 +120,37 @@ class DeviceSettings(BaseModel):
         return value
 
 
+class ShutdownSettings(BaseModel):
+    """How an instance drains before it exits (env ``TURNKEEPER_SHUTDOWN__*``;
+    see :mod:`web.drain` and README "Rolling deploys"). Every time counts
+    from the drain's start (SIGTERM or ``POST /v1/admin/drain``).
+
+    Attributes:
+        lb_delay_s: the least a drain lasts, s: load balancers see
+            ``/readyz`` fail and stop routing here while this instance still
+            answers new work with 503 (never a refused connection).
+        drain_timeout_s: voice sessions may go on this long, s; then they
+            end ``worker_shutdown``.
+        turn_wait_s: text turns may run this long, s; then they get a
+            cooperative stop ``worker_shutdown`` at their next checkpoint.
+        grace_s: the whole drain at most, s: then the process exits at once
+            (keep it below Kubernetes' ``terminationGracePeriodSeconds``).
+    """
+
+    lb_delay_s: float = Field(2.0, ge=0, le=600)
+    drain_timeout_s: float = Field(20.0, ge=0, le=24 * 3600)
+    turn_wait_s: float = Field(10.0, ge=0, le=24 * 3600)
+    grace_s: float = Field(25.0, gt=0, le=24 * 3600)
+
+    @model_validator(mode="after")
+    def _within_grace(self) -> ShutdownSettings:
+        longest = max(self.lb_delay_s, self.drain_timeout_s, self.turn_wait_s)
+        if longest >= self.grace_s:
+            raise ValueError(f"grace_s ({self.grace_s:g}) must exceed lb_delay_s, drain_timeout_s and turn_wait_s "
+                             f"(the longest is {longest:g}): the steps run inside it")
+        return self
+
+
 class Settings(BaseSettings):
     """All of turnkeeper's settings.
 
@@ -169,6 +200,10 @@ class Settings(BaseSettings):
             ``[plans.tenant_a]``; env ``TURNKEEPER_PLANS`` as JSON.
         telephony: phone calls (:class:`TelephonySettings`).
         devices: push-to-talk devices (:class:`DeviceSettings`).
+        shutdown: draining before exit (:class:`ShutdownSettings`).
+        admin_token: bearer token of the admin endpoints (``/v1/admin/*``);
+            empty: they answer loopback clients only (a preStop hook runs
+            in the pod).
     """
 
     model_config = SettingsConfigDict(
@@ -232,6 +267,8 @@ class Settings(BaseSettings):
     tts: EspeakConfig = EspeakConfig()
     telephony: TelephonySettings = TelephonySettings()
     devices: DeviceSettings = DeviceSettings()
+    shutdown: ShutdownSettings = ShutdownSettings()
+    admin_token: str = Field("", repr=False, max_length=256)
 
     @classmethod
     def settings_customise_sources(

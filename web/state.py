@@ -14,6 +14,8 @@ from aiohttp import web
 
 if TYPE_CHECKING:
     from clock import Clock
+    from turn.events import SessionEventLog
+    from turn.generation import GenerationFence
     from turn.manager import TurnManager
     from turn.models import StopReasonKind
     from turn.store import TurnStore
@@ -33,6 +35,10 @@ class ClientSession(Protocol):
     client: str
     #: it is connected (a WebRTC offer may still be connecting)
     connected: bool
+    #: its session's event log
+    log: SessionEventLog
+    #: its session's generation fence
+    fence: GenerationFence
 
     def close(self, reason: StopReasonKind) -> asyncio.Task[None]:
         """End it and free everything, once; returns the closing task."""

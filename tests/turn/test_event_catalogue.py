@@ -37,6 +37,7 @@ LEDGER = {"key": "t1:1", "step": 1, "name": "order_coffee", "arguments": {"size"
 #: where the emitter passes them to SessionEventLog.emit)
 SAMPLES: dict[str, dict[str, Any]] = {
     "session.ready": {"generation": 0, "session_id": "s1"},
+    "session.draining": {"generation": 3, "left_s": 19.5, "reason": "SIGTERM"},
     "vad": {"generation": 0, "event": "speech_started"},
     "false_interruption": {"generation": 1, "paused_ms": 420.5},
     "backchannel": {"generation": 1, "paused_ms": 0, "text": "uh huh", "syllables": 2},
@@ -65,6 +66,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "tool.human_required": {"generation": 1, "turn_id": "t1", **LEDGER, "status": "human_required", "kind": "compensation"},
     "pong": {"id": 3},
     "stream.start": {"session_id": "s1", "after_seq": 0, "resume_token": "tok", "expires_in_s": 3600},
+    "stream.end": {"reason": "shutting_down", "last_seq": 41},
     "snapshot": {"turns": [{"turn_id": "t1", "generation": 1, **TURN, "owner_lost": False}]},
 }
 

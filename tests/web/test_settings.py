@@ -169,3 +169,12 @@ def test_device_choices_are_read_from_the_environment(monkeypatch: pytest.Monkey
     monkeypatch.setenv("TURNKEEPER_DEVICES__DOWNLINK_FRAME_MS", "30")
     with pytest.raises(ValueError, match="downlink_frame_ms"):
         load_settings()
+
+
+def test_the_drain_times_must_fit_in_the_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TURNKEEPER_SHUTDOWN__DRAIN_TIMEOUT_S", "40")
+    with pytest.raises(ValueError, match="grace_s"):
+        load_settings()
+    monkeypatch.setenv("TURNKEEPER_SHUTDOWN__GRACE_S", "50")
+    s = load_settings()
+    assert s.shutdown.drain_timeout_s == 40 and s.shutdown.grace_s == 50 and s.shutdown.turn_wait_s == 10

@@ -1,0 +1,83 @@
+"""Running the server as a process: ``turnkeeper serve``.
+
+aiohttp's ``run_app`` stops at the first SIGTERM: the listener closes at
+once (clients get refused connections), event streams are cut mid-way and
+turns end ``worker_shutdown`` within a second. Here the signals start a
+drain instead (:mod:`web.drain`): the listener stays open and answers new
+work with 503, sessions and turns get their time, every event stream gets
+its terminal events and a clean end, and the process exits 0. A SIGTERM
+after a drain that ``POST /v1/admin/drain`` began (Kubernetes sends it
+once the preStop hook returns) lets that drain go on. A second signal, or
+``shutdown.grace_s`` after the drain began, exits at once with status 1:
+whatever was open then is found by the lease sweeper after restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+from aiohttp import web
+
+from web.app import create_app
+from web.drain import DRAIN, drain_app
+from web.settings import Settings
+
+log = logging.getLogger(__name__)
+
+#: how often the main loop looks at the drain and the grace, s
+WATCH_S = 0.1
+#: exit status when the process had to stop before its drain finished
+EXIT_AT_ONCE = 1
+
+
+async def serve(settings: Settings) -> int:
+    """Serve until a drain has run (SIGTERM, SIGINT, ``POST
+    /v1/admin/drain``), then clean up and return 0; see the module doc.
+
+    Raises:
+        OSError: the address cannot be listened on.
+    """
+    app = create_app(settings)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise OSError(exc.errno, f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from exc
+    print(f"turnkeeper serving on http://{settings.host}:{settings.port}", flush=True)
+    drain = app[DRAIN]
+    at_once = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    signals = [0]
+
+    def on_signal(name: str) -> None:
+        signals[0] += 1
+        if signals[0] > 1:
+            log.warning("%s again while draining: exiting at once", name)
+            at_once.set()
+        else:  # the first: a drain (or the one a preStop hook began goes on)
+            drain.begin(name, lambda d: drain_app(d, app))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    grace_s = settings.shutdown.grace_s
+    while not drain.done.is_set() and not at_once.is_set():
+        if drain.draining and drain.elapsed_s() >= grace_s:
+            log.warning("drain still running after shutdown.grace_s (%.0f s): exiting at once", grace_s)
+            at_once.set()
+            break
+        waiters = [asyncio.ensure_future(drain.done.wait()), asyncio.ensure_future(at_once.wait())]
+        await asyncio.wait(waiters, timeout=WATCH_S, return_when=asyncio.FIRST_COMPLETED)
+        for w in waiters:
+            w.cancel()
+    if at_once.is_set():
+        logging.shutdown()
+        os._exit(EXIT_AT_ONCE)  # nothing more may run: the sweeper settles what was open
+    await runner.cleanup()
+    return 0
