@@ -192,3 +192,38 @@ async def any_store(request: pytest.FixtureRequest, tmp_path: Path, redis_url: s
     await s.open()
     yield s
     await s.close()
+
+
+def _pool_workers() -> list[tuple[int, str]]:
+    """This process's children that are multiprocessing pool workers (the
+    speech recogniser's), as (pid, cmdline)."""
+    me = os.getpid()
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) != me or fields[0] == "Z":
+                continue
+            cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "spawn_main" in cmd:
+            out.append((int(stat.parent.name), cmd[:120]))
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind() -> Iterator[None]:
+    """The suite leaves no process behind: every recogniser worker a test
+    started (through a server it ran in this process) has ended within a
+    few seconds of the last test (torn down last of the session's
+    fixtures); one that has not is an error of the run, in every xdist
+    worker too."""
+    yield
+    left = _pool_workers()
+    for _ in range(50):
+        if not left:
+            return
+        time.sleep(0.1)
+        left = _pool_workers()
+    pytest.fail(f"processes left behind by the tests: {left}", pytrace=False)

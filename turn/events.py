@@ -83,6 +83,9 @@ class SessionEventLog:
         retry: wraps each store call (e.g. ``TurnManager.store_call``).
         max_queue: events waiting to be written at most; more are dropped
             (and counted in ``lost``).
+        on_idle: called when everything emitted is written.
+        taps: called with each event as it is emitted (shared with
+            :class:`EventLogs`: metrics); a failing tap is logged.
     """
 
     def __init__(
@@ -95,8 +98,10 @@ class SessionEventLog:
         retry: Retry[Any] = _no_retry,
         max_queue: int = 10_000,
         on_idle: Callable[[SessionEventLog], None] | None = None,
+        taps: list[Callable[[EventRecord], None]] | None = None,
     ) -> None:
         self.store = store
+        self.taps = taps if taps is not None else []
         self.session_id = session_id
         self.clock = clock
         self.gate: Gate = gate or OpenGate()
@@ -172,6 +177,11 @@ class SessionEventLog:
             payload=payload,
             fenced=withheld or (type in OUTPUT_TYPES and not self.gate.passes(generation)),
         )
+        for tap in self.taps:
+            try:
+                tap(event)
+            except Exception:  # a broken observer (metrics) must not break the log
+                log.exception("event tap failed")
         if self._queue.qsize() >= self.max_queue:
             self.lost += 1
             log.warning("session %s: event queue full, dropping %s", self.session_id, type)
@@ -256,6 +266,8 @@ class EventLogs:
         self.clock = clock
         self.retry = retry
         self._logs: dict[str, SessionEventLog] = {}
+        #: called with every event this process logs, in every session (metrics)
+        self.taps: list[Callable[[EventRecord], None]] = []
 
     def log(self, session_id: str, gate: Gate | None = None) -> SessionEventLog:
         """The session's writer (made on first use); ``gate`` installs the
@@ -266,7 +278,7 @@ class EventLogs:
         if lg is None:
             lg = SessionEventLog(
                 self.store, session_id, self.clock, gate, retry=self.retry,
-                on_idle=None if gate is not None else self._forget_idle,
+                on_idle=None if gate is not None else self._forget_idle, taps=self.taps,
             )
             self._logs[session_id] = lg
         elif gate is not None:

@@ -43,7 +43,7 @@ from voice.stt import PocketsphinxSTT
 from voice.text_turns import TextTurns
 from voice.tools import Toolbox
 from voice.tts import EspeakTTS
-from web import api, drain
+from web import api, drain, metrics
 from web.admission import admit
 from web.auth import Auth
 from web.devices import routes as device_routes
@@ -261,6 +261,7 @@ def create_app(
     app.router.add_post("/v1/webrtc/offer", _offer)
     api.add_routes(app)
     drain.add_routes(app, drain.Drain(app[CLOCK], settings.shutdown))
+    metrics.add_routes(app, metrics.Metrics())
     telephony_routes.add_routes(app)
     device_routes.add_routes(app)
     # Startup enters these in order, cleanup leaves them in reverse: a step

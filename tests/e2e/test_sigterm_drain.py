@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from server_process import Server
+from server_process import Server, alive, child_pids
 
 pytestmark = pytest.mark.e2e
 TOKEN = "tok-drain-0123456789"
@@ -77,6 +77,8 @@ async def test_sigterm_drains_refuses_new_work_and_ends_streams_cleanly(tmp_path
                     break
                 await asyncio.sleep(0.05)
             assert server.proc is not None
+            workers = child_pids(server.proc.pid)
+            assert workers, "the recogniser runs in worker processes"
             t0 = time.monotonic()
             server.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
@@ -96,6 +98,11 @@ async def test_sigterm_drains_refuses_new_work_and_ends_streams_cleanly(tmp_path
             took = time.monotonic() - t0
         log = server.log()
         assert rc == 0, log[-3000:]
+        for _ in range(20):  # the server's worker processes end with it, within a second
+            if not [pid for pid in workers if alive(pid)]:
+                break
+            await asyncio.sleep(0.05)
+        assert not [pid for pid in workers if alive(pid)], "worker processes outlived the server"
         assert 1.5 <= took < 15, took
         assert ended == "clean", (ended, got[-3:])
         # the turn's end reached the stream before the stream's own end
@@ -127,8 +134,14 @@ async def test_a_repeated_drain_is_one_drain_and_a_second_signal_exits_at_once(t
         assert server.proc.poll() is None
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)  # again: at once
+        workers = child_pids(server.proc.pid)
         rc = await wait_exit(server, 5)
         assert rc == 1 and time.monotonic() - t0 < 3
+        for _ in range(30):  # exited at once, without cleanup: its workers notice within a second
+            if not [pid for pid in workers if alive(pid)]:
+                break
+            await asyncio.sleep(0.05)
+        assert not [pid for pid in workers if alive(pid)], "worker processes outlived the server"
         assert "again while draining: exiting at once" in server.log()
     finally:
         server.stop()

@@ -1,0 +1,81 @@
+"""``GET /metrics`` over the real endpoint: a text turn stopped through the
+API shows in the stop-latency histogram under its reason, in the ended
+turns, and starts no model request after its stop; the gauges read the
+app's state at the scrape (sessions, running turns, the drain); no label
+carries a tenant or an id."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from conftest import start_app
+from prometheus_client.parser import text_string_to_metric_families
+
+from web.app import create_app
+from web.drain import DRAIN, drain_app
+from web.settings import Settings
+
+TOKEN = "tok-metrics-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[tuple[web.Application, str]]:
+    app = create_app(Settings(
+        store=f"sqlite:///{tmp_path}/t.db", api_tokens=f"default:{TOKEN}", llm={"tokens_per_second": 10},
+        shutdown={"lb_delay_s": 0, "drain_timeout_s": 1, "turn_wait_s": 1, "grace_s": 5},
+    ))
+    runner, url = await start_app(app)
+    try:
+        yield app, url
+    finally:
+        await runner.cleanup()
+
+
+async def scrape(http: aiohttp.ClientSession, url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    async with http.get(f"{url}/metrics") as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = await r.text()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text) for s in family.samples
+    }
+
+
+async def test_a_stopped_turn_is_measured_and_the_gauges_read_the_state(server: tuple[web.Application, str]) -> None:
+    app, url = server
+    async with aiohttp.ClientSession() as http:
+        before = await scrape(http, url)
+        assert before[("turnkeeper_draining", ())] == 0
+        assert before[("turnkeeper_voice_sessions", (("transport", "webrtc"),))] == 0
+        async with http.post(f"{url}/v1/turns", json={"text": "tell me a story"}, headers=AUTH) as r:
+            turn_id = (await r.json())["turn"]["id"]
+        await asyncio.sleep(0.5)  # it streams its reply
+        assert (await scrape(http, url))[("turnkeeper_text_turns_running", ())] == 1
+        headers = {**AUTH, "Idempotency-Key": "stop-1"}
+        async with http.post(f"{url}/v1/turns/{turn_id}/stop", json={"reason": "user_cancel"}, headers=headers) as r:
+            assert r.status in (200, 202), await r.text()
+        for _ in range(100):
+            after = await scrape(http, url)
+            if after.get(("turnkeeper_turns_ended_total", (("reason", "user_cancel"), ("status", "CANCELLED")))):
+                break
+            await asyncio.sleep(0.05)
+        stopped = (("reason", "user_cancel"), ("status", "CANCELLED"))
+        assert after[("turnkeeper_turns_ended_total", stopped)] == 1
+        assert after[("turnkeeper_stop_to_terminal_seconds_count", stopped)] == 1
+        assert 0 <= after[("turnkeeper_stop_to_terminal_seconds_sum", stopped)] < 2  # a sanity bound
+        assert after[("turnkeeper_model_requests_after_stop_total", ())] == 0
+        assert after[("turnkeeper_text_turns_running", ())] == 0
+        labels = {k for (_, labels) in after for k, _ in labels}
+        assert labels <= {"reason", "status", "initiator", "transport", "le"}  # no tenant, no ids
+        app[DRAIN].begin("test", lambda d: drain_app(d, app))
+        draining = await scrape(http, url)
+        assert draining[("turnkeeper_draining", ())] == 1
+        async with http.get(f"{url}/metrics") as r:
+            assert r.status == 200  # an operator still sees a draining instance
+        await asyncio.wait_for(app[DRAIN].done.wait(), 5)
