@@ -390,3 +390,25 @@ class EventRecord(BaseModel):
     at: datetime
     payload: dict[str, Any] = Field(default_factory=dict)
     fenced: bool = False
+
+
+class InstanceInfo(BaseModel):
+    """One server instance as it registers itself in the store (with a
+    heartbeat), for operators, load balancers and clients to see the fleet.
+
+    Attributes:
+        id: the instance's id (its lease-owner id).
+        url: where it is reached (``advertise_url``).
+        state: ``serving`` or ``draining`` (send new sessions to serving ones).
+        voice_sessions: voice sessions open on it.
+        text_turns: text turns running on it.
+        started_at / heartbeat_at: UTC.
+    """
+
+    id: str
+    url: str
+    state: Literal["serving", "draining"]
+    voice_sessions: int = 0
+    text_turns: int = 0
+    started_at: datetime
+    heartbeat_at: datetime

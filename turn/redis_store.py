@@ -19,6 +19,8 @@ Key layout (``P`` is the configurable prefix, default ``tk``)::
     P:stopreq:REQUEST_ID     string: "turn_id|fingerprint", 7 days, to refuse
                              a request id reused on another turn
     P:secret:NAME            string: shared random secrets
+    P:instance:ID            string: an instance's registration (JSON), expiring
+    P:instances              sorted set: instance ids by registration expiry
     P:device:ID              hash: tenant_id, token_hash, created_at, revoked
     P:devtoken:HASH          string: the device id of a token's hash (deleted on revoke)
     P:{turn:ID}:ledger       sorted set: the turn's intent keys, by order written
@@ -42,6 +44,7 @@ from __future__ import annotations
 import os
 from datetime import datetime
 
+from turn.models import InstanceInfo
 from turn.redis_events import EVENT_LUA, RedisEventRows
 from turn.redis_ledger import LEDGER_LUA, RedisLedgerRows
 from turn.redis_queue import RedisWorkQueue
@@ -61,6 +64,31 @@ class RedisStore(RedisTurnRows, RedisEventRows, RedisLedgerRows, RedisWorkQueue)
     single_instance = False
 
     LUA = {**TURN_LUA, **EVENT_LUA, **LEDGER_LUA}
+
+    # -- the fleet ------------------------------------------------------------------
+
+    async def instance_heartbeat(self, info: InstanceInfo, ttl_s: float) -> None:
+        c = self._c()
+        expires = info.heartbeat_at.timestamp() + ttl_s
+        await self._call(c.set(f"{self.prefix}:instance:{info.id}", info.model_dump_json(), px=max(1, int(ttl_s * 1000))))
+        await self._call(c.zadd(f"{self.prefix}:instances", {info.id: expires}))
+
+    async def instance_list(self, now: datetime) -> list[InstanceInfo]:
+        c = self._c()
+        index = f"{self.prefix}:instances"
+        await self._call(c.zremrangebyscore(index, "-inf", now.timestamp()))  # expired: forget
+        ids = await self._call(c.zrangebyscore(index, now.timestamp(), "+inf"))
+        out = []
+        for instance_id in sorted(ids):
+            raw = await self._call(c.get(f"{self.prefix}:instance:{instance_id}"))
+            if raw is not None:
+                out.append(InstanceInfo.model_validate_json(raw))
+        return out
+
+    async def instance_remove(self, instance_id: str) -> None:
+        c = self._c()
+        await self._call(c.delete(f"{self.prefix}:instance:{instance_id}"))
+        await self._call(c.zrem(f"{self.prefix}:instances", instance_id))
 
     # -- shared secrets --------------------------------------------------------
 

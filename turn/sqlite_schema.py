@@ -2,9 +2,10 @@
 
 One file holds every table: ``turns``, ``sessions`` (with the generation
 and event-sequence counters), ``events``, ``stop_requests``, ``ledger``,
-``ledger_audit``, ``work_queue``, ``secrets`` and ``devices`` (schema 6:
-device tokens, hashed). :func:`migrate` brings a
-file of any earlier schema (1 to 5) up to ``SCHEMA_VERSION`` in place: the
+``ledger_audit``, ``work_queue``, ``secrets``, ``devices`` (schema 6:
+device tokens, hashed) and ``instances`` (schema 7: the instances'
+registrations). :func:`migrate` brings a
+file of any earlier schema (1 to 6) up to ``SCHEMA_VERSION`` in place: the
 tables are created if missing, the turn columns added since schema 1 are
 added, and ``PRAGMA user_version`` is set.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import sqlite3
 
 #: the schema this code writes (``PRAGMA user_version``)
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS turns (
@@ -94,6 +95,11 @@ CREATE TABLE IF NOT EXISTS devices (
     token_hash TEXT NOT NULL UNIQUE,
     created_at TEXT NOT NULL,
     revoked_at TEXT
+);
+CREATE TABLE IF NOT EXISTS instances (
+    id TEXT PRIMARY KEY,
+    info TEXT NOT NULL,
+    expires_at TEXT NOT NULL
 );
 """
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import os
 import sqlite3
-from datetime import datetime
+from datetime import datetime, timedelta
 
+from turn.models import InstanceInfo
 from turn.sqlite_events import SqliteEventRows
 from turn.sqlite_ledger import SqliteLedgerRows
 from turn.sqlite_queue import SqliteWorkQueue
@@ -40,6 +41,25 @@ class SqliteStore(SqliteTurnRows, SqliteEventRows, SqliteLedgerRows, SqliteWorkQ
 
     #: a single process serves this store (see module doc)
     single_instance = True
+
+    # -- the fleet ------------------------------------------------------------------
+
+    async def instance_heartbeat(self, info: InstanceInfo, ttl_s: float) -> None:
+        expires = (info.heartbeat_at + timedelta(seconds=ttl_s)).isoformat()
+        await self._run(self._tx, lambda c: c.execute(
+            "INSERT INTO instances (id, info, expires_at) VALUES (?, ?, ?) "
+            "ON CONFLICT (id) DO UPDATE SET info = excluded.info, expires_at = excluded.expires_at",
+            (info.id, info.model_dump_json(), expires),
+        ))
+
+    async def instance_list(self, now: datetime) -> list[InstanceInfo]:
+        rows = await self._run(
+            self._read_all, "SELECT info FROM instances WHERE expires_at > ? ORDER BY id", (now.isoformat(),)
+        )
+        return [InstanceInfo.model_validate_json(r[0]) for r in rows]
+
+    async def instance_remove(self, instance_id: str) -> None:
+        await self._run(self._tx, lambda c: c.execute("DELETE FROM instances WHERE id = ?", (instance_id,)))
 
     # -- shared secrets --------------------------------------------------------
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from turn.intents import AuditRow, Intent
-from turn.models import EventRecord, Session, StopReason, Turn, TurnStatus
+from turn.models import EventRecord, InstanceInfo, Session, StopReason, Turn, TurnStatus
 from turn.states import TransitionResult
 
 
@@ -344,6 +344,21 @@ class TurnStore(Protocol):
     async def secret(self, name: str) -> bytes:
         """A 32-byte random secret created on first use and the same for
         every instance sharing this store afterwards."""
+        ...
+
+    # -- the fleet ------------------------------------------------------------------
+
+    async def instance_heartbeat(self, info: InstanceInfo, ttl_s: float) -> None:
+        """Register ``info`` (or renew it): listed until ``ttl_s`` seconds
+        after its ``heartbeat_at`` unless renewed."""
+        ...
+
+    async def instance_list(self, now: datetime) -> list[InstanceInfo]:
+        """The instances whose registration is current at ``now``, by id."""
+        ...
+
+    async def instance_remove(self, instance_id: str) -> None:
+        """Unregister an instance (it exits)."""
         ...
 
     # -- device tokens (xiaozhi-esp32 device sockets) ------------------------------

@@ -43,7 +43,7 @@ from voice.stt import PocketsphinxSTT
 from voice.text_turns import TextTurns
 from voice.tools import Toolbox
 from voice.tts import EspeakTTS
-from web import api, drain, metrics
+from web import api, drain, instances, metrics
 from web.admission import admit
 from web.auth import Auth
 from web.devices import routes as device_routes
@@ -262,6 +262,7 @@ def create_app(
     api.add_routes(app)
     drain.add_routes(app, drain.Drain(app[CLOCK], settings.shutdown))
     metrics.add_routes(app, metrics.Metrics())
+    instances.add_routes(app)
     telephony_routes.add_routes(app)
     device_routes.add_routes(app)
     # Startup enters these in order, cleanup leaves them in reverse: a step
@@ -270,7 +271,7 @@ def create_app(
     # contexts it entered). The sessions end in on_shutdown, before aiohttp
     # waits for its handlers (an SSE stream never ends by itself) and before
     # any of this is undone.
-    app.cleanup_ctx.extend([_closed_at_cleanup, _store_opened, _background_work, _providers_started])
+    app.cleanup_ctx.extend([_closed_at_cleanup, _store_opened, _background_work, instances.registered, _providers_started])
     app.on_shutdown.append(_end_sessions)
     return app
 

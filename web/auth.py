@@ -124,3 +124,28 @@ class Auth:
 def _unauthorized(message: str, error: str | None) -> ApiError:
     challenge = 'Bearer realm="turnkeeper"' + (f', error="{error}"' if error else "")
     return ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": challenge})
+
+
+#: clients that may call the admin endpoints when no ``admin_token`` is set
+LOOPBACK = frozenset({"127.0.0.1", "::1"})
+
+
+def require_admin(request: web.Request) -> None:
+    """Let an admin request (``/v1/admin/*``) through: with the
+    ``admin_token`` setting, only ``Authorization: Bearer <admin_token>``
+    (compared in constant time); without it, only loopback clients (a
+    preStop hook runs in the pod; behind a proxy set the token).
+
+    Raises:
+        ApiError: 401 otherwise.
+    """
+    from web.state import SETTINGS  # web.state names this module's classes
+
+    token = request.app[SETTINGS].admin_token
+    if token:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise ApiError(401, "unauthorized", "send 'Authorization: Bearer <admin_token>'",
+                           headers={"WWW-Authenticate": 'Bearer realm="turnkeeper-admin"'})
+    elif request.remote not in LOOPBACK:
+        raise ApiError(401, "unauthorized", "admin endpoints answer loopback only unless admin_token is set")

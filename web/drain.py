@@ -30,7 +30,6 @@ every time counts from the drain's start):
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
@@ -41,9 +40,10 @@ from clock import Clock
 from turn.event_catalogue import SessionDraining
 from turn.models import StopReasonKind
 from voice.text_turns import TextTurns
+from web.auth import require_admin
 from web.errors import ApiError
 from web.settings import ShutdownSettings
-from web.state import MANAGER, PEERS, SETTINGS, STREAMS, TEXT_TURNS, ClientSession
+from web.state import MANAGER, PEERS, STREAMS, TEXT_TURNS, ClientSession
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,6 @@ NEW_WORK = frozenset({
 })
 #: the drain of this instance (set by :func:`add_routes`)
 DRAIN: web.AppKey[Drain] = web.AppKey("drain")
-#: clients that may call the admin endpoints when no ``admin_token`` is set
-LOOPBACK = frozenset({"127.0.0.1", "::1"})
 #: how often the drain looks whether sessions and turns have ended, s
 POLL_S = 0.05
 #: event streams are given this long to send what is logged, s
@@ -242,15 +240,8 @@ async def admin_drain(request: web.Request) -> web.Response:
         ApiError: 401 without the admin token (``admin_token``), or, when
             none is set, for a client that is not on loopback.
     """
+    require_admin(request)
     app = request.app
-    token = app[SETTINGS].admin_token
-    if token:
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise ApiError(401, "unauthorized", "send 'Authorization: Bearer <admin_token>'",
-                           headers={"WWW-Authenticate": 'Bearer realm="turnkeeper-admin"'})
-    elif request.remote not in LOOPBACK:
-        raise ApiError(401, "unauthorized", "admin endpoints answer loopback only unless admin_token is set")
     drain = app[DRAIN]
     started = drain.begin("admin", lambda d: drain_app(d, app))
     return web.json_response({"state": drain.state.value, "already": not started, "draining_s": round(drain.elapsed_s(), 1)},

@@ -204,6 +204,8 @@ class Settings(BaseSettings):
         admin_token: bearer token of the admin endpoints (``/v1/admin/*``);
             empty: they answer loopback clients only (a preStop hook runs
             in the pod).
+        advertise_url: where other instances and clients reach this one
+            (its registration in the fleet); empty: ``http://<host>:<port>``.
     """
 
     model_config = SettingsConfigDict(
@@ -269,6 +271,7 @@ class Settings(BaseSettings):
     devices: DeviceSettings = DeviceSettings()
     shutdown: ShutdownSettings = ShutdownSettings()
     admin_token: str = Field("", repr=False, max_length=256)
+    advertise_url: str = Field("", max_length=512, pattern=r"^(https?://\S+)?$")
 
     @classmethod
     def settings_customise_sources(

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from turn.models import Budget, EventRecord, Session, Spent, StopReason, StopReasonKind, Turn, TurnKind, TurnStatus, Usage
+from turn.models import Budget, EventRecord, InstanceInfo, Session, Spent, StopReason, StopReasonKind, Turn, TurnKind, TurnStatus, Usage
 from turn.states import Outcome
 from turn.store import (
     DuplicateSession,
@@ -286,6 +286,23 @@ async def test_secret_is_stable(any_store) -> None:
     a = await any_store.secret("resume")
     assert len(a) == 32 and await any_store.secret("resume") == a
     assert await any_store.secret("other") != a
+
+
+async def test_instances_register_renew_expire_and_leave(any_store) -> None:
+    def info(i: str, at: datetime, state: str = "serving", sessions: int = 0) -> InstanceInfo:
+        return InstanceInfo(id=i, url=f"http://{i}:8080", state=state, voice_sessions=sessions, started_at=NOW,
+                            heartbeat_at=at)  # type: ignore[arg-type]
+
+    await any_store.instance_heartbeat(info("b", NOW), ttl_s=10)
+    await any_store.instance_heartbeat(info("a", NOW), ttl_s=10)
+    assert [i.id for i in await any_store.instance_list(NOW + timedelta(seconds=1))] == ["a", "b"]
+    later = NOW + timedelta(seconds=8)
+    await any_store.instance_heartbeat(info("a", later, "draining", 3), ttl_s=10)  # renewed, now draining
+    [a] = await any_store.instance_list(NOW + timedelta(seconds=12))  # b stopped heartbeating: gone
+    assert (a.id, a.state, a.voice_sessions, a.heartbeat_at) == ("a", "draining", 3, later)
+    await any_store.instance_remove("a")
+    assert await any_store.instance_list(NOW + timedelta(seconds=12)) == []
+    await any_store.instance_remove("never-was")  # no error
 
 
 async def test_closed_store_refuses(any_store) -> None:

@@ -95,3 +95,23 @@ async def test_a_call_in_progress_is_told_goes_on_then_ends_and_new_ones_are_ref
         assert told.payload["reason"] == "test" and 0.5 <= told.payload["left_s"] <= 1.0
         assert drain.elapsed_s() >= SHUTDOWN["drain_timeout_s"]
         await provider.aclose()
+
+
+async def test_the_instance_lists_itself_and_shows_its_drain(server: tuple[web.Application, str]) -> None:
+    app, url = server
+    good = {"Authorization": "Bearer adm-0123456789"}
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/v1/admin/instances") as r:
+            assert r.status == 401  # the admin token is set: loopback alone is not enough
+        async with http.get(f"{url}/v1/admin/instances", headers=good) as r:
+            [me] = (await r.json())["instances"]
+        assert me["state"] == "serving" and me["url"].startswith("http://127.0.0.1:") and me["voice_sessions"] == 0
+        app[DRAIN].begin("test", lambda d: drain_app(d, app))
+        for _ in range(40):
+            async with http.get(f"{url}/v1/admin/instances", headers=good) as r:
+                [me] = (await r.json())["instances"]
+            if me["state"] == "draining":
+                break
+            await asyncio.sleep(0.05)
+        assert me["state"] == "draining"  # written at once, not at the next heartbeat
+        await asyncio.wait_for(app[DRAIN].done.wait(), 5)
