@@ -215,19 +215,25 @@ class TelephonyPlayout(PacedPlayout):
         for f in frames:
             self.sent_frames[f.generation] -= 1
             rewind[f.generation] = min(rewind.get(f.generation, f.sample), f.sample)
+        self.marks.recalled(now, rewind)
+        self._send_clear(now)
+        self.recalled_frames += len(frames)
+        self.requeue(frames)
+        return len(frames)
+
+    def _send_clear(self, now: float) -> None:
+        """``clear`` now: the stretch being sent ends where it is (its
+        unsent bytes dropped), and the provider holds nothing of ours."""
         self._mulaw = b""
         self._encoder.reset()
         if self._stretch is not None:
             self._segment_ended(self._stretch)
         self._stretch = None
         self._since_mark_ms = 0
-        self.marks.recalled(now, rewind)
+        self._in_flight.clear()
         self.far_end_until = now
         self.clears_at.append(now)
-        self.recalled_frames += len(frames)
         self.wire.send_clear()
-        self.requeue(frames)
-        return len(frames)
 
     def clear(self) -> int:
         """Drop everything queued and send ``clear`` at once, whether or
@@ -240,17 +246,8 @@ class TelephonyPlayout(PacedPlayout):
         if not self._sent_since_clear and self._stretch is None:
             return n  # nothing of ours is at the far end: there is nothing to clear
         self._sent_since_clear = False
-        self._mulaw = b""
-        self._encoder.reset()
-        if self._stretch is not None:
-            self._segment_ended(self._stretch)
-        self._stretch = None
-        self._since_mark_ms = 0
-        self.marks.cleared(now)
-        self._in_flight.clear()
-        self.far_end_until = now
-        self.clears_at.append(now)
-        self.wire.send_clear()
+        self.marks.cleared(now)  # what was heard freezes before the stretch's end is told
+        self._send_clear(now)
         return n
 
     def played_samples(self, generation: int) -> int:
