@@ -152,13 +152,18 @@ def format_timeline(result: CallResult, out: str | None = None) -> str:
         lines.append(
             f"  barge-in {b.label} at +{b.at_s:.2f} s: audible stop{where} {stop}{speaking}; server onset->fence {fence}"
         )
-        if phone:
+        if phone and b.resumed is not None and not b.barged_in:
+            lines.append(f"    no barge-in: the pause was taken back ({b.resumed}); the reply played on from where the ear stopped")
+        elif phone:
             clear = "no clear" if b.clear_after_fence_ms is None else f"clear {b.clear_after_fence_ms:+.0f} ms after the fence"
             played = "n/a" if b.played_ms_at_ear is None else f"{b.played_ms_at_ear:.0f} ms"
             counted = "n/a" if b.server_played_ms is None else f"{b.server_played_ms} ms"
             lines.append(f"    {clear}; the ear played {played} of the reply, the server counted {counted} by marks")
             if b.server_heard is not None:
                 lines.append(f"    heard (history keeps): {b.server_heard!r}")
+    for ev in result.events:
+        if ev.get("type") == "session.draining":
+            lines.append(f"  the server drains ({ev.get('reason')}): the session may go on {ev.get('left_s')} s, then it ends")
     if out:
         lines.append(f"  heard audio: {out} ({result.received_audio_ms / 1000:.1f} s)")
     if phone or device:

@@ -118,6 +118,8 @@ def test_the_tenant_is_ours_bound_to_the_call_and_good_once() -> None:
     assert signer.tenant_of(params, "CA1", now + 5) == "tenant_a"
     assert signer.tenant_of(params, "CA1", now + 6) is None  # a second stream with the same parameters: a replay
     assert signer.tenant_of({}, "CA1", now) == "default"
+    assert signer.tenant_of({}, "CA1", now, required=True) is None  # authenticated: our TwiML always names one
+    assert signer.tenant_of({**params, "tenant_sig": "\u00e9" * 64}, "CA1", now) is None  # not ASCII: refused, no error
     # expired: the stream must start soon after the webhook
     late = signer.parameters("tenant_a", "CA3", now)
     assert signer.tenant_of(late, "CA3", now + TENANT_SIG_TTL_S + 1) is None
@@ -179,6 +181,13 @@ async def test_webhook_and_upgrade_need_a_valid_signature(signed_server: str) ->
         assert err.value.status == 403
         sig = RequestValidator("tok").compute_signature(ws_url, {})
         ws = await http.ws_connect(ws_url, headers={"X-Twilio-Signature": sig})
+        # the upgrade's signature covers the URL alone (a replay passes it): a start
+        # that does not bring our signed tenant back is refused
+        await ws.send_json({"event": "start", "streamSid": "MZ1", "start": {
+            "streamSid": "MZ1", "callSid": "CA-unsigned", "tracks": ["inbound"], "customParameters": {},
+            "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}})
+        msg = await ws.receive(timeout=5)
+        assert msg.type is aiohttp.WSMsgType.CLOSE and msg.data == 1008 and msg.extra == "bad_tenant"
         await ws.close()
 
 

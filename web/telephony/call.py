@@ -105,6 +105,8 @@ class PhoneCall:
         self.tenant: str | None = None
         self.errors: list[str] = []
         self.close_code: int | None = None
+        #: the close frame's reason: the error's code when a bad message closed it
+        self.close_message = b"call ended"
         self._task: asyncio.Task[None] | None = None
         self._writer: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
@@ -207,7 +209,9 @@ class PhoneCall:
     def _start(self, start: Start) -> None:
         if self.transport.stream_id is not None:
             raise ProtocolError("duplicate_start", "a second start on one stream: ignored")
-        tenant = self._signer.tenant_of(start.parameters, start.call_id, self.clock.now().timestamp())
+        # our TwiML always names the tenant: once Twilio is authenticated, a start without it is refused
+        required = self.dialect.name == "twilio" and bool(self.settings.telephony.twilio_auth_token)
+        tenant = self._signer.tenant_of(start.parameters, start.call_id, self.clock.now().timestamp(), required=required)
         if tenant is None:
             raise ProtocolError(
                 "bad_tenant", "the stream names a tenant without our valid signature for this call "
@@ -233,6 +237,7 @@ class PhoneCall:
         log.warning("call %s: %s: %s%s", self.id, exc.code, exc, " (closing)" if fatal else "")
         if fatal:
             self.close_code = int(WSCloseCode.POLICY_VIOLATION)
+            self.close_message = exc.code.encode()[:120]
             self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
 
     def _on_segment(self, generation: int, sample: int, started: bool) -> None:
@@ -285,7 +290,7 @@ class PhoneCall:
             if not self.ws.closed:
                 code = self.close_code if self.close_code is not None else int(WSCloseCode.OK)
                 try:
-                    await self.ws.close(code=code, message=b"call ended")
+                    await self.ws.close(code=code, message=self.close_message)
                 except Exception:  # the peer is gone already
                     log.debug("call %s: close handshake failed", self.id, exc_info=True)
         finally:

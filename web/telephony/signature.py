@@ -16,7 +16,9 @@ call, within ``TENANT_SIG_TTL_S`` of issue, and only once: a second stream
 presenting the same call's signature is refused on this instance (a stream
 URL and its parameters seen in a log cannot be replayed to open another
 call on the tenant's budget). A stream with a tenant and no valid signature
-is refused.
+is refused; so is one naming no tenant once Twilio requests are
+authenticated (``telephony.twilio_auth_token``); without that setting
+(development) such a stream is the ``default`` tenant's.
 """
 
 from __future__ import annotations
@@ -91,20 +93,23 @@ class TenantSigner:
         return {TENANT_PARAM: tenant, TENANT_TS_PARAM: str(issued),
                 TENANT_SIG_PARAM: sign_tenant(self.secret, tenant, call_id, issued)}
 
-    def tenant_of(self, parameters: dict[str, str], call_id: str, now: float) -> str | None:
+    def tenant_of(self, parameters: dict[str, str], call_id: str, now: float, *, required: bool = False) -> str | None:
         """The tenant a stream's ``start`` names, if signed by us for
         ``call_id``, not expired at ``now`` (Unix seconds) and not used by
-        another stream before: ``"default"`` when it names none, None when
-        it is refused (the stream is closed)."""
+        another stream before; None when it is refused (the stream is
+        closed). A ``start`` naming no tenant is ``"default"``, unless
+        ``required`` (our webhook always names one: when Twilio requests
+        are authenticated, a stream without it did not come from our TwiML,
+        and its upgrade signature, over the URL alone, may be a replay)."""
         tenant = parameters.get(TENANT_PARAM)
         if tenant is None:
-            return "default"
+            return None if required else "default"
         given = parameters.get(TENANT_SIG_PARAM, "")
         issued_text = parameters.get(TENANT_TS_PARAM, "")
         if not call_id or not issued_text.isdigit() or len(issued_text) > 12:
             return None
         issued = int(issued_text)
-        if not hmac.compare_digest(given, sign_tenant(self.secret, tenant, call_id, issued)):
+        if not hmac.compare_digest(given.encode(), sign_tenant(self.secret, tenant, call_id, issued).encode()):
             return None
         if not now - TENANT_SIG_TTL_S <= issued <= now + CLOCK_SKEW_S:
             return None
