@@ -102,7 +102,8 @@ class Leases:
 
     async def recover_abandoned(self, reason: StopReason, *, all_open: bool) -> list[Turn]:
         """Stop the turns whose worker is gone (killed mid-turn), so none
-        stays open forever: QUEUED ones are cancelled at once, the others go
+        stays open forever (a turn released for another worker is left to
+        be adopted, :mod:`turn.resume`): QUEUED ones are cancelled at once, the others go
         through CANCEL_REQUESTED to CANCELLED with ``reason`` (or to
         RECONCILE_REQUIRED when the ledger shows an effect remaining).
 
@@ -116,8 +117,8 @@ class Leases:
         """
         stopped = []
         for turn in await self.store_call(self.store.list_open):
-            if turn.id in self._owned or not (all_open or self.lease_expired(turn)):
-                continue
+            if turn.id in self._owned or turn.released or not (all_open or self.lease_expired(turn)):
+                continue  # a released turn waits to be adopted (turn.resume), not stopped
             res = await self.request_stop(turn.id, reason, request_id=f"recover:{turn.id}")
             if res.answer in (StopAnswer.ACCEPTED, StopAnswer.ALREADY_STOPPING) and not res.turn.is_terminal:
                 stop = res.turn.stop_reason or reason

@@ -24,6 +24,7 @@ from turn.lease import Leases, default_owner
 from turn.ledger import Ledger
 from turn.models import Budget, Plan, Session, StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
 from turn.reconciliation import ReconciliationWorker
+from turn.resume import Resumption
 from turn.runtime import FlagCache, TurnRuntime
 from turn.signals import StopSignals
 from turn.states import TransitionResult
@@ -59,7 +60,7 @@ def turn_event(turn: Turn) -> TurnEvent:
     return TurnEvent(turn_id=turn.id, generation=turn.generation, **turn_fields(turn))
 
 
-class TurnManager(Checkpoints, StopPath, Leases):
+class TurnManager(Checkpoints, StopPath, Leases, Resumption):
     """Creates turns and moves them through DESIGN.md's states.
 
     Its parts live with their concepts: the checkpoints and the stop flag

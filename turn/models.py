@@ -348,6 +348,13 @@ class Turn(BaseModel):
     def is_terminal(self) -> bool:
         return self.status.is_terminal
 
+    @property
+    def released(self) -> bool:
+        """A worker gave it up at a checkpoint for another to resume
+        (:mod:`turn.resume`): QUEUED with no lease owner but a heartbeat (a
+        turn never started has neither)."""
+        return self.status is TurnStatus.QUEUED and self.lease_owner is None and self.heartbeat_at is not None
+
 
 class Session(BaseModel):
     """A connected client, or a REST conversation, that holds turns.

@@ -20,7 +20,8 @@ S = TurnStatus
 TRANSITIONS: dict[TurnStatus, frozenset[TurnStatus]] = {
     # A queued turn has started nothing, so a stop can end it at once.
     S.QUEUED: frozenset({S.RUNNING, S.CANCELLED, S.FAILED}),
-    S.RUNNING: frozenset({S.COMPLETED, S.FAILED, S.CANCEL_REQUESTED}),
+    # Released (a drain, turn.resume): it waits, unleased, for another worker.
+    S.RUNNING: frozenset({S.COMPLETED, S.FAILED, S.CANCEL_REQUESTED, S.QUEUED}),
     # The worker confirms a stop from what actually happened; a stop the
     # turn decided itself (deadline, budget, steps, loop) ends it FAILED.
     S.CANCEL_REQUESTED: frozenset({S.CANCELLED, S.RECONCILE_REQUIRED, S.COMPLETED, S.FAILED}),

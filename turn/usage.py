@@ -167,8 +167,11 @@ class UsageMeter:
         self,
         pricing: Pricing | None = None,
         now: Callable[[], datetime] | None = None,
+        earlier: list[UsageRecord] | None = None,
     ) -> None:
         self.pricing = pricing or Pricing()
+        #: requests of this turn made by a worker before this one (a resumed turn): counted, not metered again
+        self.earlier: list[UsageRecord] = list(earlier or [])
         self.requests: list[RequestMeter] = []
         self.stopped = False
         #: the stop request's time as the store recorded it (see :meth:`reconcile_stop`)
@@ -190,19 +193,22 @@ class UsageMeter:
         """A model request begins (``prompt_estimate`` tokens until the
         provider reports the real count)."""
         started_at = self._now() if self._now is not None else None
-        req = RequestMeter(self, len(self.requests) + 1, prompt_estimate, self.stopped, started_at)
+        req = RequestMeter(self, len(self.earlier) + len(self.requests) + 1, prompt_estimate, self.stopped, started_at)
         self.requests.append(req)
         return req
 
 
     @property
     def total_tokens(self) -> int:
-        """Prompt and completion tokens of every request."""
-        return sum(r.prompt_tokens + r.completion_tokens for r in self.requests)
+        """Prompt and completion tokens of every request (earlier ones too)."""
+        return sum(r.prompt_tokens + r.completion_tokens for r in self._all())
+
+    def _all(self) -> list[UsageRecord | RequestMeter]:
+        return [*self.earlier, *self.requests]
 
     def usage(self) -> Usage:
         """The turn's :class:`turn.models.Usage` now."""
-        records = [r.record() for r in self.requests]
+        records = [*self.earlier, *(r.record() for r in self.requests)]
         statuses = {r.after_stop for r in records} - {None}
         bounds = [r.completion_tokens_after_stop_bound for r in records]
         return Usage(
@@ -220,5 +226,5 @@ class UsageMeter:
         """Tokens and cents used so far."""
         return Spent(
             tokens=self.total_tokens,
-            cents=sum(self.pricing.cents(r.prompt_tokens, r.completion_tokens) for r in self.requests),
+            cents=sum(self.pricing.cents(r.prompt_tokens, r.completion_tokens) for r in self._all()),
         )

@@ -27,7 +27,7 @@ from turn.manager import TurnManager
 from turn.models import Budget, Plan, StopReason, StopReasonKind, Turn, TurnKind
 from turn.scope import Child, TurnScope
 from turn.stopped import TurnStopped
-from voice.history import HISTORY_MESSAGES, earlier_turns_wait_s, history_after
+from voice.history import HISTORY_MESSAGES, earlier_turns_wait_s, history_after, tool_messages
 from voice.providers import LanguageModel
 from voice.respond import run_agent, sink_to
 from voice.tools import Toolbox
@@ -86,6 +86,8 @@ class TextTurns:
         self.scopes: dict[str, TurnScope] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._closing = False
+        #: a drain halts the running turns for another worker instead of stopping them
+        self._releasing = False
 
     async def start(
         self,
@@ -150,7 +152,9 @@ class TextTurns:
         except Exception:
             log.exception("turn %s: could not stop it for a newer message", turn_id)
 
-    async def _run(self, turn: Turn, llm: LanguageModel, plan: Plan, older: list[asyncio.Task[None]]) -> None:
+    async def _run(
+        self, turn: Turn, llm: LanguageModel, plan: Plan, older: list[asyncio.Task[None]], resumed: bool = False
+    ) -> None:
         """Answer in the turn's cancel scope, or stop when asked (signal, a
         checkpoint that read the store, or a limit) and write exactly one
         terminal state from the children's reports. ``older``: the tasks of
@@ -163,18 +167,27 @@ class TextTurns:
         try:
             async with scope:
                 try:
-                    await self._work(turn, llm, scope, older)
+                    await self._work(turn, llm, scope, older, resumed=resumed)
                 except asyncio.CancelledError:
+                    reason = StopReason(kind=StopReasonKind.WORKER_SHUTDOWN, initiator="server", at=self.clock.now())
+                    if self._releasing:
+                        # A drain: halt at the next checkpoint, for another
+                        # worker to go on (turn.resume); no stop is recorded.
+                        if rt is not None:
+                            rt.meter.mark_stopped()  # what streams from now on is waste
+                        scope.stop(reason)
+                        raise
                     # The server is shutting down. The stop is recorded now,
                     # before the children wind down (a must-complete call
                     # may still commit, and that is after this stop).
-                    reason = StopReason(kind=StopReasonKind.WORKER_SHUTDOWN, initiator="server", at=self.clock.now())
                     scope.stop(reason)
                     await asyncio.shield(self._request_stop(turn.id, reason))
                     raise
         except asyncio.CancelledError:
-            # every child has ended: resolve the ledger and write the terminal state
-            await asyncio.shield(self._settle_shutdown(turn.id, scope))
+            # every child has ended: resolve the ledger and write the terminal
+            # state, or (a drain) release the turn with its last checkpoint
+            settle = self._release if self._releasing else self._settle_shutdown
+            await asyncio.shield(settle(turn.id, scope))
             raise
         except Exception:
             log.exception("text turn %s: stop handling failed", turn.id)
@@ -184,11 +197,13 @@ class TextTurns:
                 await record_late_usage(self.manager, turn.id, rt)
             self.scopes.pop(turn.id, None)
 
-    async def _work(self, turn: Turn, llm: LanguageModel, scope: TurnScope, older: list[asyncio.Task[None]]) -> None:
+    async def _work(
+        self, turn: Turn, llm: LanguageModel, scope: TurnScope, older: list[asyncio.Task[None]], *, resumed: bool = False
+    ) -> None:
         """Inside the scope: run the agent child until it ends or a stop
         comes, then write the terminal state."""
         try:
-            agent: Child | None = scope.spawn("agent", self._answer(turn, llm, scope, older))
+            agent: Child | None = scope.spawn("agent", self._answer(turn, llm, scope, older, resumed=resumed))
         except TurnStopped:
             agent = None  # no time left at all: the scope stopped itself (deadline_exceeded)
         if agent is not None:
@@ -214,6 +229,18 @@ class TextTurns:
         except Exception:
             log.exception("text turn %s: could not record the shutdown's stop request", turn_id)
 
+    async def _release(self, turn_id: str, scope: TurnScope) -> None:
+        """After a drain halted the turn: its in-flight effects settled by
+        the ``worker_shutdown`` policy (as for a stop), then released with
+        its last checkpoint (:meth:`turn.manager.TurnManager.release_for_resume`)."""
+        try:
+            await self.manager.ledger.resolve_on_stop(turn_id, StopReasonKind.WORKER_SHUTDOWN, self.clock.now())
+            res = await self.manager.release_for_resume(turn_id)
+            if not res.applied:  # stopped or ended meanwhile: that stands
+                await self.manager.settle_stop(turn_id, scope)
+        except Exception:
+            log.exception("text turn %s: could not release it", turn_id)
+
     async def _settle_shutdown(self, turn_id: str, scope: TurnScope) -> None:
         """After a shutdown stopped the turn: the ledger is resolved and the
         terminal state written from the children's reports, as for any stop."""
@@ -222,7 +249,9 @@ class TextTurns:
         except Exception:
             log.exception("text turn %s: could not record the shutdown", turn_id)
 
-    async def _answer(self, turn: Turn, llm: LanguageModel, scope: TurnScope, older: list[asyncio.Task[None]]) -> None:
+    async def _answer(
+        self, turn: Turn, llm: LanguageModel, scope: TurnScope, older: list[asyncio.Task[None]], *, resumed: bool = False
+    ) -> None:
         """The work: history, the agent loop, reply recorded, COMPLETED. The
         history is read once the turns this one superseded have ended (at
         most :func:`voice.history.earlier_turns_wait_s`), so it holds what they delivered and
@@ -240,7 +269,8 @@ class TextTurns:
             unheard.append(token)
             events.emit_event(AgentDelta(generation=turn.generation, turn_id=turn.id, text=token), withheld=True)
 
-        events.emit_event(Transcript(generation=turn.generation, turn_id=turn.id, role="user", text=turn.transcript or ""))
+        if not resumed:  # a resumed turn's request was logged by its first worker
+            events.emit_event(Transcript(generation=turn.generation, turn_id=turn.id, role="user", text=turn.transcript or ""))
         final = False
         try:
             messages = await history_after(
@@ -250,6 +280,9 @@ class TextTurns:
                 wait_s=earlier_turns_wait_s(int(self.stop_grace_s * 1000)),
                 max_messages=self.history_messages,
             )
+            if resumed:  # its own steps so far, as the ledger holds them: done ones are never run again
+                intents = await self.manager.store_call(lambda: self.manager.store.ledger_list(turn.id))
+                messages += tool_messages(intents)
             result = await run_agent(
                 scope=scope,
                 manager=self.manager,
@@ -316,6 +349,49 @@ class TextTurns:
         except TimeoutError:
             return False
         return True
+
+    async def release_all(self) -> None:
+        """A drain: halt every running text turn at its next checkpoint and
+        release it for another worker (:mod:`turn.resume`); new turns are
+        refused from now on. Waits for them (at most 10 s)."""
+        self._releasing = True
+        await self.aclose()
+
+    async def resume(self, turn_id: str) -> bool:
+        """Adopt the released text turn ``turn_id`` and run it on from its
+        ledger here. False if it was not ours to take (not released,
+        another worker took it, this instance is closing)."""
+        if self._closing:
+            return False
+        llm = self.llm()
+        turn = await self.manager.adopt(turn_id, pricing=llm.pricing)
+        if turn is None:
+            return False
+        session = await self.manager.store_call(lambda: self.manager.store.get_session(turn.session_id))
+        ts = self._sessions.get(session.id)
+        if ts is None:
+            ts = self._sessions[session.id] = _TextSession(GenerationFence(self.clock, active=session.generation))
+        self.manager.events.log(session.id, gate=ts.fence)
+        task = asyncio.get_running_loop().create_task(
+            self._run(turn, llm, self.plans(turn.tenant_id), [], resumed=True), name=f"text-turn-{turn.id}"
+        )
+        ts.running[turn.id] = task
+        task.add_done_callback(functools.partial(_forget, ts.running, turn.id))
+        if session.generation > turn.generation:  # a newer message came meanwhile: it supersedes this one
+            await self._supersede(turn.id)
+        return True
+
+    async def resume_released(self) -> int:
+        """Adopt every released text turn of the store (at startup, and
+        from the sweeper); returns how many were taken here."""
+        taken = 0
+        for turn in await self.manager.store_call(self.manager.store.list_open):
+            if turn.released and turn.kind is TurnKind.TEXT:
+                try:
+                    taken += await self.resume(turn.id)
+                except Exception:
+                    log.exception("turn %s: could not be resumed here", turn.id)
+        return taken
 
     async def aclose(self) -> None:
         """Stop every running text turn with ``worker_shutdown`` and wait."""

@@ -333,6 +333,7 @@ async def _background_work(app: web.Application) -> AsyncIterator[None]:
         app[WORKERS] = [
             loop.create_task(manager.reconciliation_worker().run(), name="reconciliation"),
             loop.create_task(manager.sweep_abandoned(), name="lease-sweeper"),
+            loop.create_task(_resume_released(app), name="resume-released"),
         ]
         app[WORKERS] += [
             loop.create_task(work, name=name)
@@ -346,6 +347,25 @@ async def _background_work(app: web.Application) -> AsyncIterator[None]:
             task.cancel()
         if workers:
             await asyncio.wait(workers, timeout=5)
+
+
+async def _resume_released(app: web.Application) -> None:
+    """Run forever: at startup and every ``lease_ttl_s``, adopt the text
+    turns another worker (or this one, before a restart) released in a
+    drain, and run them on here (:mod:`turn.resume`). A failed round is
+    logged and the next one runs on time."""
+    manager = app[MANAGER]
+    while True:
+        try:
+            # a draining instance takes nothing over: it is handing its own work on
+            taken = 0 if app[DRAIN].draining else await app[TEXT_TURNS].resume_released()
+            if taken:
+                log.info("resumed %d released text turns", taken)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("resuming released turns failed")
+        await app[CLOCK].sleep(manager.lease_ttl_s)
 
 
 async def _providers_started(app: web.Application) -> AsyncIterator[None]:

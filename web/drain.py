@@ -16,9 +16,10 @@ every time counts from the drain's start):
 3. **voice sessions** are told (``session.draining`` with the time left)
    and go on until they end or ``drain_timeout_s``; the rest are closed
    ``worker_shutdown``.
-4. **text turns** run on until they end or ``turn_wait_s``; the rest get a
-   cooperative stop ``worker_shutdown`` at their next checkpoint (never
-   inside a must-complete commit; see :mod:`voice.text_turns`).
+4. **text turns** run on until they end or ``turn_wait_s``; the rest halt
+   at their next checkpoint (never inside a must-complete commit) and are
+   *released* with it for another worker, or this one restarted, to go on
+   (:mod:`turn.resume`): a deploy loses no turn.
 5. **event streams** get every event logged so far, their turns' terminal
    ones included, then ``stream.end`` (``shutting_down``), then a clean
    end of the response.
@@ -204,9 +205,9 @@ async def _text_turns_end(drain: Drain, text_turns: TextTurns) -> None:
     if await text_turns.wait_idle(drain.left_s(limit)):
         log.info("drain: every text turn has ended")
         return
-    log.warning("drain: %d text turns still running after %.1f s: stopping them worker_shutdown",
+    log.warning("drain: %d text turns still running after %.1f s: releasing them for another worker",
                 text_turns.running_count(), limit)
-    await text_turns.aclose()
+    await text_turns.release_all()
 
 
 # -- HTTP -------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 the other; a stop sent to B for a turn running on A is accepted by B and
 confirmed by A; an event stream opened on B follows what A produces, the
 turn's terminal state included; draining A shows in the fleet at once,
-new work then lands on B, and A leaves the fleet when it exits."""
+new work then lands on B, and A leaves the fleet when it exits. A text
+turn A releases when it drains is taken over and finished by B."""
 
 from __future__ import annotations
 
@@ -107,6 +108,45 @@ async def test_two_instances_share_stops_streams_and_the_fleet(redis_url: str, t
                 await asyncio.sleep(0.05)
             assert a.proc.returncode == 0, a.log()[-2000:]
             assert set(await fleet(http, b.url)) == {b.url}  # A left the fleet on its way out
+    finally:
+        a.stop()
+        b.stop()
+
+
+async def test_a_turn_released_by_a_draining_instance_is_finished_by_the_other(redis_url: str, tmp_path: Path) -> None:
+    prefix = f"fleet{uuid.uuid4().hex[:8]}"
+    fast = {**env(redis_url, prefix), "TURNKEEPER_LLM__TOKENS_PER_SECOND": "100"}
+    a, b = Server(env(redis_url, prefix), tmp_path), Server(fast, tmp_path)
+    await a.start()
+    await b.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{a.url}/v1/turns", json={"text": "tell me a story"}, headers=AUTH) as r:
+                started = await r.json()
+            turn_id, session_id = started["turn"]["id"], started["session_id"]
+            statuses: list[str] = []
+
+            async def follow_on_b() -> None:
+                async with http.get(f"{b.url}/v1/sessions/{session_id}/events", headers=AUTH) as r:
+                    async for line in r.content:
+                        if line.startswith(b"data: "):
+                            m = json.loads(line[6:])
+                            if m.get("type") == "turn" and m.get("turn_id") == turn_id:
+                                statuses.append(m["status"])
+                                if m["status"] == "COMPLETED":
+                                    return
+
+            follower = asyncio.ensure_future(follow_on_b())
+            await asyncio.sleep(0.5)  # the story streams on A
+            async with http.post(f"{a.url}/v1/admin/drain") as r:
+                assert r.status == 202
+            await asyncio.wait_for(follower, 60)  # released by A after turn_wait_s, taken over by B
+            async with http.get(f"{b.url}/v1/turns/{turn_id}", headers=AUTH) as r:
+                turn = await r.json()
+            b_id = (await fleet(http, b.url))[b.url]["id"]
+        assert statuses[-3:] == ["QUEUED", "RUNNING", "COMPLETED"], statuses
+        assert turn["status"] == "COMPLETED" and turn["lease_owner"] == b_id  # B finished it
+        assert "resumed 1 released text turns" in b.log() and "released for another worker" in a.log()
     finally:
         a.stop()
         b.stop()

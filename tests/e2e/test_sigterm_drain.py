@@ -4,7 +4,9 @@ fails at once while ``/healthz`` stays up, new work gets 503
 ``shutting_down`` with ``Retry-After`` (never a refused connection),
 requests for what exists go on, an event stream gets its turn's terminal
 event and ``stream.end`` and then a clean end, and the process exits 0. A
-second signal exits at once."""
+second signal exits at once. A text turn still running at
+``turn_wait_s`` is released, and the next server on the store finishes it
+for a client that resumes its stream there."""
 
 from __future__ import annotations
 
@@ -105,16 +107,44 @@ async def test_sigterm_drains_refuses_new_work_and_ends_streams_cleanly(tmp_path
         assert not [pid for pid in workers if alive(pid)], "worker processes outlived the server"
         assert 1.5 <= took < 15, took
         assert ended == "clean", (ended, got[-3:])
-        # the turn's end reached the stream before the stream's own end
+        # the story outlived turn_wait_s: released (not stopped), and the stream was told before its end
         turn_events = [m for m in got if m.get("type") == "turn" and m.get("turn_id") == turn_id]
-        assert turn_events and turn_events[-1]["status"] in ("COMPLETED", "CANCELLED"), turn_events
-        if turn_events[-1]["status"] == "CANCELLED":
-            assert turn_events[-1]["stop_reason"]["kind"] == "worker_shutdown"
-        assert got[-1]["type"] == "stream.end" and got[-1]["reason"] == "shutting_down"
-        for step in ("draining (SIGTERM)", "text turns still running", "event streams send what is logged", "drain done"):
+        assert turn_events and turn_events[-1]["status"] == "QUEUED", turn_events
+        end = got[-1]
+        assert end["type"] == "stream.end" and end["reason"] == "shutting_down"
+        for step in ("draining (SIGTERM)", "releasing them for another worker", "event streams send what is logged",
+                     "drain done"):
             assert step in log, (step, log[-3000:])
     finally:
         server.stop()
+    # the next server on the store takes the turn over; the client resumes its stream there and sees it go on
+    again = Server({**env(tmp_path, lb_delay_s=0, turn_wait_s=2, drain_timeout_s=3, grace_s=15),
+                    "TURNKEEPER_LLM__TOKENS_PER_SECOND": "100"}, tmp_path)
+    await again.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            resumed: list[dict[str, Any]] = []
+            url = f"{again.url}/v1/sessions/{session_id}/events?after_seq={end['last_seq']}"
+
+            async def until_done() -> None:
+                async with http.get(url, headers=AUTH) as r:
+                    async for line in r.content:
+                        if line.startswith(b"data: "):
+                            resumed.append(json.loads(line[6:]))
+                            m = resumed[-1]
+                            if m.get("type") == "turn" and m.get("turn_id") == turn_id and m["status"] == "COMPLETED":
+                                return
+
+            await asyncio.wait_for(until_done(), 60)
+        statuses = [m["status"] for m in resumed if m.get("type") == "turn" and m.get("turn_id") == turn_id]
+        assert statuses[-2:] == ["RUNNING", "COMPLETED"], statuses
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{again.url}/v1/turns/{turn_id}", headers=AUTH) as r:
+                turn = await r.json()
+        assert turn["status"] == "COMPLETED" and turn["reply"].startswith("Once upon a time")
+        assert "resumed 1 released text turns" in again.log()
+    finally:
+        again.stop()
 
 
 async def test_a_repeated_drain_is_one_drain_and_a_second_signal_exits_at_once(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,7 @@ class Api:
 async def api(request: pytest.FixtureRequest, tmp_path: Path, redis_url: str) -> AsyncIterator[Api]:
     store = f"sqlite:///{tmp_path}/t.db" if request.param == "sqlite" else redis_url
     settings = Settings(
-        store=store, api_tokens=TOKENS, redis_prefix=f"t{tmp_path.name[-8:]}", llm={"tokens_per_second": 40},
+        store=store, api_tokens=TOKENS, redis_prefix=f"t{uuid.uuid4().hex[:12]}", llm={"tokens_per_second": 40},
         stt={"max_decoders": 1},  # text turns need no speech recogniser
     )
     app = create_app(settings)

@@ -1,0 +1,85 @@
+"""A deploy loses no turn: a text turn still running when its instance
+drains is halted at a checkpoint and released (QUEUED, no lease owner,
+its steps and usage written), and the next instance on the same store
+adopts it and runs it on to COMPLETED: same id and generation, one event
+log, the order it placed before the drain placed once (the ledger gives
+the model the done step; it is never run again), the model call cut off
+counted and re-issued."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from conftest import start_app
+
+from clock import SystemClock
+from demo_shop.service import DemoService
+from turn.models import TurnStatus
+from web.app import STORE, create_app
+from web.drain import DRAIN, drain_app
+from web.settings import Settings
+
+TOKEN = "tok-resume-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def settings(tmp_path: Path, tokens_per_second: float) -> Settings:
+    return Settings(
+        store=f"sqlite:///{tmp_path}/t.db", api_tokens=f"default:{TOKEN}", llm={"tokens_per_second": tokens_per_second},
+        shutdown={"lb_delay_s": 0, "drain_timeout_s": 0.5, "turn_wait_s": 0.3, "grace_s": 5},
+    )
+
+
+async def test_a_turn_released_by_a_drain_is_resumed_by_the_next_instance(tmp_path: Path) -> None:
+    first = create_app(settings(tmp_path, tokens_per_second=3))
+    runner, url = await start_app(first)
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/turns", json={"text": "please order a coffee"}, headers=AUTH) as r:
+                started = await r.json()
+            turn_id, session_id = started["turn"]["id"], started["session_id"]
+            store = first[STORE]
+            for _ in range(100):  # the order is placed, and the reply about it streams (slowly)
+                events = await store.read_events(session_id)
+                if any(e.type == "tool.done" for e in events) and any(e.type == "agent.delta" for e in events):
+                    break
+                await asyncio.sleep(0.05)
+            first[DRAIN].begin("test", lambda d: drain_app(d, first))
+            await asyncio.wait_for(first[DRAIN].done.wait(), 5)
+            released = await store.get(turn_id)
+    finally:
+        await runner.cleanup()
+    assert released.status is TurnStatus.QUEUED and released.released and released.lease_owner is None
+    assert released.step_count >= 3 and released.usage.model_requests == 2  # model, tool, the cut-off model call
+
+    second = create_app(settings(tmp_path, tokens_per_second=200))
+    runner, url = await start_app(second)
+    try:
+        store = second[STORE]
+        for _ in range(200):
+            turn = await store.get(turn_id)
+            if turn.is_terminal:
+                break
+            await asyncio.sleep(0.05)
+        events = await store.read_events(session_id)
+    finally:
+        await runner.cleanup()
+    assert turn.status is TurnStatus.COMPLETED, turn
+    assert turn.generation == released.generation and turn.session_id == session_id
+    assert turn.reply and "order" in turn.reply.lower()
+    statuses = [e.payload["status"] for e in events if e.type == "turn" and e.turn_id == turn_id]
+    assert statuses == ["QUEUED", "RUNNING", "QUEUED", "RUNNING", "COMPLETED"], statuses
+    # the order was placed once: the resumed model saw the done step
+    assert [e.type for e in events if e.type.startswith("tool.") and e.type != "tool.intent"].count("tool.started") == 1
+    service = DemoService(SystemClock(), tmp_path / "t.db.demo-service.db")  # next to the store (web.app)
+    try:
+        applied: dict[str, Any] = await service.applied(turn_id)
+    finally:
+        await service.aclose()
+    assert len(applied) == 1 and next(iter(applied.values()))["op"] == "order"
+    # the cut-off model call is billed, and the re-issued one too
+    assert turn.usage.model_requests == 3 and turn.usage.records[1].partial
+    assert turn.spent.tokens >= released.spent.tokens
