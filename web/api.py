@@ -47,6 +47,10 @@ SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,128}$")
 #: how often an idle event stream sends a keep-alive comment, s
 KEEPALIVE_S = 15.0
+#: how often a live stream looks whether the instance drains, s (the longest
+#: a store read of new events blocks: a cancelled blocking Redis read can
+#: take until its end to return)
+CLOSING_POLL_S = 0.5
 #: turns of a session a resumed stream's snapshot shows at most
 SNAPSHOT_TURNS = 50
 
@@ -259,19 +263,10 @@ async def session_events(request: web.Request) -> web.StreamResponse:
                 SnapshotTurn(turn_id=t.id, generation=t.generation, **turn_fields(t), owner_lost=manager.lease_expired(t))
                 for t in turns
             ])))
-        follower = EventFollower(manager.store, session.id, after_seq, poll_s=KEEPALIVE_S)
-        closing = app[DRAIN].streams_closing
+        follower = EventFollower(manager.store, session.id, after_seq, poll_s=CLOSING_POLL_S)
         sent = [after_seq]  # the seq of the last event sent
-        gone = False
-        try:
-            async with asyncio.TaskGroup() as tg:
-                live = tg.create_task(_live(resp, follower, sent))
-                await closing.wait()
-                live.cancel()  # the instance drains: what is logged goes out, then the end
-        except* ConnectionResetError:
-            gone = True  # the client went away
-        if gone:
-            return resp
+        await _live(resp, follower, sent, app[DRAIN].streams_closing)
+        # the instance drains: what is logged goes out, then the end
         follower.cursor = max(sent[0], after_seq)  # from the last event sent: none is lost, none sent twice
         for ev in await follower.read_available():
             await _send(resp, event_json(ev), event_id=ev.seq)
@@ -284,16 +279,29 @@ async def session_events(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def _live(resp: web.StreamResponse, follower: EventFollower, sent: list[int]) -> None:
+async def _live(resp: web.StreamResponse, follower: EventFollower, sent: list[int], closing: asyncio.Event) -> None:
     """Send the session's events as they are logged (a keep-alive comment
-    when nothing came for ``KEEPALIVE_S``), until cancelled; ``sent[0]``
-    is kept at the seq of the last one sent."""
+    when nothing was sent for ``KEEPALIVE_S``) until ``closing`` is set
+    (seen within ``CLOSING_POLL_S``); ``sent[0]`` is kept at the seq of the
+    last one sent. No cancellation is needed to end it.
+
+    Raises:
+        ConnectionResetError: the client went away.
+    """
+    loop = asyncio.get_running_loop()
+    last_write = loop.time()
     async for batch in follower.follow():
+        if closing.is_set():
+            return  # this batch is read again from ``sent[0]`` by the caller
         if not batch:
-            await resp.write(b": keep-alive\n\n")
+            if loop.time() - last_write >= KEEPALIVE_S:
+                await resp.write(b": keep-alive\n\n")
+                last_write = loop.time()
+            continue
         for ev in batch:
             await _send(resp, event_json(ev), event_id=ev.seq)
             sent[0] = ev.seq
+        last_write = loop.time()
 
 
 def _cursor(request: web.Request) -> tuple[int, bool]:

@@ -115,3 +115,43 @@ async def test_the_instance_lists_itself_and_shows_its_drain(server: tuple[web.A
             await asyncio.sleep(0.05)
         assert me["state"] == "draining"  # written at once, not at the next heartbeat
         await asyncio.wait_for(app[DRAIN].done.wait(), 5)
+
+
+@pytest.mark.parametrize("store_kind", ["sqlite", "redis"])
+async def test_an_event_stream_gets_stream_end_on_drain_on_either_store(
+    store_kind: str, tmp_path: Path, redis_url: str
+) -> None:
+    """A stream blocked in a store read (Redis: a blocking XREAD) still sees
+    the drain within CLOSING_POLL_S, sends what is logged, ``stream.end`` and
+    ends cleanly (it once hung until the drain cut it, on Redis)."""
+    import json
+    import uuid
+
+    store = f"sqlite:///{tmp_path}/t.db" if store_kind == "sqlite" else redis_url
+    app = create_app(Settings(
+        store=store, redis_prefix=f"dr{uuid.uuid4().hex[:10]}", api_tokens="default:tok-drain-stream-0123",
+        llm={"tokens_per_second": 5}, shutdown={"lb_delay_s": 0, "drain_timeout_s": 1, "turn_wait_s": 0.3, "grace_s": 5},
+    ))
+    runner, url = await start_app(app)
+    auth = {"Authorization": "Bearer tok-drain-stream-0123"}
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/turns", json={"text": "tell me a story"}, headers=auth) as r:
+                session_id = (await r.json())["session_id"]
+            got: list[dict[str, object]] = []
+
+            async def read() -> None:
+                async with http.get(f"{url}/v1/sessions/{session_id}/events", headers=auth) as r:
+                    async for line in r.content:
+                        if line.startswith(b"data: "):
+                            got.append(json.loads(line[6:]))
+
+            reader = asyncio.ensure_future(read())
+            await asyncio.sleep(0.5)
+            app[DRAIN].begin("test", lambda d: drain_app(d, app))
+            await asyncio.wait_for(reader, 4)  # ends cleanly (a cut stream raises here)
+            await asyncio.wait_for(app[DRAIN].done.wait(), 5)
+        assert got[-1]["type"] == "stream.end", got[-3:]
+        assert any(m.get("type") == "turn" and m.get("status") == "QUEUED" for m in got)  # released, and told
+    finally:
+        await runner.cleanup()
