@@ -42,9 +42,11 @@ from turn.event_catalogue import SessionDraining
 from turn.models import StopReasonKind
 from voice.text_turns import TextTurns
 from web.auth import require_admin
+from web.devices.routes import DEVICE_WS_PATH, XIAOZHI_WS_PATH
 from web.errors import ApiError
 from web.settings import ShutdownSettings
 from web.state import MANAGER, PEERS, STREAMS, TEXT_TURNS, ClientSession
+from web.telephony.routes import TELNYX_STREAM_PATH, TWILIO_STREAM_PATH, TWILIO_VOICE_PATH
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +54,11 @@ log = logging.getLogger(__name__)
 NEW_WORK = frozenset({
     ("POST", "/v1/webrtc/offer"),
     ("POST", "/v1/turns"),
-    ("POST", "/v1/telephony/twilio/voice"),
-    ("GET", "/v1/telephony/twilio"),
-    ("GET", "/v1/telephony/telnyx"),
-    ("GET", "/v1/devices/ws"),
-    ("GET", "/xiaozhi/v1/"),
+    ("POST", TWILIO_VOICE_PATH),
+    ("GET", TWILIO_STREAM_PATH),
+    ("GET", TELNYX_STREAM_PATH),
+    ("GET", DEVICE_WS_PATH),
+    ("GET", XIAOZHI_WS_PATH),
 })
 #: the drain of this instance (set by :func:`add_routes`)
 DRAIN: web.AppKey[Drain] = web.AppKey("drain")
@@ -86,6 +88,7 @@ class Drain:
         started_at: clock seconds when the drain began (None while serving).
         streams_closing: set when event streams must send what is logged
             and end (step 5).
+        began: set when the drain begins (who must tell others at once).
         done: set when the drain has run its steps: the process may exit.
     """
 
@@ -96,6 +99,7 @@ class Drain:
         self.reason = ""
         self.started_at: float | None = None
         self.streams_closing = asyncio.Event()
+        self.began = asyncio.Event()
         self.done = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -120,6 +124,7 @@ class Drain:
             log.info("drain requested again (%s): already draining for %.1f s", reason, self.elapsed_s())
             return False
         self.state, self.reason, self.started_at = DrainState.DRAINING, reason, self.clock.monotonic()
+        self.began.set()
         log.warning("draining (%s): /readyz answers 503, new work is refused with 503 shutting_down", reason)
         self._task = asyncio.get_running_loop().create_task(self._run(steps), name="drain")
         return True

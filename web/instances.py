@@ -22,6 +22,7 @@ from datetime import datetime
 
 from aiohttp import web
 
+from clock import timeout_after
 from turn.models import InstanceInfo
 from web.auth import require_admin
 from web.drain import DRAIN
@@ -76,15 +77,17 @@ class Registration:
         """Beat every ``lease_ttl_s / 3`` of the clock, and at once when the
         drain starts, until cancelled."""
         clock, every = self.app[CLOCK], self.app[MANAGER].lease_ttl_s / 3
-        drain = self.app[DRAIN]
-        told_draining = False
+        began = self.app[DRAIN].began
         while True:
             await self.beat()
-            waited = 0.0
-            while waited < every and (told_draining or not drain.draining):
-                await clock.sleep(min(0.05, every))
-                waited += min(0.05, every)
-            told_draining = told_draining or drain.draining
+            if began.is_set():
+                await clock.sleep(every)
+                continue
+            try:  # the next beat on time, or at once when the drain begins
+                async with timeout_after(clock, every):
+                    await began.wait()
+            except TimeoutError:
+                pass
 
 
 async def registered(app: web.Application) -> AsyncIterator[None]:
