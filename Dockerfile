@@ -7,7 +7,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY clock ./clock
 COPY turn ./turn
 COPY media ./media
@@ -16,7 +16,7 @@ COPY web ./web
 COPY client ./client
 COPY demo_shop ./demo_shop
 COPY testkit ./testkit
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir -c constraints.txt .
 
 ENV TURNKEEPER_HOST=0.0.0.0
 EXPOSE 8080

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 import signal
+from typing import Any
 
 from aiohttp import web
 
@@ -76,8 +77,36 @@ async def serve(settings: Settings) -> int:
         await asyncio.wait(waiters, timeout=WATCH_S, return_when=asyncio.FIRST_COMPLETED)
         for w in waiters:
             w.cancel()
-    if at_once.is_set():
-        logging.shutdown()
-        os._exit(EXIT_AT_ONCE)  # nothing more may run: the sweeper settles what was open
-    await runner.cleanup()
-    return 0
+    if not at_once.is_set():
+        # the cleanup (handlers' end, background work, the store) counts
+        # against the grace too, and a second signal cuts it short
+        cleanup = asyncio.ensure_future(runner.cleanup())
+        stop = asyncio.ensure_future(at_once.wait())
+        left = max(0.0, grace_s - drain.elapsed_s())
+        await asyncio.wait({cleanup, stop}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if cleanup.done():
+            cleanup.result()  # its error, if any, is the process's
+            return 0
+        log.warning("cleanup still running after shutdown.grace_s (%.0f s): exiting at once; waiting were:\n%s",
+                    grace_s, _pending_tasks())
+    logging.shutdown()
+    os._exit(EXIT_AT_ONCE)  # nothing more may run: the sweeper settles what was open
+
+
+def _pending_tasks() -> str:
+    """Each unfinished task with the line it waits on, for the log of a
+    shutdown that ran out of time (what held it is the bug to fix)."""
+    lines = []
+    for task in asyncio.all_tasks():
+        if task is asyncio.current_task():
+            continue
+        chain: list[str] = []
+        coro: Any = task.get_coro()
+        while coro is not None and len(chain) < 40:  # the awaits, outermost first
+            frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+            if frame is not None:
+                chain.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})")
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+        lines.append(f"  {task.get_name()}: " + " -> ".join(chain or ["?"]))
+    return "\n".join(sorted(lines))
