@@ -10,8 +10,10 @@ header): a repeat of a key returns the first answer and applies nothing.
 Faults can be injected per operation (:meth:`DemoService.inject`):
 ``fail_before`` (refused before any write: nothing applied),
 ``fail_after`` (applied, then the answer is lost: the caller cannot know),
-``lookup_unknown`` (a lookup that cannot answer) and ``slow`` (the answer
-takes ``slow_s``).
+``lookup_unknown`` (a lookup that cannot answer), ``slow`` (the call
+waits ``slow_s`` before it writes anything) and ``slow_after`` (it writes
+at once, then its answer takes ``slow_s``: the effect happened, its caller
+does not know yet; a crash then is the hard case for the ledger).
 
 Its SQLite calls run in worker threads (:func:`asyncio.to_thread`), never on
 the event loop, which also paces the audio of every session: a slow disk
@@ -66,6 +68,9 @@ class DemoService:
     """
 
     OPS = ("order", "payment", "batch", "message")
+    #: what :meth:`inject` accepts: the ops above, and these two
+    FAULT_OPS = (*OPS, "lookup", "reverse")
+    FAULTS = ("fail_before", "fail_after", "lookup_unknown", "slow", "slow_after")
 
     def __init__(self, clock: Clock, path: str | Path = ":memory:", *, latency_s: float = 0.02) -> None:
         self.clock = clock
@@ -81,7 +86,13 @@ class DemoService:
 
     def inject(self, op: str, *faults: str) -> None:
         """Queue faults for the next calls of ``op`` ("order", "payment",
-        "batch", "message", "lookup", "reverse"), one per call."""
+        "batch", "message", "lookup", "reverse"), one per call.
+
+        Raises:
+            ValueError: an unknown op or fault.
+        """
+        if op not in self.FAULT_OPS or any(f not in self.FAULTS for f in faults):
+            raise ValueError(f"unknown fault {op}:{','.join(faults)} (ops {self.FAULT_OPS}, faults {self.FAULTS})")
         self._faults[op].extend(faults)
 
     def clear_faults(self) -> None:
@@ -121,6 +132,19 @@ class DemoService:
     async def _wait(self, fault: str | None) -> None:
         await self.clock.sleep(self.slow_s if fault == "slow" else self.latency_s)
 
+    def inject_spec(self, spec: str) -> None:
+        """:meth:`inject` from text, ``op:fault`` pairs separated by commas
+        (the ``demo_faults`` setting), e.g. ``order:slow_after,lookup:slow``.
+
+        Raises:
+            ValueError: a pair that is not ``op:fault``, or an unknown one.
+        """
+        for pair in filter(None, (p.strip() for p in spec.split(","))):
+            op, sep, fault = pair.partition(":")
+            if not sep:
+                raise ValueError(f"a demo fault is op:fault, not {pair!r}")
+            self.inject(op.strip(), fault.strip())
+
     async def apply(self, op: str, key: str, payload: dict[str, Any]) -> dict[str, Any]:
         """Apply ``op`` once per ``key``; a repeat returns the first answer.
 
@@ -151,6 +175,8 @@ class DemoService:
                 db.execute("INSERT INTO repeats (key) VALUES (?)", (key,))
 
         await self._in_thread(write)
+        if fault == "slow_after":
+            await self.clock.sleep(self.slow_s)
         if fault == "fail_after":
             raise ServiceError(f"{op} applied, but the answer was lost")
         return {"key": key, "op": op, **payload}

@@ -67,6 +67,11 @@ class Checkpoints:
     _flags: dict[str, FlagCache]
     _where: dict[str, tuple[str, int]]
     _stop_hooks: dict[str, list[Callable[[], None]]]
+    owner: str
+    #: called with a turn's id when a sync finds it leased to another worker
+    #: (this one stalled past the lease TTL and was taken over): the work
+    #: here must end without writing anything more (None: only logged)
+    on_lease_lost: Callable[[str], None] | None = None
 
     if TYPE_CHECKING:  # the manager's methods this part calls (turn.manager.TurnManager)
 
@@ -163,6 +168,13 @@ class Checkpoints:
                 usage=rt.meter.usage(),
             )
         )
+        if turn.lease_owner is not None and turn.lease_owner != self.owner and turn_id in self._owned:
+            self._owned.discard(turn_id)  # no more heartbeats from here
+            log.warning("turn %s: its lease was taken over by %s (this worker stalled past the lease TTL): "
+                        "its work here ends", turn_id, turn.lease_owner)
+            if self.on_lease_lost is not None:
+                self.on_lease_lost(turn_id)
+            return turn
         if turn.status is not TurnStatus.RUNNING and not rt.stopping:
             self._mark_stopping(turn_id)
             self.signals.fire(turn_id)

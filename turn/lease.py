@@ -8,7 +8,11 @@ third of the lease TTL (:meth:`Leases.keep_leases`). A turn whose
 heartbeat is older than the TTL has lost its owner; the sweeper
 (:meth:`Leases.sweep_abandoned`, and once at startup
 :meth:`Leases.recover_abandoned`) stops such turns with a clear reason, so
-none stays open forever.
+none stays open forever, except text turns still RUNNING: those are taken
+over (a compare-and-set on the lease as seen expired, so one sweeper wins
+and a worker that was only slow keeps its turn) and run on here from their
+ledger, what their worker had in flight settled first (see
+:meth:`voice.text_turns.TextTurns.take_over`).
 
 :class:`Leases` is a part of :class:`turn.manager.TurnManager`.
 """
@@ -21,17 +25,29 @@ import os
 import socket
 import uuid
 from collections.abc import Awaitable, Callable
+from enum import StrEnum
 from typing import TYPE_CHECKING, TypeVar
 
 from clock import Clock
 from turn.ledger import Ledger
-from turn.models import StopReason, StopReasonKind, Turn
+from turn.models import StopReason, StopReasonKind, Turn, TurnStatus
 from turn.states import TransitionResult
 from turn.store import StopAnswer, StopResult, TurnStore
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class TakeOver(StrEnum):
+    """What became of an abandoned turn offered to be run on here."""
+
+    #: leased here, it runs on from its ledger
+    TAKEN = "taken"
+    #: another worker won it, or its own worker was only slow: left alone
+    LOST = "lost"
+    #: it cannot go on (a voice turn, say): the sweeper stops it
+    NOT_RESUMABLE = "not_resumable"
 
 
 def default_owner() -> str:
@@ -61,6 +77,9 @@ class Leases:
     owner: str
     lease_ttl_s: float
     _owned: set[str]
+    #: set by the text turns: run an abandoned RUNNING turn on here instead
+    #: of stopping it (None: every abandoned turn is stopped)
+    take_over_abandoned: Callable[[Turn], Awaitable[TakeOver]] | None = None
 
     if TYPE_CHECKING:  # the manager's methods this part calls (turn.manager.TurnManager, turn.stop_path.StopPath)
 
@@ -119,6 +138,16 @@ class Leases:
         for turn in await self.store_call(self.store.list_open):
             if turn.id in self._owned or turn.released or not (all_open or self.lease_expired(turn)):
                 continue  # a released turn waits to be adopted (turn.resume), not stopped
+            if self.take_over_abandoned is not None and turn.status is TurnStatus.RUNNING:
+                try:
+                    taken = await self.take_over_abandoned(turn)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("turn %s: could not be taken over; it is stopped", turn.id)
+                    taken = TakeOver.NOT_RESUMABLE
+                if taken is not TakeOver.NOT_RESUMABLE:
+                    continue  # runs on here, or another worker won it (or its own was only slow)
             res = await self.request_stop(turn.id, reason, request_id=f"recover:{turn.id}")
             if res.answer in (StopAnswer.ACCEPTED, StopAnswer.ALREADY_STOPPING) and not res.turn.is_terminal:
                 stop = res.turn.stop_reason or reason

@@ -110,6 +110,15 @@ redis.call('HSET', KEYS[1], 'heartbeat_at', ARGV[2])
 return 1
 """
 
+_TAKE_OVER = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('HGET', KEYS[1], 'status') ~= ARGV[1] then return 0 end
+if (redis.call('HGET', KEYS[1], 'lease_owner') or '') ~= ARGV[2] then return 0 end
+if (redis.call('HGET', KEYS[1], 'heartbeat_at') or '') ~= ARGV[3] then return 0 end
+redis.call('HSET', KEYS[1], 'lease_owner', ARGV[4], 'heartbeat_at', ARGV[5], 'updated_at', ARGV[5])
+return 1
+"""
+
 _BUMP = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 return redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
@@ -122,6 +131,7 @@ TURN_LUA = {
     "request_stop": _REQUEST_STOP,
     "update": _UPDATE,
     "heartbeat": _HEARTBEAT,
+    "take_over": _TAKE_OVER,
     "bump": _BUMP,
 }
 
@@ -282,6 +292,17 @@ class RedisTurnRows(RedisConnection):
         for turn_id in turn_ids:  # one slot per turn: one script each
             renewed += int(await self._script("heartbeat", [self._turn(turn_id)], [owner, at.isoformat(), terminal]))
         return renewed
+
+    async def take_over(
+        self, turn_id: str, owner: str, *, expect_owner: str | None, expect_heartbeat: datetime | None, at: datetime
+    ) -> bool:
+        got = int(await self._script("take_over", [self._turn(turn_id)], [
+            TurnStatus.RUNNING.value, expect_owner or "", expect_heartbeat.isoformat() if expect_heartbeat else "",
+            owner, at.isoformat(),
+        ]))
+        if got < 0:
+            raise UnknownTurn(turn_id)
+        return got == 1
 
 
 def _flat(d: dict[str, str]) -> list[str]:

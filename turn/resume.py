@@ -21,16 +21,22 @@ the stored ones, what was spent before counting against it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from clock import Clock
-from turn.models import Turn, TurnStatus
+from turn.intents import IntentKind, IntentStatus, effect_key
+from turn.ledger import Ledger
+from turn.models import StopReasonKind, Turn, TurnStatus
 from turn.runtime import TurnRuntime
 from turn.states import TransitionResult
 from turn.store import TurnStore
 from turn.usage import Pricing, UsageMeter
+
+if TYPE_CHECKING:
+    from turn.reconciliation import ReconciliationWorker
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +49,7 @@ class Resumption:
 
     store: TurnStore
     clock: Clock
+    ledger: Ledger
     owner: str
     _owned: set[str]
     _where: dict[str, tuple[str, int]]
@@ -57,6 +64,8 @@ class Resumption:
         def release(self, turn_id: str) -> None: ...
 
         def _notify(self, turn: Turn) -> None: ...
+
+        def reconciliation_worker(self, interval_s: float = 1.0) -> ReconciliationWorker: ...
 
     async def release_for_resume(self, turn_id: str) -> TransitionResult:
         """The worker here halted ``turn_id`` at a checkpoint (a drain):
@@ -86,6 +95,70 @@ class Resumption:
             return None
         now = self.clock.now()
         turn = await self.store_call(lambda: self.store.update(turn_id, at=now, lease_owner=self.owner, heartbeat_at=now))
+        self._run_here(turn, pricing)
+        log.info("turn %s adopted at step %d (released by another worker)", turn_id, turn.step_count)
+        return turn
+
+    async def take_over(self, seen: Turn, pricing: Pricing | None = None) -> Turn | None:
+        """Take over the RUNNING turn ``seen`` whose worker is gone (its
+        lease expired: killed, crashed), leasing it here by compare-and-set
+        on the lease as seen (:meth:`turn.store.TurnStore.take_over`), with
+        a runtime that goes on from the stored steps and usage, as
+        :meth:`adopt`. What its worker had in flight is in the ledger,
+        pending: the caller settles it before running on. None if another
+        sweeper won, or its worker was only slow and beat meanwhile."""
+        now = self.clock.now()
+        taken = await self.store_call(lambda: self.store.take_over(
+            seen.id, self.owner, expect_owner=seen.lease_owner, expect_heartbeat=seen.heartbeat_at, at=now
+        ))
+        if not taken:
+            return None
+        turn = await self.store_call(lambda: self.store.get(seen.id))
+        self._run_here(turn, pricing)
+        log.warning("turn %s taken over at step %d: its worker %s stopped renewing its lease", turn.id, turn.step_count,
+                    seen.lease_owner or "nobody")
+        return turn
+
+    async def settle_cut_off(self, turn_id: str) -> bool:
+        """Before a resumed turn runs on: settle the effects of its own steps
+        that its first worker left open, by the ``worker_shutdown`` policy
+        (:mod:`turn.stop_policy`: looked up; present is kept, absent is
+        retried with the same key, so the step happens once even if the
+        first call lands late). A read left pending is abandoned (the model
+        may read again). Its step count goes on after the last step in the
+        ledger (a crash may have lost the count, never the intent), so no
+        key is reused. Returns False if an effect stays unknown: the model
+        must not go on guessing, the caller stops the turn.
+
+        Raises:
+            turn.store.StoreUnavailable: the store stays unreachable.
+        """
+        ledger = self.ledger
+        intents = await self.store_call(lambda: self.store.ledger_list(turn_id))
+        own = [i for i in intents if i.kind is IntentKind.EFFECT and i.key == effect_key(turn_id, i.step)]
+        rt = self._runtime.get(turn_id)
+        if rt is not None and own:
+            rt.steps = max(rt.steps, max(i.step for i in own))
+        reconciler = self.reconciliation_worker()
+        settled = True
+        for i in own:
+            if i.status is IntentStatus.PENDING:  # (a move that lost its compare-and-set: as it was; settled below)
+                unsure = IntentStatus.ABANDONED if i.effect == "none" else IntentStatus.EFFECT_UNKNOWN
+                i = await ledger.move(i.key, unsure, expect=frozenset({IntentStatus.PENDING}),
+                                      detail="its worker ended mid-call") or i
+            if i.status is IntentStatus.EFFECT_UNKNOWN:
+                await reconciler.reconcile(i, StopReasonKind.WORKER_SHUTDOWN)
+            # as stored now: the background reconciliation may have settled it first
+            i = await self.store_call(functools.partial(self.store.ledger_get, i.key))
+            if i.status in (IntentStatus.PENDING, IntentStatus.EFFECT_UNKNOWN, IntentStatus.HUMAN_REQUIRED):
+                log.warning("turn %s: step %d (%s) is still %s after its worker ended: not resumed", turn_id, i.step,
+                            i.tool, i.status.value)
+                settled = False
+        return settled
+
+    def _run_here(self, turn: Turn, pricing: Pricing | None) -> None:
+        """Lease bookkeeping and a runtime for a turn this worker now runs."""
+        now = self.clock.now()
         self._owned.add(turn.id)
         self._where[turn.id] = (turn.session_id, turn.generation)
         mono = self.clock.monotonic()
@@ -100,5 +173,3 @@ class Resumption:
             synced_at=mono,
         )
         self._notify(turn)
-        log.info("turn %s adopted at step %d (released by another worker)", turn_id, turn.step_count)
-        return turn

@@ -222,6 +222,21 @@ class SqliteTurnRows(SqliteConnection):
             return 0
         return await self._run(self._tx, lambda c: self._heartbeat_in(c, owner, turn_ids, at))
 
+    async def take_over(
+        self, turn_id: str, owner: str, *, expect_owner: str | None, expect_heartbeat: datetime | None, at: datetime
+    ) -> bool:
+        def run(conn: sqlite3.Connection) -> bool:
+            self._get_sync(turn_id)  # UnknownTurn
+            cur = conn.execute(
+                "UPDATE turns SET lease_owner = ?, heartbeat_at = ?, updated_at = ?"
+                " WHERE id = ? AND status = ? AND lease_owner IS ? AND heartbeat_at IS ?",
+                (owner, at.isoformat(), at.isoformat(), turn_id, TurnStatus.RUNNING.value, expect_owner,
+                 expect_heartbeat.isoformat() if expect_heartbeat is not None else None),
+            )
+            return cur.rowcount == 1
+
+        return await self._run(self._tx, run)
+
     @staticmethod
     def _heartbeat_in(conn: sqlite3.Connection, owner: str, turn_ids: list[str], at: datetime) -> int:
         marks = ",".join("?" for _ in turn_ids)

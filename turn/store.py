@@ -250,6 +250,21 @@ class TurnStore(Protocol):
         terminal; returns how many were renewed."""
         ...
 
+    async def take_over(
+        self, turn_id: str, owner: str, *, expect_owner: str | None, expect_heartbeat: datetime | None, at: datetime
+    ) -> bool:
+        """Lease a RUNNING turn whose worker is gone to ``owner`` (heartbeat
+        ``at``), as one compare-and-set: only if it is still RUNNING, leased
+        to ``expect_owner`` and its heartbeat is still ``expect_heartbeat``
+        (what the sweeper saw expire). Of several sweepers that saw it, one
+        wins; a worker that was only slow and beat meanwhile keeps it.
+        Returns whether it was taken.
+
+        Raises:
+            UnknownTurn: no such id.
+        """
+        ...
+
     # -- event log -------------------------------------------------------------
 
     async def append_event(self, event: EventRecord) -> EventRecord:

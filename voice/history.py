@@ -53,7 +53,8 @@ def tool_outcome_text(intent: Intent) -> str:
     (what the external system confirmed, see the module doc)."""
     status = intent.status
     if status is IntentStatus.DONE:
-        return intent.result or "done"
+        # no result: the external system confirmed it by lookup, its own answer was lost
+        return intent.result or "done (confirmed by the external system; its answer was lost)"
     if status is IntentStatus.COMPENSATED:
         return "cancelled: it was done, then reversed"
     if status is IntentStatus.ABANDONED:

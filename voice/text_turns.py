@@ -23,6 +23,7 @@ from clock import Clock, timeout_after
 from turn.event_catalogue import AgentDelta, AgentDone, Transcript
 from turn.events import SessionEventLog
 from turn.generation import GenerationFence
+from turn.lease import TakeOver
 from turn.manager import TurnManager
 from turn.models import Budget, Plan, StopReason, StopReasonKind, Turn, TurnKind
 from turn.scope import Child, TurnScope
@@ -88,6 +89,9 @@ class TextTurns:
         self._closing = False
         #: a drain halts the running turns for another worker instead of stopping them
         self._releasing = False
+        #: turns another worker took over from here (this one stalled): end without writes
+        self._lost: set[str] = set()
+        manager.on_lease_lost = self._lease_lost
 
     async def start(
         self,
@@ -169,6 +173,9 @@ class TextTurns:
                 try:
                     await self._work(turn, llm, scope, older, resumed=resumed)
                 except asyncio.CancelledError:
+                    if turn.id in self._lost:
+                        scope.stop(None)  # the children end; the turn is another worker's now
+                        raise
                     reason = StopReason(kind=StopReasonKind.WORKER_SHUTDOWN, initiator="server", at=self.clock.now())
                     if self._releasing:
                         # A drain: halt at the next checkpoint, for another
@@ -184,6 +191,8 @@ class TextTurns:
                     await asyncio.shield(self._request_stop(turn.id, reason))
                     raise
         except asyncio.CancelledError:
+            if turn.id in self._lost:
+                raise  # nothing is written from here: the worker that took it over settles it
             # every child has ended: resolve the ledger and write the terminal
             # state, or (a drain) release the turn with its last checkpoint
             settle = self._release if self._releasing else self._settle_shutdown
@@ -193,9 +202,20 @@ class TextTurns:
             log.exception("text turn %s: stop handling failed", turn.id)
         finally:
             self.manager.release(turn.id)
-            if scope.stopped.is_set():
+            if scope.stopped.is_set() and turn.id not in self._lost:
                 await record_late_usage(self.manager, turn.id, rt)
+            self._lost.discard(turn.id)
             self.scopes.pop(turn.id, None)
+
+    def _lease_lost(self, turn_id: str) -> None:
+        """The manager found ``turn_id`` leased to another worker (this one
+        stalled past the lease TTL and the other took it over): cancel its
+        work here, which then ends without writing anything."""
+        for ts in self._sessions.values():
+            task = ts.running.get(turn_id)
+            if task is not None and not task.done():
+                self._lost.add(turn_id)
+                task.cancel()
 
     async def _work(
         self, turn: Turn, llm: LanguageModel, scope: TurnScope, older: list[asyncio.Task[None]], *, resumed: bool = False
@@ -281,6 +301,13 @@ class TextTurns:
                 max_messages=self.history_messages,
             )
             if resumed:  # its own steps so far, as the ledger holds them: done ones are never run again
+                if not await self.manager.settle_cut_off(turn.id):
+                    await self.manager.request_stop(turn.id, StopReason(
+                        kind=StopReasonKind.WORKER_SHUTDOWN, initiator="server", at=self.clock.now(),
+                        detail="an effect its first worker had in flight could not be confirmed",
+                    ))
+                    scope.stop(None)  # recorded in the store just now; the ledger then decides the end
+                    raise TurnStopped(turn.id, "resume")
                 intents = await self.manager.store_call(lambda: self.manager.store.ledger_list(turn.id))
                 messages += tool_messages(intents)
             result = await run_agent(
@@ -367,6 +394,29 @@ class TextTurns:
         turn = await self.manager.adopt(turn_id, pricing=llm.pricing)
         if turn is None:
             return False
+        await self._run_on(turn, llm)
+        return True
+
+    async def take_over(self, seen: Turn) -> TakeOver:
+        """The sweeper's offer (:attr:`turn.lease.Leases.take_over_abandoned`):
+        run on here the text turn ``seen``, RUNNING with its worker gone
+        (killed, crashed; a restart finds its own). A voice turn cannot go
+        on without its call: NOT_RESUMABLE, the sweeper stops it. A draining
+        instance leaves it to one that serves (LOST)."""
+        if seen.kind is not TurnKind.TEXT:
+            return TakeOver.NOT_RESUMABLE
+        if self._closing or self._releasing:
+            return TakeOver.LOST
+        llm = self.llm()
+        turn = await self.manager.take_over(seen, pricing=llm.pricing)
+        if turn is None:
+            return TakeOver.LOST
+        await self._run_on(turn, llm)
+        return TakeOver.TAKEN
+
+    async def _run_on(self, turn: Turn, llm: LanguageModel) -> None:
+        """Run a turn leased here from another worker (adopted or taken
+        over) on from its ledger, in its session's fence and event log."""
         session = await self.manager.store_call(lambda: self.manager.store.get_session(turn.session_id))
         ts = self._sessions.get(session.id)
         if ts is None:
@@ -379,7 +429,6 @@ class TextTurns:
         task.add_done_callback(functools.partial(_forget, ts.running, turn.id))
         if session.generation > turn.generation:  # a newer message came meanwhile: it supersedes this one
             await self._supersede(turn.id)
-        return True
 
     async def resume_released(self) -> int:
         """Adopt every released text turn of the store (at startup, and

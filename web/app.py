@@ -167,7 +167,9 @@ def demo_shop_for(settings: Settings, clock: Clock) -> DemoShop | None:
         return None
     from demo_shop.shop import DemoShop
 
-    return DemoShop(clock, demo_service_path(settings))
+    shop = DemoShop(clock, demo_service_path(settings))
+    shop.service.inject_spec(settings.demo_faults)
+    return shop
 
 
 def demo_service_path(settings: Settings) -> Path:
@@ -255,6 +257,7 @@ def create_app(
         tools=provs.tools,
         history_messages=settings.session.history_messages,
     )
+    app[MANAGER].take_over_abandoned = app[TEXT_TURNS].take_over  # a crashed worker's text turns run on here
     app.router.add_get("/", _index)
     app.router.add_static("/static", STATIC_DIR)
     app.router.add_get("/healthz", _healthz)

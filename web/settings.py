@@ -193,6 +193,11 @@ class Settings(BaseSettings):
         demo_service_db: the SQLite file of the demo tools' external system
             (empty: next to the SQLite store's file, or
             ``var/demo-service.db`` with Redis).
+        demo_faults: faults the demo's external system starts with, for
+            trying crashes and stops by hand and for the chaos tests:
+            ``op:fault`` pairs separated by commas, each for one call
+            (:meth:`demo_shop.service.DemoService.inject_spec`), e.g.
+            ``order:slow_after``. Empty: none.
         plans: each tenant's limits for every turn (deadline, budget, max
             steps, shutdown reserve; see :class:`turn.models.Plan`), by
             tenant id; ``default`` applies to tenants without one (and to
@@ -240,6 +245,7 @@ class Settings(BaseSettings):
     resume_token_ttl_s: int = Field(3600, ge=10, le=7 * 24 * 3600)
     demo_shop: bool = True
     demo_service_db: str = ""
+    demo_faults: str = Field("", max_length=1000)
 
     @field_validator("api_tokens")
     @classmethod

@@ -8,6 +8,7 @@ from datetime import timedelta
 import pytest
 
 from clock import SystemClock, VirtualClock
+from turn.lease import TakeOver
 from turn.manager import TurnManager
 from turn.models import StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
 from turn.sqlite_store import SqliteStore
@@ -191,6 +192,52 @@ async def test_recover_abandoned(store: SqliteStore, clock: VirtualClock) -> Non
     assert [t.id for t in got] == [left.id, queued.id]
     assert all(t.status is TurnStatus.CANCELLED for t in got)
     assert (await alive.get(mine.id)).status is TurnStatus.RUNNING  # its own turn is left alone
+
+
+async def test_abandoned_running_turns_are_offered_for_take_over(store: SqliteStore, clock: VirtualClock) -> None:
+    """With a take-over hook (the text turns'), an abandoned RUNNING turn is
+    offered to it first: taken, or won by another worker, it is left alone;
+    not resumable (or the hook failed), it is stopped as before. A QUEUED
+    one never started and is cancelled without an offer."""
+    dead = TurnManager(store, clock, owner="dead", lease_ttl_s=5)
+    await dead.ensure_session("s")
+    taken, lost, voice, broken = [await dead.open_turn("s") for _ in range(4)]
+    queued = await dead.open_turn("s", start=False)
+    alive = TurnManager(store, clock, owner="alive", lease_ttl_s=5)
+    answers = {taken.id: TakeOver.TAKEN, lost.id: TakeOver.LOST, voice.id: TakeOver.NOT_RESUMABLE}
+    offered: list[str] = []
+
+    async def take_over(turn: Turn) -> TakeOver:
+        offered.append(turn.id)
+        if turn.id == broken.id:
+            raise RuntimeError("the hook broke")
+        return answers[turn.id]
+
+    alive.take_over_abandoned = take_over
+    await clock.advance(6)
+    reason = StopReason(kind=StopReasonKind.WORKER_SHUTDOWN, initiator="server", at=clock.now(), detail="recovered")
+    got = await alive.recover_abandoned(reason, all_open=False)
+    assert sorted(offered) == sorted([taken.id, lost.id, voice.id, broken.id])
+    assert sorted(t.id for t in got) == sorted([voice.id, broken.id, queued.id])
+    assert all(t.status is TurnStatus.CANCELLED for t in got)
+    for t in (taken, lost):
+        assert (await alive.get(t.id)).status is TurnStatus.RUNNING
+
+
+async def test_a_worker_that_finds_its_turn_taken_over_ends_its_work_without_writes(store: SqliteStore, clock: VirtualClock) -> None:
+    slow = TurnManager(store, clock, owner="slow", lease_ttl_s=5)
+    await slow.ensure_session("s")
+    turn = await slow.open_turn("s")
+    lost: list[str] = []
+    slow.on_lease_lost = lost.append
+    await clock.advance(6)  # it stalled: no heartbeat for longer than the TTL
+    seen = await store.get(turn.id)
+    assert await store.take_over(turn.id, "other", expect_owner="slow", expect_heartbeat=seen.heartbeat_at, at=clock.now())
+    await slow.sync(turn.id)  # its next checkpoint's round trip
+    assert lost == [turn.id]
+    assert await slow.renew_leases() == 0  # it beats no more for it
+    got = await store.get(turn.id)
+    assert got.status is TurnStatus.RUNNING and got.lease_owner == "other" and got.stop_reason is None
 
 
 class FlakyStore:

@@ -245,6 +245,30 @@ async def test_heartbeat_only_for_owner_and_open(any_store) -> None:
     assert await any_store.heartbeat("w1", [], at=later) == 0
 
 
+async def test_take_over_is_one_compare_and_set_on_the_lease_seen_expired(any_store) -> None:
+    a = await running(any_store)
+    await any_store.update(a.id, at=NOW, lease_owner="dead", heartbeat_at=NOW)
+    later = NOW + timedelta(seconds=9)
+    seen = dict(expect_owner="dead", expect_heartbeat=NOW, at=later)
+    results = await asyncio.gather(*(any_store.take_over(a.id, f"w{i}", **seen) for i in range(5)))
+    assert sorted(results) == [False] * 4 + [True]  # one sweeper wins
+    got = await any_store.get(a.id)
+    assert got.lease_owner == f"w{results.index(True)}" and got.heartbeat_at == later and got.status is TurnStatus.RUNNING
+    # a worker that was only slow beat meanwhile: it keeps its turn
+    b = await running(any_store)
+    await any_store.update(b.id, at=NOW, lease_owner="slow", heartbeat_at=NOW)
+    await any_store.heartbeat("slow", [b.id], at=later)
+    assert not await any_store.take_over(b.id, "w9", expect_owner="slow", expect_heartbeat=NOW, at=later)
+    assert (await any_store.get(b.id)).lease_owner == "slow"
+    # only a RUNNING turn is taken over
+    c = await running(any_store)
+    await any_store.update(c.id, at=NOW, lease_owner="dead", heartbeat_at=NOW)
+    await any_store.transition(c.id, TurnStatus.COMPLETED, at=NOW)
+    assert not await any_store.take_over(c.id, "w9", expect_owner="dead", expect_heartbeat=NOW, at=later)
+    with pytest.raises(UnknownTurn):
+        await any_store.take_over("nope", "w9", expect_owner="dead", expect_heartbeat=NOW, at=later)
+
+
 # -- event log -----------------------------------------------------------------
 
 
