@@ -43,7 +43,7 @@ from voice.stt import PocketsphinxSTT
 from voice.text_turns import TextTurns
 from voice.tools import Toolbox
 from voice.tts import EspeakTTS
-from web import api, drain, instances, metrics
+from web import api, drain, instances, metrics, tracing
 from web.admission import admit
 from web.auth import Auth
 from web.devices import routes as device_routes
@@ -265,6 +265,7 @@ def create_app(
     api.add_routes(app)
     drain.add_routes(app, drain.Drain(app[CLOCK], settings.shutdown))
     metrics.add_routes(app, metrics.Metrics())
+    tracing.add_tracing(app, tracing.Tracing(settings))
     instances.add_routes(app)
     telephony_routes.add_routes(app)
     device_routes.add_routes(app)

@@ -120,6 +120,19 @@ class DeviceSettings(BaseModel):
         return value
 
 
+class TraceSettings(BaseModel):
+    """Where traces go (env ``TURNKEEPER_TRACES__*``; see :mod:`web.tracing`).
+
+    Attributes:
+        otlp_endpoint: an OTLP/HTTP traces URL, e.g.
+            ``http://collector:4318/v1/traces``; empty: no export.
+        service_name: the ``service.name`` resource attribute.
+    """
+
+    otlp_endpoint: str = Field("", max_length=2000, pattern=r"^(https?://\S+)?$")
+    service_name: str = Field("turnkeeper", min_length=1, max_length=200)
+
+
 class ShutdownSettings(BaseModel):
     """How an instance drains before it exits (env ``TURNKEEPER_SHUTDOWN__*``;
     see :mod:`web.drain` and README "Rolling deploys"). Every time counts
@@ -206,6 +219,7 @@ class Settings(BaseSettings):
         telephony: phone calls (:class:`TelephonySettings`).
         devices: push-to-talk devices (:class:`DeviceSettings`).
         shutdown: draining before exit (:class:`ShutdownSettings`).
+        traces: OpenTelemetry export (:class:`TraceSettings`).
         admin_token: bearer token of the admin endpoints (``/v1/admin/*``);
             empty: they answer loopback clients only (a preStop hook runs
             in the pod).
@@ -276,6 +290,7 @@ class Settings(BaseSettings):
     telephony: TelephonySettings = TelephonySettings()
     devices: DeviceSettings = DeviceSettings()
     shutdown: ShutdownSettings = ShutdownSettings()
+    traces: TraceSettings = TraceSettings()
     admin_token: str = Field("", repr=False, max_length=256)
     advertise_url: str = Field("", max_length=512, pattern=r"^(https?://\S+)?$")
 
