@@ -204,9 +204,10 @@ class CallResult:
 
 def track_turn(turns: dict[str, TurnView], ev: dict[str, Any]) -> None:
     """Update the turns a client saw (by turn id) with one server event
-    (``turn``, ``transcript``, ``agent.delta``; others change nothing)."""
+    (``turn``, ``transcript``, ``agent.delta``, ``agent.restart``; others
+    change nothing)."""
     kind = ev.get("type")
-    if kind not in ("turn", "transcript", "agent.delta"):
+    if kind not in ("turn", "transcript", "agent.delta", "agent.restart"):
         return
     t = turns.setdefault(ev["turn_id"], TurnView(id=ev["turn_id"], generation=ev["generation"]))
     if kind == "turn":
@@ -221,5 +222,7 @@ def track_turn(turns: dict[str, TurnView], ev: dict[str, Any]) -> None:
         t.error = ev.get("error")
     elif kind == "transcript":
         t.transcript = ev["text"]
+    elif kind == "agent.restart":  # resumed at another worker: the reply comes again from its start
+        t.reply = ""
     elif kind == "agent.delta" and t.status not in ("COMPLETED", "CANCELLED"):
         t.reply += ev["text"]

@@ -219,6 +219,17 @@ class AgentDone(Envelope):
     text: str
 
 
+class AgentRestart(Envelope):
+    """The turn runs on at another worker (a drain released it, or its
+    worker died and it was taken over) and its reply streams again from
+    the start: discard the ``agent.delta`` text shown for it so far."""
+
+    type: Literal["agent.restart"] = "agent.restart"
+    reason: Literal["adopted", "taken_over"] = Field(
+        description="adopted: released by a draining worker; taken_over: its worker stopped renewing its lease"
+    )
+
+
 class AgentInterrupted(Envelope):
     """How much of an interrupted reply was heard (told once per turn)."""
 
@@ -416,7 +427,7 @@ class Snapshot(CatalogueModel):
 
 EVENT_MODELS: tuple[type[CatalogueModel], ...] = (
     SessionReady, SessionDraining, Vad, FalseInterruption, Backchannel, BargeIn, StopDeferred,
-    TurnEvent, AgentState, Transcript, AgentDelta, AgentDone, AgentInterrupted, AudioStart, AudioEnd,
+    TurnEvent, AgentState, Transcript, AgentDelta, AgentDone, AgentRestart, AgentInterrupted, AudioStart, AudioEnd,
     Usage, ErrorEvent,
     ToolStarted, ToolError, ToolNotStarted, ToolCancelled,
     ToolIntent, ToolDone, ToolCompensated, ToolAbandoned, ToolEffectUnknown, ToolHumanRequired,

@@ -17,10 +17,10 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from clock import Clock, timeout_after
-from turn.event_catalogue import AgentDelta, AgentDone, Transcript
+from turn.event_catalogue import AgentDelta, AgentDone, AgentRestart, Transcript
 from turn.events import SessionEventLog
 from turn.generation import GenerationFence
 from turn.lease import TakeOver
@@ -46,6 +46,10 @@ class _TextSession:
 def _forget(running: dict[str, asyncio.Task[None]], turn_id: str, _task: asyncio.Task[None]) -> None:
     """Done-callback: a finished text turn leaves its session's running set."""
     running.pop(turn_id, None)
+
+
+#: how a turn came to run here from another worker (``agent.restart``'s reason)
+Resumed = Literal["adopted", "taken_over"]
 
 
 class TextTurns:
@@ -157,7 +161,7 @@ class TextTurns:
             log.exception("turn %s: could not stop it for a newer message", turn_id)
 
     async def _run(
-        self, turn: Turn, llm: LanguageModel, plan: Plan, older: list[asyncio.Task[None]], resumed: bool = False
+        self, turn: Turn, llm: LanguageModel, plan: Plan, older: list[asyncio.Task[None]], resumed: Resumed | None = None
     ) -> None:
         """Answer in the turn's cancel scope, or stop when asked (signal, a
         checkpoint that read the store, or a limit) and write exactly one
@@ -218,7 +222,7 @@ class TextTurns:
                 task.cancel()
 
     async def _work(
-        self, turn: Turn, llm: LanguageModel, scope: TurnScope, older: list[asyncio.Task[None]], *, resumed: bool = False
+        self, turn: Turn, llm: LanguageModel, scope: TurnScope, older: list[asyncio.Task[None]], *, resumed: Resumed | None = None
     ) -> None:
         """Inside the scope: run the agent child until it ends or a stop
         comes, then write the terminal state."""
@@ -270,7 +274,7 @@ class TextTurns:
             log.exception("text turn %s: could not record the shutdown", turn_id)
 
     async def _answer(
-        self, turn: Turn, llm: LanguageModel, scope: TurnScope, older: list[asyncio.Task[None]], *, resumed: bool = False
+        self, turn: Turn, llm: LanguageModel, scope: TurnScope, older: list[asyncio.Task[None]], *, resumed: Resumed | None = None
     ) -> None:
         """The work: history, the agent loop, reply recorded, COMPLETED. The
         history is read once the turns this one superseded have ended (at
@@ -291,6 +295,8 @@ class TextTurns:
 
         if not resumed:  # a resumed turn's request was logged by its first worker
             events.emit_event(Transcript(generation=turn.generation, turn_id=turn.id, role="user", text=turn.transcript or ""))
+        else:  # what its first worker streamed is void: the reply comes again from its start
+            events.emit_event(AgentRestart(generation=turn.generation, turn_id=turn.id, reason=resumed))
         final = False
         try:
             messages = await history_after(
@@ -394,7 +400,7 @@ class TextTurns:
         turn = await self.manager.adopt(turn_id, pricing=llm.pricing)
         if turn is None:
             return False
-        await self._run_on(turn, llm)
+        await self._run_on(turn, llm, "adopted")
         return True
 
     async def take_over(self, seen: Turn) -> TakeOver:
@@ -411,10 +417,10 @@ class TextTurns:
         turn = await self.manager.take_over(seen, pricing=llm.pricing)
         if turn is None:
             return TakeOver.LOST
-        await self._run_on(turn, llm)
+        await self._run_on(turn, llm, "taken_over")
         return TakeOver.TAKEN
 
-    async def _run_on(self, turn: Turn, llm: LanguageModel) -> None:
+    async def _run_on(self, turn: Turn, llm: LanguageModel, how: Resumed) -> None:
         """Run a turn leased here from another worker (adopted or taken
         over) on from its ledger, in its session's fence and event log."""
         session = await self.manager.store_call(lambda: self.manager.store.get_session(turn.session_id))
@@ -423,7 +429,7 @@ class TextTurns:
             ts = self._sessions[session.id] = _TextSession(GenerationFence(self.clock, active=session.generation))
         self.manager.events.log(session.id, gate=ts.fence)
         task = asyncio.get_running_loop().create_task(
-            self._run(turn, llm, self.plans(turn.tenant_id), [], resumed=True), name=f"text-turn-{turn.id}"
+            self._run(turn, llm, self.plans(turn.tenant_id), [], resumed=how), name=f"text-turn-{turn.id}"
         )
         ts.running[turn.id] = task
         task.add_done_callback(functools.partial(_forget, ts.running, turn.id))

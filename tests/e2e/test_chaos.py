@@ -104,13 +104,16 @@ async def statuses(http: aiohttp.ClientSession, url: str, session_id: str, turn_
             line = raw.decode()
             if line.startswith("data: "):
                 msg = json.loads(line[6:])
+                if msg.get("type") == "agent.restart" and msg.get("turn_id") == turn_id:
+                    out.append(f"restart:{msg['reason']}")
                 if msg.get("type") == "turn" and msg.get("turn_id") == turn_id:
                     out.append(msg["status"])
                     if msg["status"] in ("COMPLETED", "CANCELLED", "FAILED", "RECONCILE_REQUIRED"):
                         return out
 
 
-async def check_completed_once(http: aiohttp.ClientSession, url: str, shop: Shop, turn_id: str, session_id: str) -> dict[str, Any]:
+async def check_completed_once(http: aiohttp.ClientSession, url: str, shop: Shop, turn_id: str, session_id: str,
+                               restart: str) -> dict[str, Any]:
     turn = await ended(http, url, turn_id)
     assert turn["status"] == "COMPLETED", json.dumps(turn, indent=1)
     assert turn["reply"], turn  # what the model made of the step (its result, or the lookup's "done")
@@ -122,6 +125,7 @@ async def check_completed_once(http: aiohttp.ClientSession, url: str, shop: Shop
     assert (await api(http, "GET", f"{url}/v1/turns/{turn_id}"))["generation"] == turn["generation"]
     seen = await statuses(http, url, session_id, turn_id)
     assert seen[0] == "QUEUED" and seen[-1] == "COMPLETED" and "RUNNING" in seen, seen
+    assert seen.count(f"restart:{restart}") == 1, seen  # clients are told the reply comes again
     return applied
 
 
@@ -148,7 +152,7 @@ async def test_kill_9_mid_order_then_restart_completes_it_with_the_order_applied
             server.kill()
             server.env = env(store)  # restarted without faults
             await server.start()
-            applied = await check_completed_once(http, server.url, shop, turn_id, session_id)
+            applied = await check_completed_once(http, server.url, shop, turn_id, session_id, "taken_over")
             (key,) = applied
             # present: kept as it was; absent: retried with the same key (its first call never landed)
             assert await shop.read("repeats", key) == 0, moment
@@ -173,7 +177,7 @@ async def test_sigterm_while_the_order_is_unanswered_releases_the_turn_and_the_r
             assert "released for another worker" in server.log()
             server.env = env(store)
             await server.start()
-            await check_completed_once(http, server.url, shop, turn_id, session_id)
+            await check_completed_once(http, server.url, shop, turn_id, session_id, "adopted")
     finally:
         server.stop()
 

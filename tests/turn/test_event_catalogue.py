@@ -50,6 +50,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "agent.delta": {"generation": 1, "turn_id": "t1", "text": "It is "},
     "agent.done": {"generation": 1, "turn_id": "t1", "text": "It is sunny."},
     "agent.interrupted": {"generation": 1, "turn_id": "t1", "heard": "It is", "played_ms": 480, "reply_chars": 12},
+    "agent.restart": {"generation": 1, "turn_id": "t1", "reason": "taken_over"},
     "audio.start": {"generation": 1, "turn_id": None, "sample": 0},
     "audio.end": {"generation": 1, "turn_id": "t1", "samples_sent": 96_000},
     "usage": {"generation": 1, "turn_id": "t1", **UsageRecord(request=1, prompt_tokens=30, completion_tokens=4).model_dump()},

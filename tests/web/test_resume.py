@@ -72,6 +72,11 @@ async def test_a_turn_released_by_a_drain_is_resumed_by_the_next_instance(tmp_pa
     assert turn.reply and "order" in turn.reply.lower()
     statuses = [e.payload["status"] for e in events if e.type == "turn" and e.turn_id == turn_id]
     assert statuses == ["QUEUED", "RUNNING", "QUEUED", "RUNNING", "COMPLETED"], statuses
+    # clients are told the reply streams again from its start, before its new deltas
+    restarts = [e for e in events if e.type == "agent.restart" and e.turn_id == turn_id]
+    assert [e.payload["reason"] for e in restarts] == ["adopted"]
+    later = [e.type for e in events if e.seq > restarts[0].seq and e.turn_id == turn_id]
+    assert "agent.delta" in later
     # the order was placed once: the resumed model saw the done step
     assert [e.type for e in events if e.type.startswith("tool.") and e.type != "tool.intent"].count("tool.started") == 1
     service = DemoService(SystemClock(), tmp_path / "t.db.demo-service.db")  # next to the store (web.app)

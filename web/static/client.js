@@ -307,6 +307,13 @@
         renderAgent(e);
         break;
       }
+      case "agent.restart": {
+        // the turn runs on at another server: its reply streams again from the start
+        const e = entryFor(msg.turn_id, msg.generation);
+        e.delivered = "";
+        renderAgent(e);
+        break;
+      }
       case "agent.done": {
         const e = entryFor(msg.turn_id, msg.generation);
         e.delivered = msg.text || "";
