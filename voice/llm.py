@@ -229,6 +229,10 @@ class LocalAgent:
         finished = False
         if meter is not None:
             meter.max_tokens = self.config.max_tokens
+            # it knows its prompt's size before it generates: a request cut off
+            # is billed that, not the caller's estimate (which counts the tool
+            # specs' JSON as a hosted model's prompt would)
+            meter.prompt_tokens = prompt
         try:
             call = choose_tool_call(messages, tools or [])
             if call is not None:

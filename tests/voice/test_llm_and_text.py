@@ -8,9 +8,20 @@ import contextlib
 import pytest
 
 from clock import VirtualClock
-from voice.llm import COUNT_REPLY, STORY_REPLY, WEATHER_REPLY, LocalAgent, LocalLlmConfig, choose_reply, tokenize
+from turn.usage import UsageMeter
+from voice.llm import (
+    COUNT_REPLY,
+    STORY_REPLY,
+    WEATHER_REPLY,
+    LocalAgent,
+    LocalLlmConfig,
+    choose_reply,
+    prompt_tokens,
+    tokenize,
+)
 from voice.providers import Message
 from voice.text import SentenceSplitter
+from voice.tools import ToolSpec
 
 
 def test_replies_by_intent() -> None:
@@ -103,3 +114,22 @@ def test_splitter_short_clause_waits() -> None:
     for tok in tokenize("Yes, sure. "):
         out += sp.feed(tok)
     assert out == ["Yes, sure."]
+
+
+async def test_a_cut_off_local_request_bills_its_own_prompt_count_not_the_callers_estimate() -> None:
+    """Found by review: a resumed turn's cut-off call was billed the
+    caller's estimate (the tool specs' JSON: about 5 times the local
+    agent's own count), which failed a tight budget."""
+    clock = VirtualClock()
+    agent = LocalAgent(LocalLlmConfig(tokens_per_second=10), clock)
+    tools = [ToolSpec(name="create_order", description="Place an order for an item in the shop.",
+                      parameters={"type": "object", "properties": {"item": {"type": "string"}}})]
+    messages = [Message(role="user", content="tell me a story")]
+    req = UsageMeter().start_request(10_000)  # a wild estimate
+    stream = agent.stream(messages, tools=tools, meter=req)
+    task = asyncio.ensure_future(anext(stream))
+    await clock.advance(0.35)
+    await task
+    await stream.aclose()  # cut off after a few tokens
+    rec = req.record()
+    assert rec.partial and rec.prompt_tokens == prompt_tokens(messages, tools)
