@@ -28,7 +28,7 @@ from turn.models import StopReasonKind, Turn, TurnStatus
 from turn.runtime import LOOP_REPEATS, FlagCache, TurnRuntime
 from turn.signals import StopSignals
 from turn.stopped import TurnStopped
-from turn.store import TurnStore
+from turn.store import LeaseLost, TurnStore
 from turn.usage import UsageMeter
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,8 @@ class Checkpoints:
     _where: dict[str, tuple[str, int]]
     _stop_hooks: dict[str, list[Callable[[], None]]]
     owner: str
+    #: turns taken over from this worker (it stalled): nothing more is written from here
+    _lost_leases: set[str]
     #: called with a turn's id when a sync finds it leased to another worker
     #: (this one stalled past the lease TTL and was taken over): the work
     #: here must end without writing anything more (None: only logged)
@@ -158,27 +160,54 @@ class Checkpoints:
         rt = self._runtime[turn_id]
         now = self.clock.now()
         rt.synced_at = self.clock.monotonic()
-        turn = await self.store_call(
-            lambda: self.store.update(
-                turn_id,
-                at=now,
-                heartbeat_at=now,
-                step_count=rt.steps,
-                spent=rt.meter.spent(),
-                usage=rt.meter.usage(),
+        try:
+            fence = self.lease_fence(turn_id)
+            turn = await self.store_call(
+                lambda: self.store.update(
+                    turn_id,
+                    at=now,
+                    fence_owner=fence,
+                    heartbeat_at=now,
+                    step_count=rt.steps,
+                    spent=rt.meter.spent(),
+                    usage=rt.meter.usage(),
+                )
             )
-        )
-        if turn.lease_owner is not None and turn.lease_owner != self.owner and turn_id in self._owned:
-            self._owned.discard(turn_id)  # no more heartbeats from here
-            log.warning("turn %s: its lease was taken over by %s (this worker stalled past the lease TTL): "
-                        "its work here ends", turn_id, turn.lease_owner)
-            if self.on_lease_lost is not None:
-                self.on_lease_lost(turn_id)
-            return turn
+        except LeaseLost as exc:
+            self._lease_lost(turn_id, exc.holder)
+            raise TurnStopped(turn_id, "lease_lost") from exc
         if turn.status is not TurnStatus.RUNNING and not rt.stopping:
             self._mark_stopping(turn_id)
             self.signals.fire(turn_id)
         return turn
+
+    def lease_fence(self, turn_id: str) -> str | None:
+        """The owner a write of ``turn_id``'s row is fenced on: this
+        worker's id while it holds the lease (None for a turn it does not
+        run: a stop asked here for another worker's turn).
+
+        Raises:
+            LeaseLost: the turn was taken over from this worker: nothing
+                more is written from here.
+        """
+        if turn_id in self._lost_leases:
+            raise LeaseLost(turn_id, None)
+        return self.owner if turn_id in self._owned else None
+
+    def _lease_lost(self, turn_id: str, holder: str | None) -> None:
+        """A fenced write found ``turn_id`` leased to ``holder``: this worker
+        stalled past the TTL and was taken over. Its output is fenced at
+        once, it beats no more, every later write of the turn's row from
+        here raises, and its work is told to end (``on_lease_lost``)."""
+        if turn_id in self._lost_leases:
+            return
+        log.warning("turn %s: its lease was taken over by %s (this worker stalled past the lease TTL): "
+                    "its work here ends, writing nothing more", turn_id, holder or "nobody")
+        self._mark_stopping(turn_id)  # its output gate closes
+        self._owned.discard(turn_id)
+        self._lost_leases.add(turn_id)
+        if self.on_lease_lost is not None:
+            self.on_lease_lost(turn_id)
 
     async def flush(self, turn_id: str, meter: UsageMeter | None = None) -> Turn:
         """Write a turn's usage, spending and step count now (before its
@@ -190,8 +219,9 @@ class Checkpoints:
             return await self.sync(turn_id)
         if meter is None:
             return await self.get(turn_id)
+        fence = self.lease_fence(turn_id)
         return await self.store_call(
-            lambda: self.store.update(turn_id, at=self.clock.now(), spent=meter.spent(), usage=meter.usage())
+            lambda: self.store.update(turn_id, at=self.clock.now(), fence_owner=fence, spent=meter.spent(), usage=meter.usage())
         )
 
     async def checkpoint(

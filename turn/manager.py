@@ -115,6 +115,7 @@ class TurnManager(Checkpoints, StopPath, Leases, Resumption):
         self._where: dict[str, tuple[str, int]] = {}
         self._listeners: dict[str, list[TurnListener]] = {}
         self._owned: set[str] = set()
+        self._lost_leases: set[str] = set()
         self._flags: dict[str, FlagCache] = {}
         self._runtime: dict[str, TurnRuntime] = {}
         #: called synchronously when a turn run here is found stopping
@@ -358,6 +359,7 @@ class TurnManager(Checkpoints, StopPath, Leases, Resumption):
         self._runtime.pop(turn_id, None)
         self._where.pop(turn_id, None)
         self._stop_hooks.pop(turn_id, None)
+        self._lost_leases.discard(turn_id)
 
     async def record(
         self,
@@ -375,10 +377,12 @@ class TurnManager(Checkpoints, StopPath, Leases, Resumption):
 
         Raises:
             turn.store.UnknownTurn: no such turn.
+            turn.store.LeaseLost: it was taken over from this worker.
         """
         given = (("transcript", transcript), ("reply", reply), ("reply_unheard", reply_unheard), ("merged_into", merged_into))
         fields = {k: v for k, v in given if v is not None}
-        return await self.store_call(lambda: self.store.update(turn_id, at=self.clock.now(), **fields))
+        fence = self.lease_fence(turn_id)
+        return await self.store_call(lambda: self.store.update(turn_id, at=self.clock.now(), fence_owner=fence, **fields))
 
     async def get(self, turn_id: str) -> Turn:
         """The stored turn."""

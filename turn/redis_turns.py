@@ -29,6 +29,7 @@ from turn.store import (
     DuplicateSession,
     DuplicateTurn,
     IdempotencyConflict,
+    LeaseLost,
     StopAnswer,
     StopResult,
     UnknownSession,
@@ -90,8 +91,14 @@ return {answer, first, redis.call('HGETALL', KEYS[1])}
 
 _UPDATE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
--- ARGV: triples of (op, field, value); op 's' sets, 'd' deletes
+-- ARGV: triples of (op, field, value); op 's' sets, 'd' deletes; a first
+-- 'f' triple fences: nothing is written unless the field holds the value
 local i = 1
+if ARGV[1] == 'f' then
+  local holder = redis.call('HGET', KEYS[1], ARGV[2]) or ''
+  if holder ~= ARGV[3] then return {'__lease_lost__', holder} end
+  i = 4
+end
 while i <= #ARGV do
   if ARGV[i] == 'd' then redis.call('HDEL', KEYS[1], ARGV[i + 1])
   else redis.call('HSET', KEYS[1], ARGV[i + 1], ARGV[i + 2]) end
@@ -274,16 +281,19 @@ class RedisTurnRows(RedisConnection):
             await self._call(c.zrem(self._open_index, turn_id))
         return StopResult(answer=StopAnswer(res[0]), first=first, repeat=False, turn=turn)
 
-    async def update(self, turn_id: str, *, at: datetime, **fields: Any) -> Turn:
+    async def update(self, turn_id: str, *, at: datetime, fence_owner: str | None = None, **fields: Any) -> Turn:
         bad = set(fields) - MUTABLE_FIELDS
         if bad:
             raise ValueError(f"not settable outside a transition: {sorted(bad)}")
-        args: list[str] = ["s", "updated_at", at.isoformat()]
+        args: list[str] = ["f", "lease_owner", fence_owner] if fence_owner is not None else []
+        args += ["s", "updated_at", at.isoformat()]
         for name, value in fields.items():
             args += ["d", name, ""] if value is None else ["s", name, _encode(value)]
         res = await self._script("update", [self._turn(turn_id)], args)
         if not res:
             raise UnknownTurn(turn_id)
+        if res[0] == "__lease_lost__":
+            raise LeaseLost(turn_id, res[1] or None)
         return _hash_to_turn(_pairs(res))
 
     async def heartbeat(self, owner: str, turn_ids: list[str], *, at: datetime) -> int:

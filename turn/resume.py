@@ -124,7 +124,8 @@ class Resumption:
         that its first worker left open, by the ``worker_shutdown`` policy
         (:mod:`turn.stop_policy`: looked up; present is kept, absent is
         retried with the same key, so the step happens once even if the
-        first call lands late). A read left pending is abandoned (the model
+        first call lands late), or by the policy of a stop recorded
+        meanwhile (a user's cancel: absent is abandoned, never retried). A read left pending is abandoned (the model
         may read again). Its step count goes on after the last step in the
         ledger (a crash may have lost the count, never the intent), so no
         key is reused. Returns False if an effect stays unknown: the model
@@ -140,6 +141,10 @@ class Resumption:
         if rt is not None and own:
             rt.steps = max(rt.steps, max(i.step for i in own))
         reconciler = self.reconciliation_worker()
+        # a stop that landed meanwhile (before this worker watched the turn's
+        # signal) decides instead: a user's cancel retries nothing
+        now_turn = await self.store_call(lambda: self.store.get(turn_id))
+        kind = now_turn.stop_reason.kind if now_turn.stop_reason is not None else StopReasonKind.WORKER_SHUTDOWN
         settled = True
         for i in own:
             if i.status is IntentStatus.PENDING:  # (a move that lost its compare-and-set: as it was; settled below)
@@ -147,7 +152,7 @@ class Resumption:
                 i = await ledger.move(i.key, unsure, expect=frozenset({IntentStatus.PENDING}),
                                       detail="its worker ended mid-call") or i
             if i.status is IntentStatus.EFFECT_UNKNOWN:
-                await reconciler.reconcile(i, StopReasonKind.WORKER_SHUTDOWN)
+                await reconciler.reconcile(i, kind)
             # as stored now: the background reconciliation may have settled it first
             i = await self.store_call(functools.partial(self.store.ledger_get, i.key))
             if i.status in (IntentStatus.PENDING, IntentStatus.EFFECT_UNKNOWN, IntentStatus.HUMAN_REQUIRED):

@@ -31,6 +31,7 @@ from turn.store import (
     DuplicateSession,
     DuplicateTurn,
     IdempotencyConflict,
+    LeaseLost,
     StopAnswer,
     StopResult,
     UnknownSession,
@@ -200,13 +201,19 @@ class SqliteTurnRows(SqliteConnection):
         )
         return StopResult(answer=answer, first=first, repeat=False, turn=turn)
 
-    async def update(self, turn_id: str, *, at: datetime, **fields: Any) -> Turn:
+    async def update(self, turn_id: str, *, at: datetime, fence_owner: str | None = None, **fields: Any) -> Turn:
         bad = set(fields) - MUTABLE_FIELDS
         if bad:
             raise ValueError(f"not settable outside a transition: {sorted(bad)}")
-        return await self._run(self._tx, lambda c: self._update_in(c, turn_id, at, fields))
+        return await self._run(self._tx, lambda c: self._update_in(c, turn_id, at, fields, fence_owner))
 
-    def _update_in(self, conn: sqlite3.Connection, turn_id: str, at: datetime, fields: dict[str, Any]) -> Turn:
+    def _update_in(
+        self, conn: sqlite3.Connection, turn_id: str, at: datetime, fields: dict[str, Any], fence_owner: str | None = None
+    ) -> Turn:
+        if fence_owner is not None:  # in the same transaction as the write
+            holder = self._get_sync(turn_id).lease_owner
+            if holder != fence_owner:
+                raise LeaseLost(turn_id, holder)
         names = sorted(fields)
         sets = "".join(f"{n} = ?, " for n in names)
         cur = conn.execute(

@@ -25,6 +25,19 @@ class StoreError(Exception):
     """Base of store errors."""
 
 
+class LeaseLost(StoreError):
+    """A write fenced on the turn's lease found it leased to another worker
+    (this one stalled past the lease TTL and was taken over): nothing was
+    written."""
+
+    def __init__(self, turn_id: str, holder: str | None) -> None:
+        super().__init__(turn_id, holder)
+        self.turn_id, self.holder = turn_id, holder
+
+    def __str__(self) -> str:
+        return f"turn {self.turn_id!r} was taken over from this worker (leased to {self.holder or 'another'} now)"
+
+
 class UnknownTurn(StoreError, KeyError):
     """No turn has that id."""
 
@@ -236,11 +249,14 @@ class TurnStore(Protocol):
         """
         ...
 
-    async def update(self, turn_id: str, *, at: datetime, **fields: Any) -> Turn:
+    async def update(self, turn_id: str, *, at: datetime, fence_owner: str | None = None, **fields: Any) -> Turn:
         """Set non-state fields (see ``MUTABLE_FIELDS``); ``updated_at`` = at.
+        With ``fence_owner``, only while the turn is leased to it (one
+        atomic check and write: a worker that was taken over writes nothing).
 
         Raises:
             UnknownTurn: no such id.
+            LeaseLost: ``fence_owner`` given, and the turn is leased to another.
             ValueError: a field outside ``MUTABLE_FIELDS``.
         """
         ...

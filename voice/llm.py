@@ -211,6 +211,12 @@ class LocalAgent:
         #: how many tokens it produced in all (for tests and usage)
         self.tokens_streamed = 0
 
+    def count_prompt_tokens(self, messages: list[Message], tools: list[ToolSpec] | None = None) -> int:
+        """Its prompt's exact size, tokens (:func:`prompt_tokens`): what a
+        request will bill, known before it is sent (the turn's budget
+        check uses it instead of a generic estimate)."""
+        return prompt_tokens(messages, tools)
+
     async def stream(
         self, messages: list[Message], *, tools: list[ToolSpec] | None = None, meter: RequestMeter | None = None
     ) -> AsyncIterator[str | ToolCall]:

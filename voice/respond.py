@@ -109,8 +109,9 @@ async def run_agent(
     specs = toolbox.specs() if toolbox else None
     history = list(messages)
     added: list[Message] = []
+    count = getattr(llm, "count_prompt_tokens", None)  # a model that knows its own prompt size exactly
     while True:
-        prompt = prompt_estimate(history, specs)
+        prompt = count(history, specs) if count is not None else prompt_estimate(history, specs)
         await manager.checkpoint(turn_id, "before_model", expected_tokens=prompt)
         req = meter.start_request(prompt)
         try:

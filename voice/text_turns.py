@@ -417,6 +417,10 @@ class TextTurns:
         turn = await self.manager.take_over(seen, pricing=llm.pricing)
         if turn is None:
             return TakeOver.LOST
+        if self._closing:  # the shutdown began while it was being taken: hand it on untouched
+            res = await self.manager.release_for_resume(turn.id)
+            self.manager.release(turn.id)
+            return TakeOver.TAKEN if res.applied else TakeOver.NOT_RESUMABLE
         await self._run_on(turn, llm, "taken_over")
         return TakeOver.TAKEN
 

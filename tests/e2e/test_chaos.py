@@ -122,6 +122,10 @@ async def check_completed_once(http: aiohttp.ClientSession, url: str, shop: Shop
     (key,) = applied
     assert await shop.read("times_applied", key) == 1
     assert not applied[key]["reversed"]
+    # our ledger says what the shop says: that key done, nothing left open
+    ledger = {i["key"]: i for i in turn["ledger"]}
+    assert ledger[key]["status"] == "done" and ledger[key]["tool"] == "create_order", ledger
+    assert not [i for i in ledger.values() if i["status"] in ("pending", "effect_unknown", "human_required")], ledger
     assert (await api(http, "GET", f"{url}/v1/turns/{turn_id}"))["generation"] == turn["generation"]
     seen = await statuses(http, url, session_id, turn_id)
     assert seen[0] == "QUEUED" and seen[-1] == "COMPLETED" and "RUNNING" in seen, seen
@@ -154,8 +158,10 @@ async def test_kill_9_mid_order_then_restart_completes_it_with_the_order_applied
             await server.start()
             applied = await check_completed_once(http, server.url, shop, turn_id, session_id, "taken_over")
             (key,) = applied
-            # present: kept as it was; absent: retried with the same key (its first call never landed)
-            assert await shop.read("repeats", key) == 0, moment
+            # present: kept as it was (never sent again); absent: retried with the same key (its
+            # first call never landed). The background reconciliation may retry it at the same
+            # moment: the shop then answers the second call from the first, applying nothing.
+            assert await shop.read("repeats", key) <= (0 if fault == "slow_after" else 1), moment
             assert "taken over" in server.log()
     finally:
         server.stop()
@@ -207,6 +213,8 @@ async def test_a_grace_that_runs_out_mid_payment_exits_at_once_and_the_restart_s
             assert turn["status"] == "COMPLETED", json.dumps(turn, indent=1)
             applied = await shop.read("applied", turn_id)
             assert len(applied) == 1 and await shop.read("repeats", next(iter(applied))) == 0, applied
+            (row,) = [i for i in turn["ledger"] if i["tool"] == "charge_payment"]
+            assert row["status"] == "done" and row["key"] in applied, row
     finally:
         server.stop()
 
@@ -237,6 +245,8 @@ async def test_kill_9_of_one_of_two_instances_the_other_takes_its_turn_over_with
             assert took_s < 2 * 2 + 5, took_s
             applied = await shop.read("applied", turn_id)
             assert len(applied) == 1 and await shop.read("repeats", next(iter(applied))) == 0, applied
+            (row,) = [i for i in turn["ledger"] if i["tool"] == "create_order"]
+            assert row["status"] == "done" and row["key"] in applied, row
     finally:
         a.stop()
         b.stop()

@@ -13,7 +13,7 @@ from turn.manager import TurnManager
 from turn.models import StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
 from turn.sqlite_store import SqliteStore
 from turn.stopped import TurnStopped
-from turn.store import IdempotencyConflict, StopAnswer, StoreUnavailable, UnknownSession, UnknownTurn, WrongSessionKind
+from turn.store import IdempotencyConflict, LeaseLost, StopAnswer, StoreUnavailable, UnknownSession, UnknownTurn, WrongSessionKind
 
 
 def stop(clock, kind: StopReasonKind = StopReasonKind.BARGE_IN) -> StopReason:
@@ -233,10 +233,17 @@ async def test_a_worker_that_finds_its_turn_taken_over_ends_its_work_without_wri
     await clock.advance(6)  # it stalled: no heartbeat for longer than the TTL
     seen = await store.get(turn.id)
     assert await store.take_over(turn.id, "other", expect_owner="slow", expect_heartbeat=seen.heartbeat_at, at=clock.now())
-    await slow.sync(turn.id)  # its next checkpoint's round trip
+    before = await store.get(turn.id)
+    with pytest.raises(TurnStopped):
+        await slow.checkpoint(turn.id, "before_tool")  # its next checkpoint: the round trip finds the lease gone
     assert lost == [turn.id]
-    assert await slow.renew_leases() == 0  # it beats no more for it
+    assert turn.id not in slow._owned  # it beats no more for it
+    with pytest.raises(LeaseLost):  # nor writes anything else of it
+        await slow.record(turn.id, reply="a reply nobody should see")
+    with pytest.raises(TurnStopped):
+        await slow.flush(turn.id)
     got = await store.get(turn.id)
+    assert got == before  # not a field written: heartbeat, steps, usage, reply
     assert got.status is TurnStatus.RUNNING and got.lease_owner == "other" and got.stop_reason is None
 
 

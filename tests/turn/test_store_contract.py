@@ -15,6 +15,7 @@ from turn.store import (
     DuplicateSession,
     DuplicateTurn,
     IdempotencyConflict,
+    LeaseLost,
     StopAnswer,
     UnknownSession,
     UnknownTurn,
@@ -267,6 +268,30 @@ async def test_take_over_is_one_compare_and_set_on_the_lease_seen_expired(any_st
     assert not await any_store.take_over(c.id, "w9", expect_owner="dead", expect_heartbeat=NOW, at=later)
     with pytest.raises(UnknownTurn):
         await any_store.take_over("nope", "w9", expect_owner="dead", expect_heartbeat=NOW, at=later)
+    # a CANCEL_REQUESTED turn is stopped, never taken over; nor one leased to another owner with the same heartbeat
+    d = await running(any_store)
+    await any_store.update(d.id, at=NOW, lease_owner="dead", heartbeat_at=NOW)
+    await any_store.request_stop(d.id, "r1", StopReason(kind=StopReasonKind.USER_CANCEL, initiator="user", at=NOW), at=NOW)
+    assert not await any_store.take_over(d.id, "w9", expect_owner="dead", expect_heartbeat=NOW, at=later)
+    e = await running(any_store)
+    await any_store.update(e.id, at=NOW, lease_owner="alive", heartbeat_at=NOW)
+    assert not await any_store.take_over(e.id, "w9", expect_owner="dead", expect_heartbeat=NOW, at=later)
+
+
+async def test_an_update_fenced_on_the_lease_writes_nothing_once_it_was_taken_over(any_store) -> None:
+    a = await running(any_store)
+    await any_store.update(a.id, at=NOW, lease_owner="w1", heartbeat_at=NOW)
+    later = NOW + timedelta(seconds=1)
+    got = await any_store.update(a.id, at=later, fence_owner="w1", step_count=2)
+    assert got.step_count == 2
+    assert await any_store.take_over(a.id, "w2", expect_owner="w1", expect_heartbeat=NOW, at=later)
+    with pytest.raises(LeaseLost) as lost:
+        await any_store.update(a.id, at=later + timedelta(seconds=1), fence_owner="w1", step_count=9, reply="stale")
+    assert lost.value.holder == "w2"
+    got = await any_store.get(a.id)
+    assert got.step_count == 2 and got.reply is None and got.lease_owner == "w2" and got.updated_at == later
+    with pytest.raises(UnknownTurn):
+        await any_store.update("nope", at=later, fence_owner="w1", step_count=1)
 
 
 # -- event log -----------------------------------------------------------------

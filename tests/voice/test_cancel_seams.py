@@ -236,7 +236,7 @@ async def test_budget_exhaustion_fails_the_turn_mid_stream(rig: Rig) -> None:
 
 
 async def test_a_model_call_the_budget_cannot_pay_for_is_not_started(rig: Rig) -> None:
-    rig.plan = Plan(budget_tokens=50, budget_cents=None)  # type: ignore[attr-defined]
+    rig.plan = Plan(budget_tokens=3, budget_cents=None)  # type: ignore[attr-defined]  # the prompt alone is more
     turn = await rig.turns.start(tenant_id="t", text="tell me a story")
     done = await rig.settled(turn.id)
     assert done.status is TurnStatus.FAILED and done.stop_reason.kind is StopReasonKind.BUDGET_EXCEEDED  # type: ignore[union-attr]

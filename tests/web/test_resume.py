@@ -18,7 +18,7 @@ from conftest import start_app
 from clock import SystemClock
 from demo_shop.service import DemoService
 from turn.models import TurnStatus
-from web.app import STORE, create_app
+from web.app import PROVIDERS, STORE, TEXT_TURNS, create_app
 from web.drain import DRAIN, drain_app
 from web.settings import Settings
 
@@ -88,3 +88,45 @@ async def test_a_turn_released_by_a_drain_is_resumed_by_the_next_instance(tmp_pa
     # the cut-off model call is billed, and the re-issued one too
     assert turn.usage.model_requests == 3 and turn.usage.records[1].partial
     assert turn.spent.tokens >= released.spent.tokens
+
+
+async def test_a_worker_that_stalled_and_was_taken_over_ends_its_turn_without_writing(tmp_path: Path) -> None:
+    """The order call hangs 5 s; meanwhile another worker takes the turn
+    over (as if this one had stalled past the lease TTL). When the call
+    answers, this worker's next checkpoint finds the lease gone: its work
+    ends, and the turn's row is exactly as the other worker left it (no
+    terminal state, reply, steps or usage from here), its output fenced."""
+    s = settings(tmp_path, tokens_per_second=200)
+    s = s.model_copy(update={"demo_faults": "order:slow"})
+    app = create_app(s)
+    app[PROVIDERS].shop.service.slow_s = 1.0
+    runner, url = await start_app(app)
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/turns", json={"text": "please order a coffee"}, headers=AUTH) as r:
+                started = await r.json()
+            turn_id, session_id = started["turn"]["id"], started["session_id"]
+            store = app[STORE]
+            for _ in range(100):  # the order call is on its way
+                events = await store.read_events(session_id)
+                if any(e.type == "tool.started" for e in events):
+                    break
+                await asyncio.sleep(0.02)
+            seen = await store.get(turn_id)
+            assert await store.take_over(turn_id, "other-worker", expect_owner=seen.lease_owner,
+                                         expect_heartbeat=seen.heartbeat_at, at=seen.heartbeat_at)
+            taken = await store.get(turn_id)
+            taken_seq = max(e.seq for e in await store.read_events(session_id))
+            for _ in range(100):  # the call answers, the next checkpoint finds the lease gone
+                if not app[TEXT_TURNS].running_count():
+                    break
+                await asyncio.sleep(0.05)
+            assert app[TEXT_TURNS].running_count() == 0
+            await asyncio.sleep(0.3)
+            after = await store.get(turn_id)
+            later = [e for e in await store.read_events(session_id) if e.seq > taken_seq]
+    finally:
+        await runner.cleanup()
+    assert after == taken, (after, taken)  # not a field written from here
+    assert after.status is TurnStatus.RUNNING and after.lease_owner == "other-worker"
+    assert not [e for e in later if e.type in ("agent.delta", "agent.done", "turn")], [e.type for e in later]
