@@ -95,7 +95,6 @@ class TextTurns:
         self._releasing = False
         #: turns another worker took over from here (this one stalled): end without writes
         self._lost: set[str] = set()
-        manager.on_lease_lost = self._lease_lost
 
     async def start(
         self,
@@ -211,10 +210,11 @@ class TextTurns:
             self._lost.discard(turn.id)
             self.scopes.pop(turn.id, None)
 
-    def _lease_lost(self, turn_id: str) -> None:
-        """The manager found ``turn_id`` leased to another worker (this one
-        stalled past the lease TTL and the other took it over): cancel its
-        work here, which then ends without writing anything."""
+    def lease_lost(self, turn_id: str) -> None:
+        """:attr:`turn.checkpoint.Checkpoints.on_lease_lost`: the manager
+        found ``turn_id`` leased to another worker (this one stalled past
+        the lease TTL and the other took it over): cancel its work here,
+        which then ends without writing anything."""
         for ts in self._sessions.values():
             task = ts.running.get(turn_id)
             if task is not None and not task.done():

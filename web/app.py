@@ -257,7 +257,9 @@ def create_app(
         tools=provs.tools,
         history_messages=settings.session.history_messages,
     )
-    app[MANAGER].take_over_abandoned = app[TEXT_TURNS].take_over  # a crashed worker's text turns run on here
+    # a crashed worker's text turns run on here; a stalled one's end when it finds them taken over
+    app[MANAGER].take_over_abandoned = app[TEXT_TURNS].take_over
+    app[MANAGER].on_lease_lost = app[TEXT_TURNS].lease_lost
     app.router.add_get("/", _index)
     app.router.add_static("/static", STATIC_DIR)
     app.router.add_get("/healthz", _healthz)
@@ -265,7 +267,7 @@ def create_app(
     api.add_routes(app)
     drain.add_routes(app, drain.Drain(app[CLOCK], settings.shutdown))
     metrics.add_routes(app, metrics.Metrics())
-    tracing.add_tracing(app, tracing.Tracing(settings))
+    tracing.add_tracing(app, tracing.Tracing(settings, app[CLOCK]))
     instances.add_routes(app)
     telephony_routes.add_routes(app)
     device_routes.add_routes(app)

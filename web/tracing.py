@@ -40,6 +40,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, Status, StatusCode
 
+from clock import Clock
 from turn.models import EventRecord, TurnStatus
 from web.settings import Settings
 from web.state import MANAGER
@@ -68,9 +69,11 @@ class Tracing:
 
     Args:
         settings: ``traces.otlp_endpoint`` and ``traces.service_name``.
+        clock: the time a span still open at shutdown ends at.
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, clock: Clock) -> None:
+        self.clock = clock
         t = settings.traces
         self.provider = TracerProvider(resource=Resource.create({"service.name": t.service_name}))
         if t.otlp_endpoint:
@@ -188,7 +191,7 @@ class Tracing:
         """End the spans still open (unfinished here) and flush the exporter."""
         for turn_id in list(self._turns):
             self._turns[turn_id].set_attribute("turnkeeper.turn.unfinished", True)
-            self._end(turn_id, datetime.now().astimezone())
+            self._end(turn_id, self.clock.now())
         self.provider.shutdown()
 
 
