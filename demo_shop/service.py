@@ -14,6 +14,8 @@ Faults can be injected per operation (:meth:`DemoService.inject`):
 waits ``slow_s`` before it writes anything) and ``slow_after`` (it writes
 at once, then its answer takes ``slow_s``: the effect happened, its caller
 does not know yet; a crash then is the hard case for the ledger).
+Reads (:meth:`DemoService.read`, the weather) take the same faults, op
+``weather``, and are counted in :attr:`DemoService.reads`.
 
 Its SQLite calls run in worker threads (:func:`asyncio.to_thread`), never on
 the event loop, which also paces the audio of every session: a slow disk
@@ -69,7 +71,7 @@ class DemoService:
 
     OPS = ("order", "payment", "batch", "message")
     #: what :meth:`inject` accepts: the ops above, and these two
-    FAULT_OPS = (*OPS, "lookup", "reverse")
+    FAULT_OPS = (*OPS, "lookup", "reverse", "weather")
     FAULTS = ("fail_before", "fail_after", "lookup_unknown", "slow", "slow_after")
 
     def __init__(self, clock: Clock, path: str | Path = ":memory:", *, latency_s: float = 0.02) -> None:
@@ -78,6 +80,8 @@ class DemoService:
         self.slow_s = 5.0
         #: keys of the apply calls that have arrived (answered or not), in order
         self.received: list[str] = []
+        #: reads that have arrived (answered or not), by op
+        self.reads: dict[str, int] = defaultdict(int)
         self.path = str(path)
         self._db: sqlite3.Connection | None = None
         self._closed = False
@@ -86,7 +90,7 @@ class DemoService:
 
     def inject(self, op: str, *faults: str) -> None:
         """Queue faults for the next calls of ``op`` ("order", "payment",
-        "batch", "message", "lookup", "reverse"), one per call.
+        "batch", "message", "lookup", "reverse", "weather"), one per call.
 
         Raises:
             ValueError: an unknown op or fault.
@@ -181,9 +185,27 @@ class DemoService:
             raise ServiceError(f"{op} applied, but the answer was lost")
         return {"key": key, "op": op, **payload}
 
+    async def read(self, op: str) -> None:
+        """A read of the external system (``op`` "weather"): it changes
+        nothing, takes ``latency_s`` (``slow``: ``slow_s``) and is counted
+        in :attr:`reads`.
+
+        Raises:
+            ServiceError: a ``fail_before`` or ``fail_after`` fault.
+            ValueError: an op that is not a read.
+        """
+        if op != "weather":
+            raise ValueError(f"unknown read {op!r}")
+        self.reads[op] += 1
+        fault = self._fault(op)
+        await self._wait(fault)
+        if fault in ("fail_before", "fail_after"):
+            raise ServiceError(f"{op} read failed")
+
     async def reverse(self, key: str) -> bool:
-        """Undo the effect of ``key`` (idempotent). Returns True if there was
-        one to undo (now or before), False if ``key`` was never applied.
+        """Undo the effect of ``key`` (idempotent: each call that finds it
+        applied is counted, :meth:`times_reversed`). Returns True if there
+        was one to undo (now or before), False if ``key`` was never applied.
 
         Raises:
             ServiceError: a ``fail_before`` or ``fail_after`` fault.
@@ -192,7 +214,7 @@ class DemoService:
         await self._wait(fault)
         if fault == "fail_before":
             raise ServiceError("reverse refused")
-        rows = await self._sql("UPDATE effects SET reversed = 1 WHERE key = ? RETURNING key", (key,))
+        rows = await self._sql("UPDATE effects SET reversed = reversed + 1 WHERE key = ? RETURNING key", (key,))
         if fault == "fail_after":
             raise ServiceError("reversed, but the answer was lost")
         return bool(rows)
@@ -221,6 +243,12 @@ class DemoService:
         key makes a second application impossible; repeats are counted
         apart in :meth:`repeats`)."""
         return len(await self._sql("SELECT 1 FROM effects WHERE key = ?", (key,)))
+
+    async def times_reversed(self, key: str) -> int:
+        """How many reverse calls of ``key`` found it applied (one undid it;
+        any more were answered from the first)."""
+        rows = await self._sql("SELECT reversed FROM effects WHERE key = ?", (key,))
+        return int(rows[0][0]) if rows else 0
 
     async def repeats(self, key: str) -> int:
         """How many repeated calls of ``key`` were answered from the first."""

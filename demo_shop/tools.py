@@ -37,19 +37,23 @@ from voice.tools import Toolbox, tool
 MESSAGES_QUEUE = "outbound_messages"
 
 
-def weather_tools(clock: Clock, *, weather_latency_ms: float = 50.0) -> Toolbox:
+def weather_tools(clock: Clock, *, weather_latency_ms: float = 50.0, service: DemoService | None = None) -> Toolbox:
     """The demo's read-only tool, on ``clock``:
 
     - ``lookup_weather(city)``: effect "none"; answers after
       ``weather_latency_ms`` (a network read) with the embedded agent's
       weather report (:data:`voice.llm.WEATHER_REPLY`), so a weather turn
       says the same whether the agent calls the tool or answers alone.
+      With ``service``, the read also goes there (:meth:`DemoService.read`,
+      op "weather": counted, and its faults apply).
     """
 
     @tool(expected_duration_ms=weather_latency_ms, max_duration_ms=5000)
     async def lookup_weather(city: str = "here") -> str:
         """Look up the current weather and tomorrow's forecast for a city."""
         await clock.sleep(weather_latency_ms / 1000)
+        if service is not None:
+            await service.read("weather")
         return WEATHER_REPLY
 
     return Toolbox([lookup_weather])
@@ -85,7 +89,7 @@ def demo_tools(clock: Clock, service: DemoService, store: TurnStore) -> Toolbox:
             await store.queue_push(MESSAGES_QUEUE, {"turn_id": turn_id, "key": f"{idempotency_key}:{i}", "text": f"message {i + 1} of {n}"})
         return f"{n} messages are on their way."
 
-    box = weather_tools(clock)
+    box = weather_tools(clock, service=service)
     for t in (create_order, charge_payment, send_messages):
         box.add(t)
     return box

@@ -64,11 +64,19 @@ def tool_outcome_text(intent: Intent) -> str:
     return "outcome unknown: being checked with the external system"
 
 
-def tool_messages(intents: list[Intent]) -> list[Message]:
+def tool_messages(intents: list[Intent], *, resumed: bool = False) -> list[Message]:
     """A turn's tool calls as messages: for each of its own steps' effect
-    rows (in step order), the assistant's call and the tool's outcome."""
+    rows (in step order), the assistant's call and the tool's outcome.
+
+    ``resumed``: the rows are the turn's own steps so far, given to it as it
+    runs on at another worker (released by a drain, or taken over after a
+    crash). The calls its first worker's end cut off before they had any
+    effect (abandoned: a read, or a call never sent) are left out. Nobody
+    cancelled them, so "cancelled" would be untrue; the model decides again
+    (a read is read again, under a new step's key)."""
     out: list[Message] = []
-    own = [i for i in intents if i.kind is IntentKind.EFFECT and i.key == effect_key(i.turn_id, i.step)]
+    own = [i for i in intents if i.kind is IntentKind.EFFECT and i.key == effect_key(i.turn_id, i.step)
+           and not (resumed and i.status is IntentStatus.ABANDONED)]
     reversing = {i.key for i in intents if i.kind is IntentKind.COMPENSATION and i.status in OPEN}
     for i in sorted(own, key=lambda i: i.step):
         call = ToolCall(id=i.key, name=i.tool, arguments=i.args)

@@ -315,7 +315,7 @@ class TextTurns:
                     scope.stop(None)  # recorded in the store just now; the ledger then decides the end
                     raise TurnStopped(turn.id, "resume")
                 intents = await self.manager.store_call(lambda: self.manager.store.ledger_list(turn.id))
-                messages += tool_messages(intents)
+                messages += tool_messages(intents, resumed=True)
             result = await run_agent(
                 scope=scope,
                 manager=self.manager,
