@@ -95,6 +95,9 @@ class TextTurns:
         self._releasing = False
         #: turns another worker took over from here (this one stalled): end without writes
         self._lost: set[str] = set()
+        #: turns whose stop is being settled here (their ledger resolved, a
+        #: reversal perhaps under way): a shutdown waits for them, never cuts them
+        self._settling: set[str] = set()
 
     async def start(
         self,
@@ -241,7 +244,11 @@ class TextTurns:
             if not agent.done.is_set() and not scope.stopped.is_set():
                 scope.stop(None)  # asked from outside: the reason is in the store
         if scope.stopped.is_set():
-            await self.manager.settle_stop(turn.id, scope)
+            self._settling.add(turn.id)
+            try:
+                await self.manager.settle_stop(turn.id, scope)
+            finally:
+                self._settling.discard(turn.id)
         elif agent is not None and agent.error is not None:
             ts = self._sessions.get(turn.session_id)
             generation = ts.fence.active if ts is not None else turn.generation  # as voice: in the active generation
@@ -453,10 +460,21 @@ class TextTurns:
         return taken
 
     async def aclose(self) -> None:
-        """Stop every running text turn with ``worker_shutdown`` and wait."""
+        """Stop every running text turn with ``worker_shutdown`` and wait
+        (at most 10 s; the server's grace bounds it too). A turn whose stop
+        is being settled (a user's cancel reversing an order) is not cut:
+        it is waited for, so its reversal finishes and its terminal state is
+        written here."""
         self._closing = True
-        tasks = [t for ts in self._sessions.values() for t in ts.running.values()] + list(self._background)
-        for t in tasks:
+        running = [(tid, t) for ts in self._sessions.values() for tid, t in ts.running.items()]
+        tasks = [t for _, t in running] + list(self._background)
+        settling = [tid for tid, _ in running if tid in self._settling]
+        if settling:
+            log.info("text turns %s: their stops are being settled; waiting for them", ", ".join(settling))
+        for tid, t in running:
+            if tid not in self._settling:
+                t.cancel()
+        for t in self._background:
             t.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=10)

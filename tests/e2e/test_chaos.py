@@ -17,12 +17,14 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from conftest import free_port
 from server_process import Server
 
 from clock import SystemClock
@@ -250,3 +252,126 @@ async def test_kill_9_of_one_of_two_instances_the_other_takes_its_turn_over_with
     finally:
         a.stop()
         b.stop()
+
+
+async def wait_reversal_started(http: aiohttp.ClientSession, url: str, turn_id: str) -> dict[str, Any]:
+    """Until the stop's reversal of the order is on its way: its
+    compensation row is in the ledger, open. Returns the turn."""
+    async with asyncio.timeout(15):
+        while True:
+            turn = await api(http, "GET", f"{url}/v1/turns/{turn_id}")
+            if any(i["kind"] == "compensation" and i["status"] == "pending" for i in turn["ledger"]):
+                return turn  # type: ignore[no-any-return]
+            await asyncio.sleep(0.05)
+
+
+async def test_sigterm_during_a_compensation_reverses_the_order_once(tmp_path: Path) -> None:
+    """A user stops the turn while its order is unanswered (the shop has
+    it): the stop reverses it, and the reversal takes 5 s (``reverse:slow``),
+    longer than a stop may wait for it. SIGTERM comes during the reversal.
+    The drain does not cut the stop: it waits while the stop settles, which
+    writes RECONCILE_REQUIRED (the reversal not yet confirmed) and leaves
+    the reversal to reconciliation as a job; then exit 0. The exit cuts the
+    slow attempt; the job's next attempt (before the exit, or after the
+    restart) reverses the order, once, and nothing is left open."""
+    store = f"sqlite:///{tmp_path}/var/t.db"
+    shop = Shop(tmp_path / "var" / "t.db.demo-service.db")
+    timing = dict(shutdown__lb_delay_s="0", shutdown__turn_wait_s="0.2", shutdown__drain_timeout_s="0.5",
+                  shutdown__grace_s="10")
+    server = Server(env(store, demo_faults="order:slow_after,reverse:slow", **timing), tmp_path)
+    await server.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            turn_id, session_id = await ordered(http, server.url)
+            (key,) = await shop.wait_applied(turn_id)
+            async with http.post(f"{server.url}/v1/turns/{turn_id}/stop", headers={**AUTH, "Idempotency-Key": "stop-1"},
+                                 json={"reason": "user_cancel"}) as r:
+                assert r.status == 202, await r.text()
+            await wait_reversal_started(http, server.url, turn_id)
+            assert server.proc is not None
+            server.proc.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(server.proc.wait, 20) == 0, server.log()[-3000:]
+            assert "their stops are being settled; waiting for them" in server.log()
+            server.env = env(store)
+            await server.start()
+            turn = await ended(http, server.url, turn_id)
+            assert turn["status"] == "RECONCILE_REQUIRED", json.dumps(turn, indent=1)  # written before the exit
+            assert turn["stop_reason"]["kind"] == "user_cancel"
+            async with asyncio.timeout(30):  # the job's next attempt, on the restarted server
+                while await shop.read("times_reversed", key) == 0:
+                    await asyncio.sleep(0.1)
+            async with asyncio.timeout(15):
+                while True:
+                    turn = await api(http, "GET", f"{server.url}/v1/turns/{turn_id}")
+                    if not [i for i in turn["ledger"] if i["status"] in ("pending", "retrying", "effect_unknown", "human_required")]:
+                        break
+                    await asyncio.sleep(0.1)
+            assert await shop.read("times_applied", key) == 1 and await shop.read("times_reversed", key) == 1
+            ledger = {i["key"]: i for i in turn["ledger"]}
+            assert ledger[key]["status"] == "compensated", ledger
+            assert turn["status"] == "RECONCILE_REQUIRED"  # one terminal state, never rewritten
+            seen = await statuses(http, server.url, session_id, turn_id)
+            assert seen == ["QUEUED", "RUNNING", "CANCEL_REQUESTED", "RECONCILE_REQUIRED"], seen
+    finally:
+        server.stop()
+
+
+async def test_the_store_unreachable_during_the_drain_exits_within_the_grace_and_no_turn_is_lost(tmp_path: Path) -> None:
+    """The server's Redis stops answering (SIGSTOP: its connections hang,
+    the nastiest way to be unreachable) just as a drain begins, with a text
+    turn mid-order. The drain cannot release the turn nor close the store:
+    the process exits 1 when ``shutdown.grace_s`` runs out, never hangs.
+    Redis comes back; the next instance takes the turn over (its lease
+    expired) and completes it, the order applied once."""
+    port = free_port()
+    redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    shop_db = tmp_path / "shop.db"
+    common = dict(redis_prefix="unreachable", demo_service_db=str(shop_db))
+    timing = dict(shutdown__lb_delay_s="0", shutdown__turn_wait_s="0.2", shutdown__drain_timeout_s="0.5", shutdown__grace_s="3")
+    shop = Shop(shop_db)
+    server: Server | None = None
+    try:
+        await wait_redis(port)
+        server = Server(env(url, demo_faults="order:slow_after", **common, **timing), tmp_path)
+        await server.start()
+        async with aiohttp.ClientSession() as http:
+            turn_id, session_id = await ordered(http, server.url)
+            await shop.wait_applied(turn_id)
+            redis.send_signal(signal.SIGSTOP)
+            assert server.proc is not None
+            stopped_at = asyncio.get_running_loop().time()
+            server.proc.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(server.proc.wait, 20) == 1, server.log()[-3000:]
+            took_s = asyncio.get_running_loop().time() - stopped_at
+            assert took_s < 3 + 3, took_s  # the grace, and a sanity margin
+            assert "exiting at once" in server.log()
+            redis.send_signal(signal.SIGCONT)
+            server.env = env(url, **common)
+            await server.start()
+            turn = await ended(http, server.url, turn_id, timeout_s=30)
+            assert turn["status"] == "COMPLETED", json.dumps(turn, indent=1)
+            applied = await shop.read("applied", turn_id)
+            assert len(applied) == 1 and await shop.read("repeats", next(iter(applied))) == 0, applied
+            (row,) = [i for i in turn["ledger"] if i["tool"] == "create_order"]
+            assert row["status"] == "done" and row["key"] in applied, row
+            seen = await statuses(http, server.url, session_id, turn_id)
+            assert seen[0] == "QUEUED" and seen[-1] == "COMPLETED", seen
+    finally:
+        if server is not None:
+            server.stop()
+        redis.send_signal(signal.SIGCONT)
+        redis.kill()
+        redis.wait(10)
+
+
+async def wait_redis(port: int) -> None:
+    async with asyncio.timeout(10):
+        while True:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                return
+            except OSError:
+                await asyncio.sleep(0.05)
