@@ -227,3 +227,12 @@ def no_process_left_behind() -> Iterator[None]:
         time.sleep(0.1)
         left = _pool_workers()
     pytest.fail(f"processes left behind by the tests: {left}", pytrace=False)
+
+
+@pytest.fixture
+async def playwright():  # type: ignore[no-untyped-def]
+    """Playwright, for the browser tests (Debian's Chromium; never a download)."""
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as p:
+        yield p

@@ -103,14 +103,6 @@ async def server(tmp_path: Path) -> AsyncIterator[Server]:
         await runner.cleanup()
 
 
-@pytest.fixture
-async def playwright():  # type: ignore[no-untyped-def]
-    from playwright.async_api import async_playwright
-
-    async with async_playwright() as p:
-        yield p
-
-
 async def launch(playwright, extra_args: list[str] | None = None):  # type: ignore[no-untyped-def]
     return await playwright.chromium.launch(
         executable_path=str(CHROMIUM), args=[*CHROMIUM_ARGS, *(extra_args or [])]

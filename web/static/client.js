@@ -10,11 +10,20 @@
 // fields) sends {"type":"ptt.start"} on the data channel, releasing it sends
 // {"type":"ptt.end"}. At most one start is outstanding; key repeat sends
 // nothing more; losing the connection while held resets the button.
+//
+// A deploy: a draining server sends {"type":"session.draining","left_s"}.
+// Once no turn is running and the agent is idle, the client opens a new
+// session (the load balancer sends the offer to a serving instance) while
+// the old one still plays, and switches over when the new one's media is
+// connected: make before break. An offer refused meanwhile (503) is tried
+// again after a second while time is left; a session that ends first is
+// replaced by a fresh connection.
 "use strict";
 
 (() => {
   const ICE_GATHER_TIMEOUT_MS = 2000; // offer with what we have after this
   const PING_INTERVAL_MS = 5000;      // data channel round-trip probe
+  const MOVE_RETRY_MS = 1000;         // a refused offer while moving is tried again after this
 
   // Labels the server sends; CANCEL_REQUESTED is "stopping", never "cancelled".
   const STATUS_LABELS = {
@@ -91,59 +100,127 @@
 
   // ---- connect / disconnect --------------------------------------------------
 
-  async function connect() {
-    if (conn) return;
-    const c = {
+  function newConn() {
+    return {
       pc: null, dc: null, stream: null, pinger: null, closedByUs: false, pings: new Map(),
       ready: false,  // the server's agent runs (session.ready): push-to-talk is accepted
       ptt: null,     // push-to-talk held, and by what: "pointer" | "key" | null
+      remote: null,  // the agent's audio stream, attached once this connection is the current one
+      busy: new Set(),   // turns not yet terminal
+      phase: "idle",     // the agent's phase (agent.state)
+      drainUntil: null,  // the server drains: it ends this session at this time (performance.now() ms)
+      successor: null,   // the connection opened to replace this one (a drain)
+      retry: null,       // timer of the next attempt to open a successor
     };
+  }
+
+  // A connection still wanted: the current one, or the one replacing it.
+  const wanted = (c) => conn === c || (conn !== null && conn.successor === c);
+
+  async function connect() {
+    if (conn) return;
+    const c = newConn();
     conn = c;
     setButtons(true);
     resetPanel();
     try {
-      setStatus("Requesting microphone…", "connecting");
-      const audio = RAW
-        ? { echoCancellation: false, noiseSuppression: false, autoGainControl: false }
-        : { echoCancellation: true, noiseSuppression: true, autoGainControl: true };
-      let stream;
-      try {
-        stream = await navigator.mediaDevices.getUserMedia({ audio });
-      } catch (err) {
-        throw new Error(`Microphone unavailable: ${err.name || "Error"}: ${err.message || err}`);
-      }
-      c.stream = stream;
-      if (conn !== c) return teardown(c);
-
-      const pc = new RTCPeerConnection();
-      c.pc = pc;
-      // The data channel must exist before the offer so it is negotiated in it.
-      const dc = pc.createDataChannel("events");
-      c.dc = dc;
-      wireDataChannel(c, dc);
-      for (const track of stream.getAudioTracks()) pc.addTrack(track, stream);
-
-      pc.ontrack = (ev) => {
-        ui.audio.srcObject = ev.streams[0] || new MediaStream([ev.track]);
-        ui.audio.play().catch(() => { /* autoplay policy: the Connect click normally allows it */ });
-      };
-      pc.onconnectionstatechange = () => onConnectionState(c);
-
-      setStatus("Preparing offer…", "connecting");
-      await pc.setLocalDescription(await pc.createOffer());
-      await iceGatheringComplete(pc, ICE_GATHER_TIMEOUT_MS);
-      if (conn !== c) return teardown(c);
-
-      setStatus("Sending offer…", "connecting");
-      const answer = await postOffer(pc.localDescription);
-      if (conn !== c) return teardown(c);
-      ui.sessionId.textContent = answer.session_id || "";
-      await pc.setRemoteDescription({ type: "answer", sdp: answer.sdp });
-      setStatus("Connecting media…", "connecting");
+      await open(c);
     } catch (err) {
       if (conn !== c) return teardown(c);
       fail(c, err.message || String(err));
     }
+  }
+
+  // Microphone, peer connection, offer, answer for `c`. Throws on failure;
+  // returns early (tearing `c` down) once `c` is no longer wanted.
+  async function open(c) {
+    if (conn === c) setStatus("Requesting microphone…", "connecting");
+    const audio = RAW
+      ? { echoCancellation: false, noiseSuppression: false, autoGainControl: false }
+      : { echoCancellation: true, noiseSuppression: true, autoGainControl: true };
+    let stream;
+    try {
+      stream = await navigator.mediaDevices.getUserMedia({ audio });
+    } catch (err) {
+      throw new Error(`Microphone unavailable: ${err.name || "Error"}: ${err.message || err}`);
+    }
+    c.stream = stream;
+    if (!wanted(c)) return teardown(c);
+    // a successor listens only once it takes over (the old session still runs)
+    if (conn !== c) stream.getAudioTracks().forEach((t) => { t.enabled = false; });
+
+    const pc = new RTCPeerConnection();
+    c.pc = pc;
+    // The data channel must exist before the offer so it is negotiated in it.
+    const dc = pc.createDataChannel("events");
+    c.dc = dc;
+    wireDataChannel(c, dc);
+    for (const track of stream.getAudioTracks()) pc.addTrack(track, stream);
+
+    pc.ontrack = (ev) => {
+      c.remote = ev.streams[0] || new MediaStream([ev.track]);
+      if (conn === c) playRemote(c);
+    };
+    pc.onconnectionstatechange = () => onConnectionState(c);
+
+    if (conn === c) setStatus("Preparing offer…", "connecting");
+    await pc.setLocalDescription(await pc.createOffer());
+    await iceGatheringComplete(pc, ICE_GATHER_TIMEOUT_MS);
+    if (!wanted(c)) return teardown(c);
+
+    if (conn === c) setStatus("Sending offer…", "connecting");
+    const answer = await postOffer(pc.localDescription);
+    if (!wanted(c)) return teardown(c);
+    c.sessionId = answer.session_id || "";
+    if (conn === c) ui.sessionId.textContent = c.sessionId;
+    await pc.setRemoteDescription({ type: "answer", sdp: answer.sdp });
+    if (conn === c) setStatus("Connecting media…", "connecting");
+  }
+
+  function playRemote(c) {
+    ui.audio.srcObject = c.remote;
+    ui.audio.play().catch(() => { /* autoplay policy: the Connect click normally allows it */ });
+  }
+
+  // ---- moving to another server (a drain) -----------------------------------
+
+  function onDraining(c, msg) {
+    if (c.drainUntil !== null) return;
+    c.drainUntil = performance.now() + 1000 * (Number(msg.left_s) || 0);
+    setStatus(`The server is restarting (${msg.reason || "drain"}); moving to another one between turns…`, "connecting");
+    maybeMove(c);
+  }
+
+  // Open the successor of a draining connection once it is between turns.
+  function maybeMove(c) {
+    if (conn !== c || c.drainUntil === null || c.successor || c.retry) return;
+    if (c.busy.size > 0 || c.phase !== "idle" || c.ptt) return; // after this turn
+    const s = newConn();
+    c.successor = s;
+    open(s).catch((err) => {
+      if (c.successor !== s) return;
+      c.successor = null;
+      teardown(s);
+      // refused (the balancer still sent us to a draining server): again while time is left
+      if (conn === c && performance.now() + MOVE_RETRY_MS < c.drainUntil) {
+        c.retry = setTimeout(() => { c.retry = null; maybeMove(c); }, MOVE_RETRY_MS);
+      } else if (conn === c) {
+        addError({ code: "move_failed", message: `could not move to another server: ${err.message || err}` });
+      }
+    });
+  }
+
+  // The successor `s` of the current connection `old` is connected: switch.
+  function takeOver(old, s) {
+    old.successor = null;
+    old.closedByUs = true;
+    conn = s;
+    teardown(old);
+    resetPanel();
+    ui.sessionId.textContent = s.sessionId || "";
+    if (s.stream) s.stream.getAudioTracks().forEach((t) => { t.enabled = true; });
+    if (s.remote) playRemote(s);
+    renderPtt();
   }
 
   // The user pressed Disconnect.
@@ -170,6 +247,9 @@
   // the offer is in flight leaves the server's half-made session to its
   // connect watchdog.)
   function teardown(c) {
+    if (c.retry) clearTimeout(c.retry);
+    c.retry = null;
+    if (c.successor) { const s = c.successor; c.successor = null; if (conn !== s) teardown(s); }
     // Released with the connection: tell the server if it can still hear us
     // (a Disconnect while held), and never leave the button pressed.
     if (c.ptt && c.dc && c.dc.readyState === "open") sendPtt(c, "ptt.end");
@@ -193,7 +273,20 @@
   }
 
   function onConnectionState(c) {
-    if (conn !== c || !c.pc) return;
+    if (!c.pc) return;
+    if (conn !== null && conn.successor === c) {
+      if (c.pc.connectionState === "connected") {
+        takeOver(conn, c);
+        setStatus("Moved to another server (the last one is restarting). Speak, or hold to talk.", "connected");
+      } else if (["failed", "closed"].includes(c.pc.connectionState)) {
+        const old = conn;
+        old.successor = null;
+        teardown(c);
+        maybeMove(old);
+      }
+      return;
+    }
+    if (conn !== c) return;
     const state = c.pc.connectionState;
     if (state === "connected") {
       setStatus("Connected. Speak, or hold to talk; talk over the agent to interrupt it.", "connected");
@@ -268,6 +361,24 @@
       renderPtt();
       // The server ends a session by closing the peer connection; the event
       // channel closing is the first sign of it.
+      if (conn === c && !c.closedByUs && c.drainUntil !== null) {
+        // a draining server ended it before we moved: the successor, or a fresh connection
+        const s = c.successor;
+        c.successor = null;
+        c.closedByUs = true;
+        teardown(c);
+        conn = null;
+        if (s) {
+          conn = s;
+          resetPanel();
+          if (s.stream) s.stream.getAudioTracks().forEach((t) => { t.enabled = true; });
+          if (s.remote) playRemote(s);
+          setStatus("Reconnecting to another server…", "connecting");
+        } else {
+          connect();
+        }
+        return;
+      }
       if (conn === c && !c.closedByUs) fail(c, "The server ended the session.");
     };
     dc.onmessage = (ev) => {
@@ -283,7 +394,14 @@
   }
 
   function handleEvent(c, msg) {
+    if (conn !== c) {  // a successor before it takes over: nothing of it is shown yet
+      if (msg.type === "session.ready") c.ready = true;
+      return;
+    }
     switch (msg.type) {
+      case "session.draining":
+        onDraining(c, msg);
+        break;
       case "session.ready":
         ui.sessionId.textContent = msg.session_id || ui.sessionId.textContent;
         c.ready = true;
@@ -294,7 +412,9 @@
         ui.vad.dataset.event = String(msg.event || "");
         break;
       case "turn":
+        if (TERMINAL.has(msg.status)) c.busy.delete(msg.turn_id); else c.busy.add(msg.turn_id);
         onTurn(msg);
+        maybeMove(c);
         break;
       case "transcript":
         if (msg.role === "user") setUserText(entryFor(msg.turn_id, msg.generation), msg.text);
@@ -336,7 +456,11 @@
         onStopDeferred(msg);
         break;
       case "agent.state":
-        if (msg.generation >= shown.generation) ui.agentPhase.textContent = msg.phase;
+        if (msg.generation >= shown.generation) {
+          ui.agentPhase.textContent = msg.phase;
+          c.phase = msg.phase;
+        }
+        maybeMove(c);
         break;
       case "barge_in":
         addBargeIn(msg);
