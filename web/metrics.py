@@ -12,7 +12,20 @@ From every event this process logs (a tap on :class:`turn.events.EventLogs`):
   model streamed after its turn's stop request (billed, wasted);
 - ``turnkeeper_model_requests_after_stop_total``: model requests *started*
   after a stop (the target is 0);
-- ``turnkeeper_barge_ins_total{initiator}``.
+- ``turnkeeper_barge_ins_total{initiator}``;
+- ``turnkeeper_barge_in_onset_to_fence_seconds{transport}``: a committed
+  barge-in's speech onset to the fence moving, s (the server's side of the
+  audible stop; what the ear hears is measured by ``bench/bargein.py``);
+- ``turnkeeper_false_interruptions_total{transport}`` and
+  ``turnkeeper_backchannels_total{transport}``, and the time they held
+  playout, ``turnkeeper_noise_pause_seconds{kind,transport}`` (0 when the
+  agent did not pause: the target);
+- ``turnkeeper_tokens_streamed_total{kind}``: prompt and completion tokens
+  of every model request (billed);
+- ``turnkeeper_effects_total{outcome}``: ledger outcomes (done,
+  compensated, abandoned, effect_unknown, human_required);
+- ``turnkeeper_turns_resumed_total{how}``: turns run on here after their
+  first worker drained (adopted) or died (taken_over).
 
 Read at each scrape: ``turnkeeper_voice_sessions{transport}``,
 ``turnkeeper_text_turns_running``, ``turnkeeper_draining`` (0/1) and
@@ -23,7 +36,7 @@ no credentials, like ``/healthz``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 
 from aiohttp import web
@@ -41,6 +54,9 @@ STOP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10
 TERMINAL = frozenset(s.value for s in TurnStatus if s.is_terminal)
 #: transport names of the voice session classes
 TRANSPORTS = {"PeerSession": "webrtc", "PhoneCall": "phone", "DeviceCall": "device"}
+#: the ledger's events of an effect's outcome, and the outcome they count
+EFFECT_OUTCOMES = {"tool.done": "done", "tool.compensated": "compensated", "tool.abandoned": "abandoned",
+                   "tool.effect_unknown": "effect_unknown", "tool.human_required": "human_required"}
 
 
 class Metrics:
@@ -63,6 +79,24 @@ class Metrics:
             "turnkeeper_model_requests_after_stop", "Model requests started after the turn's stop request", registry=r,
         )
         self.barge_ins = Counter("turnkeeper_barge_ins", "Committed barge-ins", ["initiator"], registry=r)
+        self.onset_to_fence = Histogram(
+            "turnkeeper_barge_in_onset_to_fence_seconds", "A barge-in's speech onset to the fence moving, s",
+            ["transport"], buckets=STOP_BUCKETS, registry=r,
+        )
+        self.false_interruptions = Counter("turnkeeper_false_interruptions", "Sounds that paused the agent and were no speech",
+                                           ["transport"], registry=r)
+        self.backchannels = Counter("turnkeeper_backchannels", "Short replies the agent talked on through",
+                                    ["transport"], registry=r)
+        self.noise_pause = Histogram(
+            "turnkeeper_noise_pause_seconds", "Playout held for a false interruption or a backchannel, s",
+            ["kind", "transport"], buckets=(0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0), registry=r,
+        )
+        self.tokens = Counter("turnkeeper_tokens_streamed", "Tokens of every model request (billed)", ["kind"], registry=r)
+        self.effects = Counter("turnkeeper_effects", "Side-effect outcomes in the ledger", ["outcome"], registry=r)
+        self.resumed = Counter("turnkeeper_turns_resumed", "Turns run on here after their first worker drained or died",
+                               ["how"], registry=r)
+        #: the transport of a session open here ("" if none): set by add_routes
+        self.transport_of: Callable[[str], str] = lambda _session_id: ""
 
     def observe(self, ev: EventRecord) -> None:
         """Count one logged event (the tap on the event logs)."""
@@ -78,10 +112,22 @@ class Metrics:
                 )
         elif ev.type == "usage":
             self.tokens_after_stop.inc(max(0, int(p.get("completion_tokens_after_stop") or 0)))
+            self.tokens.labels(kind="prompt").inc(max(0, int(p.get("prompt_tokens") or 0)))
+            self.tokens.labels(kind="completion").inc(max(0, int(p.get("completion_tokens") or 0)))
             if p.get("started_after_stop"):
                 self.requests_after_stop.inc()
         elif ev.type == "barge_in":
             self.barge_ins.labels(initiator=str(p.get("initiator", ""))).inc()
+            self.onset_to_fence.labels(transport=self.transport_of(ev.session_id)).observe(
+                max(0.0, float(p.get("onset_to_fence_ms") or 0) / 1000))
+        elif ev.type in ("false_interruption", "backchannel"):
+            transport = self.transport_of(ev.session_id)
+            (self.false_interruptions if ev.type == "false_interruption" else self.backchannels).labels(transport=transport).inc()
+            self.noise_pause.labels(kind=ev.type, transport=transport).observe(max(0.0, float(p.get("paused_ms") or 0) / 1000))
+        elif ev.type in EFFECT_OUTCOMES:
+            self.effects.labels(outcome=EFFECT_OUTCOMES[ev.type]).inc()
+        elif ev.type == "agent.restart":
+            self.resumed.labels(how=str(p.get("reason", ""))).inc()
 
 
 def _when(value: object) -> datetime | None:
@@ -124,6 +170,13 @@ METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
 def add_routes(app: web.Application, metrics: Metrics) -> None:
     """``GET /metrics``, and the tap that feeds it from ``app``'s event logs."""
     app[METRICS] = metrics
+    peers = app[PEERS]
+
+    def transport_of(session_id: str) -> str:
+        peer = peers.get(session_id)
+        return "" if peer is None else TRANSPORTS.get(type(peer).__name__, "other")
+
+    metrics.transport_of = transport_of
     metrics.registry.register(_AppState(app))
     app[MANAGER].events.taps.append(metrics.observe)
     app.router.add_get("/metrics", _metrics)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import aiohttp
@@ -16,8 +17,10 @@ from aiohttp import web
 from conftest import start_app
 from prometheus_client.parser import text_string_to_metric_families
 
+from turn.models import EventRecord
 from web.app import create_app
 from web.drain import DRAIN, drain_app
+from web.metrics import Metrics
 from web.settings import Settings
 
 TOKEN = "tok-metrics-0123456789"
@@ -72,10 +75,54 @@ async def test_a_stopped_turn_is_measured_and_the_gauges_read_the_state(server: 
         assert after[("turnkeeper_model_requests_after_stop_total", ())] == 0
         assert after[("turnkeeper_text_turns_running", ())] == 0
         labels = {k for (_, labels) in after for k, _ in labels}
-        assert labels <= {"reason", "status", "initiator", "transport", "le"}  # no tenant, no ids
+        assert labels <= {"reason", "status", "initiator", "transport", "le", "kind", "outcome", "how"}  # no tenant, no ids
+        assert after[("turnkeeper_tokens_streamed_total", (("kind", "completion"),))] > 0
+        assert after[("turnkeeper_tokens_streamed_total", (("kind", "prompt"),))] > 0
         app[DRAIN].begin("test", lambda d: drain_app(d, app))
         draining = await scrape(http, url)
         assert draining[("turnkeeper_draining", ())] == 1
         async with http.get(f"{url}/metrics") as r:
             assert r.status == 200  # an operator still sees a draining instance
         await asyncio.wait_for(app[DRAIN].done.wait(), 5)
+
+
+async def test_an_order_counts_its_effect_done(server: tuple[web.Application, str]) -> None:
+    app, url = server
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/turns", json={"text": "please order a coffee"}, headers=AUTH) as r:
+            turn_id = (await r.json())["turn"]["id"]
+        for _ in range(200):
+            after = await scrape(http, url)
+            if after.get(("turnkeeper_turns_ended_total", (("reason", ""), ("status", "COMPLETED")))):
+                break
+            await asyncio.sleep(0.05)
+        assert after[("turnkeeper_effects_total", (("outcome", "done"),))] == 1, turn_id
+
+
+def test_voice_events_are_counted_by_transport() -> None:
+    """The detector's events, as a voice session logs them, counted under
+    the session's transport; a resumed turn counted by how."""
+    metrics = Metrics()
+    metrics.transport_of = lambda sid: {"s-phone": "phone"}.get(sid, "")
+    at = datetime.now(UTC)
+
+    def ev(type_: str, **payload: object) -> EventRecord:
+        return EventRecord(session_id="s-phone", seq=1, type=type_, turn_id=None, generation=1, at=at, payload=payload)
+
+    metrics.observe(ev("barge_in", initiator="vad", onset_to_fence_ms=640.0, paused_ms=600.0, cleared_ms=200,
+                       old_turn_id="t", old_generation=1))
+    metrics.observe(ev("false_interruption", paused_ms=0.0))
+    metrics.observe(ev("backchannel", paused_ms=120.0, text="uh-huh", syllables=2))
+    metrics.observe(ev("agent.restart", reason="taken_over"))
+    metrics.observe(ev("tool.compensated", key="k", step=1, name="create_order"))
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for family in metrics.registry.collect() for s in family.samples}
+    phone = (("transport", "phone"),)
+    assert got[("turnkeeper_barge_ins_total", (("initiator", "vad"),))] == 1
+    assert got[("turnkeeper_barge_in_onset_to_fence_seconds_sum", phone)] == pytest.approx(0.64)
+    assert got[("turnkeeper_false_interruptions_total", phone)] == 1
+    assert got[("turnkeeper_backchannels_total", phone)] == 1
+    assert got[("turnkeeper_noise_pause_seconds_sum", (("kind", "backchannel"), *phone))] == pytest.approx(0.12)
+    assert got[("turnkeeper_noise_pause_seconds_bucket", (("kind", "false_interruption"), ("le", "0.0"), *phone))] == 1
+    assert got[("turnkeeper_turns_resumed_total", (("how", "taken_over"),))] == 1
+    assert got[("turnkeeper_effects_total", (("outcome", "compensated"),))] == 1
