@@ -18,7 +18,16 @@ COPY demo_shop ./demo_shop
 COPY testkit ./testkit
 RUN pip install --no-cache-dir -c constraints.txt .
 
+# an unprivileged user owns only the state folder
+RUN useradd --system --uid 10001 --home-dir /app --shell /usr/sbin/nologin turnkeeper \
+ && mkdir -p /app/var && chown turnkeeper /app/var
+USER 10001
+
 ENV TURNKEEPER_HOST=0.0.0.0
 EXPOSE 8080
 VOLUME ["/app/var"]
+# liveness (GET /healthz stays 200 while the server drains)
+HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
+  CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('TURNKEEPER_PORT', '8080') + '/healthz', timeout=2)"]
+# exec form: the server is PID 1 and gets SIGTERM itself (it drains, then exits)
 CMD ["turnkeeper", "serve"]
