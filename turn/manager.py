@@ -26,6 +26,7 @@ from turn.models import Budget, Plan, Session, StopReason, StopReasonKind, Turn,
 from turn.reconciliation import ReconciliationWorker
 from turn.resume import Resumption
 from turn.runtime import FlagCache, TurnRuntime
+from turn.scope_observer import ScopeObservers
 from turn.signals import StopSignals
 from turn.states import TransitionResult
 from turn.stop_path import StopPath
@@ -112,6 +113,9 @@ class TurnManager(Checkpoints, StopPath, Leases, Resumption):
         #: the side-effect ledger of every turn; ``ledger.handlers`` is set
         #: by whoever knows the tools (the app)
         self.ledger = Ledger(store, clock, emit=self._ledger_event, store_call=self.store_call)
+        #: told of every cancel scope's children, stop and report (traces,
+        #: metrics: :mod:`turn.scope_observer`); scopes get it at their start
+        self.scope_observers = ScopeObservers()
         self._where: dict[str, tuple[str, int]] = {}
         self._listeners: dict[str, list[TurnListener]] = {}
         self._owned: set[str] = set()

@@ -26,10 +26,12 @@ import logging
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, TypeVar
 
 from clock import Clock, timeout_after
 from turn.models import ChildOutcome, ChildReport, StopReason, StopReasonKind, StopReport
+from turn.scope_observer import ChildRun, ScopeObservers
 from turn.stopped import TurnStopped
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,11 @@ class Child:
     #: its coroutine returned (it was not cut short)
     returned: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    #: when it was started (UTC, the scope's clock)
+    started_at: datetime | None = None
+    #: moments it marked (:func:`mark`) on its scope's clock (None: not observed)
+    marks: list[tuple[str, datetime]] = field(default_factory=list)
+    now: Callable[[], datetime] | None = None
 
 
 #: the child whose task is running (a weak reference: every timer a child
@@ -113,6 +120,9 @@ class TurnScope:
             (None: no deadline).
         shutdown_reserve_s: time kept back from every child for the turn's
             own wind-down (writing its terminal state), s.
+        observer: told of each child's start and end, the stop and its
+            report (:mod:`turn.scope_observer`; traces and metrics). None:
+            nobody.
     """
 
     def __init__(
@@ -123,8 +133,10 @@ class TurnScope:
         grace_s: float = STOP_GRACE_S,
         deadline: float | None = None,
         shutdown_reserve_s: float = 0.25,
+        observer: ScopeObservers | None = None,
     ) -> None:
         self.turn_id = turn_id
+        self.observer = observer if observer else None
         self.clock = clock
         self.grace_s = grace_s
         self.deadline = deadline
@@ -207,6 +219,9 @@ class TurnScope:
             raise exc
         child = Child(name)
         self.children.append(child)
+        if self.observer is not None:
+            child.started_at, child.now = self.clock.now(), self.clock.now
+            self.observer.child_started(ChildRun(self.turn_id, name, child.started_at))
         child.task = self._tg.create_task(self._run_child(child, coro, limit, bound_by_deadline), name=f"{self.turn_id[:8]}:{name}")
         child.task.add_done_callback(lambda _t: self._child_done(child, coro))
         return child
@@ -221,6 +236,11 @@ class TurnScope:
             child.ended_after_stop = self.stopped.is_set()
         coro.close()
         child.done.set()
+        if self.observer is not None and child.started_at is not None:
+            self.observer.child_ended(ChildRun(
+                self.turn_id, child.name, child.started_at, self.clock.now(), child.outcome, child.ended_after_stop,
+                tuple(child.marks), _detail(child.error),
+            ))
 
     async def run(
         self,
@@ -407,6 +427,8 @@ class TurnScope:
         self.reason = reason
         self.stop_requested_at = self.clock.monotonic()
         self.stopped.set()
+        if self.observer is not None:
+            self.observer.scope_stopped(self.turn_id, reason, self.clock.now())
         current = asyncio.current_task()
         for child in self.children:
             if child.task is not None and not child.task.done() and child.task is not current:
@@ -448,11 +470,24 @@ class TurnScope:
                     c.reported_ignored = True
                     c.task.cancel()
                     log.warning("turn %s: child %s ignored its cancellation", self.turn_id, c.name)
-        return StopReport(
+        report = StopReport(
             children=reports,
             settled_ms=round((self.clock.monotonic() - started) * 1000, 3),
             grace_ms=self.grace_s * 1000,
         )
+        if self.observer is not None:
+            self.observer.scope_settled(self.turn_id, report, self.clock.now())
+        return report
+
+
+def mark(name: str) -> None:
+    """Mark a moment of the calling child's work (``first_token``,
+    ``first_audio``...) for its scope's observers: the first mark of each
+    name counts. Nothing happens outside a child or when nobody observes."""
+    ref = _current_child.get()
+    child = ref() if ref is not None else None
+    if child is not None and child.now is not None and all(n != name for n, _ in child.marks):
+        child.marks.append((name, child.now()))
 
 
 def _detail(error: BaseException | None) -> str | None:

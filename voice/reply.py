@@ -20,7 +20,7 @@ from media.playout import PlayoutFrame
 from turn.event_catalogue import AgentDelta, AgentDone, ToolStarted, Transcript
 from turn.manager import TurnManager
 from turn.models import Turn
-from turn.scope import TurnScope
+from turn.scope import TurnScope, mark
 from voice.providers import LanguageModel, Message, TextToSpeech
 from voice.respond import AgentLoopEvent, run_agent, sink_to
 from voice.text import SentenceSplitter
@@ -149,18 +149,21 @@ async def speak(run: TurnHandle, sentences: asyncio.Queue[str | None], *, tts: T
     """TTS each sentence from ``sentences`` (until None) into 20 ms playout
     frames at 48 kHz tagged with ``run``'s generation, each marked audible
     if louder than ``SILENCE_DBFS``; sets ``run.tts_done`` once all are
-    queued."""
+    queued. Marks ``first_sentence`` and ``first_audio`` for the scope's
+    observers (TTS time to first audio)."""
     reframer = Reframer(PLAYOUT_RATE)
     per_frame = samples_per_frame(PLAYOUT_RATE)
     position = 0
 
     def sink(pcm: bytes) -> None:
         nonlocal position
+        mark("first_audio")  # TTS's first audio of the reply (only the first mark counts)
         for f in reframer.push(pcm):
             playout.push(PlayoutFrame(f, run.generation, position, audible=rms_dbfs(f) > SILENCE_DBFS))
             position += per_frame
 
     while (sentence := await sentences.get()) is not None:
+        mark("first_sentence")  # handed to TTS: its time to first audio starts here
         run.enter("speaking")
         start = position + reframer.pending_bytes // 2
         await tts.synthesize(sentence, sink)

@@ -31,7 +31,7 @@ from turn.event_catalogue import ToolCancelled, ToolError, ToolNotStarted, ToolS
 from turn.intents import IntentStatus, effect_key
 from turn.ledger import EffectNotApplied
 from turn.manager import TurnManager
-from turn.scope import NotStarted, TurnScope
+from turn.scope import NotStarted, TurnScope, mark
 from turn.shield import finish_anyway
 from turn.stopped import TurnStopped
 from turn.store import UnknownIntent
@@ -145,6 +145,7 @@ async def _model_call(
     try:
         async with contextlib.aclosing(llm.stream(messages, tools=specs, meter=req)) as stream:  # type: ignore[type-var]
             async for item in stream:
+                mark("first_token")  # the model's time to first token (a tool call's chunk counts too)
                 if isinstance(item, ToolCall):
                     calls.append(item)
                     continue

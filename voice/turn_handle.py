@@ -28,7 +28,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
@@ -206,6 +206,10 @@ class TurnHandle:
                 grace_s=self.ctx.grace_ms / 1000,
                 shutdown_reserve_s=self.ctx.shutdown_reserve_s,
             )
+            if self.speech_end_at is not None and manager.scope_observers:  # voice-to-voice starts here
+                clock = self.ctx.clock
+                ended = clock.now() - timedelta(seconds=max(0.0, clock.monotonic() - self.speech_end_at))
+                manager.scope_observers.turn_noted(turn.id, "speech_end", ended)
             async with self.scope as scope:
                 await answer(self, scope, turn)
         except asyncio.CancelledError:

@@ -64,6 +64,8 @@ def open_scope(manager: TurnManager, turn_id: str, clock: Clock, *, grace_s: flo
         grace_s: how long stopped children may take to report, s.
         shutdown_reserve_s: time kept back from every child for its own
             wind-down, s (``turn.models.Plan.shutdown_reserve_ms`` / 1000).
+
+    The scope tells ``manager.scope_observers`` of its children and stop.
     """
     rt = manager.runtime(turn_id)
     return TurnScope(
@@ -72,6 +74,7 @@ def open_scope(manager: TurnManager, turn_id: str, clock: Clock, *, grace_s: flo
         grace_s=grace_s,
         deadline=rt.deadline if rt is not None else None,
         shutdown_reserve_s=shutdown_reserve_s,
+        observer=manager.scope_observers,
     )
 
 

@@ -267,7 +267,7 @@ def create_app(
     api.add_routes(app)
     drain.add_routes(app, drain.Drain(app[CLOCK], settings.shutdown))
     metrics.add_routes(app, metrics.Metrics())
-    tracing.add_tracing(app, tracing.Tracing(settings, app[CLOCK]))
+    tracing.add_tracing(app, tracing.Tracing(settings, app[CLOCK], app[MANAGER]))
     instances.add_routes(app)
     telephony_routes.add_routes(app)
     device_routes.add_routes(app)

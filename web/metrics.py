@@ -25,19 +25,51 @@ From every event this process logs (a tap on :class:`turn.events.EventLogs`):
 - ``turnkeeper_effects_total{outcome}``: ledger outcomes (done,
   compensated, abandoned, effect_unknown, human_required);
 - ``turnkeeper_turns_resumed_total{how}``: turns run on here after their
-  first worker drained (adopted) or died (taken_over).
+  first worker drained (adopted) or died (taken_over);
+- ``turnkeeper_audible_stop_seconds{transport}``: a barge-in's speech onset
+  to the agent's audio pausing on the server (the first stage's pause, or
+  the fence when nothing paused it first), s;
+- ``turnkeeper_late_events_fenced_total{type}``: output of an obsolete
+  generation or a stopped turn that arrived late and was withheld;
+- ``turnkeeper_abandoned_leases_total{action}``: turns whose worker died,
+  found by the lease sweeper: ``taken_over`` (run on here) or ``stopped``.
+
+From every cancel scope (``manager.scope_observers``):
+
+- ``turnkeeper_stt_seconds{transport}``: end of the user's utterance to
+  its final transcript (the recogniser's finish), s;
+- ``turnkeeper_model_time_to_first_token_seconds``: a model request's
+  start to its first streamed chunk, s;
+- ``turnkeeper_tts_time_to_first_audio_seconds``: the reply's first
+  sentence handed to TTS to its first audio, s;
+- ``turnkeeper_voice_to_voice_seconds{transport}``: the end of the user's
+  speech (its last voiced frame, before the endpoint's silence) to the
+  reply's first audio queued for playout, s (the pacer sends it within one
+  20 ms frame unless the playout is paused);
+- ``turnkeeper_forced_terminations_total{child}``: children still running
+  when a stop's grace ran out, cancelled again (``ignored_cancel``).
 
 Read at each scrape: ``turnkeeper_voice_sessions{transport}``,
-``turnkeeper_text_turns_running``, ``turnkeeper_draining`` (0/1) and
-``turnkeeper_draining_seconds``. No label carries a tenant, session or turn
+``turnkeeper_text_turns_running``, ``turnkeeper_draining`` (0/1),
+``turnkeeper_draining_seconds``, and from the ledger (one store read):
+``turnkeeper_ledger_open_rows`` (pending, effect_unknown, retrying; calls
+in flight included), ``turnkeeper_reconciliation_backlog`` (effect_unknown
+and retrying rows and open compensations: what reconciliation still has to
+settle, counted up to ``BACKLOG_SCAN``) and
+``turnkeeper_reconciliation_oldest_seconds`` (the age of the oldest of
+them, s; 0 when none).
+
+Nothing here is counted per 20 ms audio frame: a voice session costs the
+metrics a few dictionary updates per turn. No label carries a tenant, session or turn
 id (bounded cardinality, and nothing about who talks), so the endpoint needs
 no credentials, like ``/healthz``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -45,12 +77,21 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from turn.models import EventRecord, TurnStatus
+from turn.intents import IntentKind, IntentStatus
+from turn.manager import TurnManager
+from turn.models import ChildOutcome, EventRecord, StopReason, StopReport, TurnStatus
+from turn.scope_observer import ChildRun
 from web.drain import DRAIN
 from web.state import MANAGER, PEERS, TEXT_TURNS
 
+log = logging.getLogger(__name__)
+
 #: the histogram's buckets, s: the stop targets (20 ms, 50 ms) fall on edges
 STOP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+#: latency buckets of STT, model, TTS and voice-to-voice, s
+LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+#: ledger rows read at most per scrape for the reconciliation backlog
+BACKLOG_SCAN = 500
 TERMINAL = frozenset(s.value for s in TurnStatus if s.is_terminal)
 #: transport names of the voice session classes
 TRANSPORTS = {"PeerSession": "webrtc", "PhoneCall": "phone", "DeviceCall": "device"}
@@ -95,16 +136,49 @@ class Metrics:
         self.effects = Counter("turnkeeper_effects", "Side-effect outcomes in the ledger", ["outcome"], registry=r)
         self.resumed = Counter("turnkeeper_turns_resumed", "Turns run on here after their first worker drained or died",
                                ["how"], registry=r)
+        self.audible_stop = Histogram(
+            "turnkeeper_audible_stop_seconds", "A barge-in's speech onset to the agent's audio pausing on the server, s",
+            ["transport"], buckets=STOP_BUCKETS, registry=r,
+        )
+        self.fenced = Counter("turnkeeper_late_events_fenced", "Late output withheld by the delivery gate", ["type"], registry=r)
+        self.abandoned = Counter("turnkeeper_abandoned_leases", "Turns whose worker died, found by the lease sweeper",
+                                 ["action"], registry=r)
+        self.stt = Histogram("turnkeeper_stt_seconds", "End of the utterance to its final transcript, s",
+                             ["transport"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("turnkeeper_model_time_to_first_token_seconds",
+                              "A model request's start to its first streamed chunk, s", buckets=LATENCY_BUCKETS, registry=r)
+        self.tts_first_audio = Histogram("turnkeeper_tts_time_to_first_audio_seconds",
+                                         "The reply's first sentence handed to TTS to its first audio, s",
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.voice_to_voice = Histogram("turnkeeper_voice_to_voice_seconds",
+                                        "End of the user's speech to the reply's first audio queued for playout, s",
+                                        ["transport"], buckets=LATENCY_BUCKETS, registry=r)
+        self.forced = Counter("turnkeeper_forced_terminations", "Children still running when a stop's grace ran out",
+                              ["child"], registry=r)
         #: the transport of a session open here ("" if none): set by add_routes
         self.transport_of: Callable[[str], str] = lambda _session_id: ""
+        #: session of each turn running here, and when its user stopped speaking
+        self._session: dict[str, str] = {}
+        self._speech_end: dict[str, datetime] = {}
+        #: the ledger's figures as of the last scrape: open rows, backlog, oldest age (s)
+        self.ledger_figures: tuple[int, int, float] | None = None
 
     def observe(self, ev: EventRecord) -> None:
         """Count one logged event (the tap on the event logs)."""
         p = ev.payload
-        if ev.type == "turn" and p.get("status") in TERMINAL:
+        if ev.fenced:
+            self.fenced.labels(type=ev.type).inc()
+        if ev.type == "turn" and p.get("status") == TurnStatus.RUNNING.value and ev.turn_id:
+            self._session[ev.turn_id] = ev.session_id
+        elif ev.type == "turn" and p.get("status") in TERMINAL:
             reason = p.get("stop_reason") or {}
             kind = str(reason.get("kind", ""))
             self.turns_ended.labels(status=p["status"], reason=kind).inc()
+            if str(reason.get("request_id", "")).startswith("recover:"):
+                self.abandoned.labels(action="stopped").inc()
+            if ev.turn_id:
+                self._session.pop(ev.turn_id, None)
+                self._speech_end.pop(ev.turn_id, None)
             stopped_at = _when(reason.get("at"))
             if stopped_at is not None:
                 self.stop_seconds.labels(reason=kind, status=p["status"]).observe(
@@ -118,8 +192,13 @@ class Metrics:
                 self.requests_after_stop.inc()
         elif ev.type == "barge_in":
             self.barge_ins.labels(initiator=str(p.get("initiator", ""))).inc()
-            self.onset_to_fence.labels(transport=self.transport_of(ev.session_id)).observe(
-                max(0.0, float(p.get("onset_to_fence_ms") or 0) / 1000))
+            transport = self.transport_of(ev.session_id)
+            to_fence = float(p.get("onset_to_fence_ms") or 0)
+            self.onset_to_fence.labels(transport=transport).observe(max(0.0, to_fence / 1000))
+            if p.get("initiator") == "vad":  # a press or an abort has no speech onset
+                # playout paused paused_ms before the fence (0: the fence paused it)
+                to_pause = to_fence - float(p.get("paused_ms") or 0)
+                self.audible_stop.labels(transport=transport).observe(max(0.0, to_pause / 1000))
         elif ev.type in ("false_interruption", "backchannel"):
             transport = self.transport_of(ev.session_id)
             (self.false_interruptions if ev.type == "false_interruption" else self.backchannels).labels(transport=transport).inc()
@@ -128,6 +207,50 @@ class Metrics:
             self.effects.labels(outcome=EFFECT_OUTCOMES[ev.type]).inc()
         elif ev.type == "agent.restart":
             self.resumed.labels(how=str(p.get("reason", ""))).inc()
+            if p.get("reason") == "taken_over":
+                self.abandoned.labels(action="taken_over").inc()
+
+    # -- the scope observer (turn.scope_observer.ScopeObserver) -------------------
+
+    def child_started(self, child: ChildRun) -> None:
+        """Nothing to count at a child's start."""
+
+    def child_ended(self, child: ChildRun) -> None:
+        """STT, the model's first token, TTS's first audio and voice-to-voice
+        from a child that ended (only what it did before any stop)."""
+        if child.ended_at is None:
+            return
+        if child.name == "stt" and child.outcome is ChildOutcome.COMPLETED:
+            self.stt.labels(transport=self._transport(child.turn_id)).observe(
+                (child.ended_at - child.started_at).total_seconds())
+        elif child.name == "model" and (first := child.mark_at("first_token")) is not None:
+            self.ttft.observe((first - child.started_at).total_seconds())
+        elif child.name == "tts" and (audio := child.mark_at("first_audio")) is not None:
+            sentence = child.mark_at("first_sentence")
+            if sentence is not None:
+                self.tts_first_audio.observe(max(0.0, (audio - sentence).total_seconds()))
+            ended = self._speech_end.pop(child.turn_id, None)
+            if ended is not None:
+                self.voice_to_voice.labels(transport=self._transport(child.turn_id)).observe(
+                    max(0.0, (audio - ended).total_seconds()))
+
+    def scope_stopped(self, turn_id: str, reason: StopReason | None, at: datetime) -> None:
+        """Nothing to count at a stop (its latency is the terminal event's)."""
+
+    def scope_settled(self, turn_id: str, report: StopReport, at: datetime) -> None:
+        """Count the children that ignored their cancellation."""
+        for c in report.children:
+            if c.outcome is ChildOutcome.IGNORED_CANCEL:
+                self.forced.labels(child=c.name.split(":", 1)[0]).inc()  # "tool:<name>" counts as "tool"
+
+    def turn_noted(self, turn_id: str, name: str, at: datetime) -> None:
+        """The user's speech ended (``speech_end``): voice-to-voice starts."""
+        if name == "speech_end" and turn_id in self._session:
+            self._speech_end[turn_id] = at
+
+    def _transport(self, turn_id: str) -> str:
+        session = self._session.get(turn_id)
+        return "text" if session is None else (self.transport_of(session) or "text")
 
 
 def _when(value: object) -> datetime | None:
@@ -161,6 +284,14 @@ class _AppState(Collector):
         drain = self.app[DRAIN]
         yield GaugeMetricFamily("turnkeeper_draining", "1 while this instance drains", value=int(drain.draining))
         yield GaugeMetricFamily("turnkeeper_draining_seconds", "How long it has drained, s", value=drain.elapsed_s())
+        figures = self.app[METRICS].ledger_figures
+        if figures is not None:  # None: the store could not be read at this scrape
+            open_rows, backlog, oldest = figures
+            yield GaugeMetricFamily("turnkeeper_ledger_open_rows", "Ledger rows not resolved (calls in flight included)",
+                                    value=open_rows)
+            yield GaugeMetricFamily("turnkeeper_reconciliation_backlog",
+                                    "effect_unknown and retrying rows and open compensations", value=backlog)
+            yield GaugeMetricFamily("turnkeeper_reconciliation_oldest_seconds", "Age of the oldest of them, s", value=oldest)
 
 
 #: this app's metrics
@@ -179,9 +310,33 @@ def add_routes(app: web.Application, metrics: Metrics) -> None:
     metrics.transport_of = transport_of
     metrics.registry.register(_AppState(app))
     app[MANAGER].events.taps.append(metrics.observe)
+    app[MANAGER].scope_observers.append(metrics)
     app.router.add_get("/metrics", _metrics)
 
 
+async def ledger_figures(manager: TurnManager) -> tuple[int, int, float]:
+    """The ledger as reconciliation sees it: (rows not resolved, rows
+    reconciliation must still settle, age of the oldest of those in s),
+    read from the store (at most ``BACKLOG_SCAN`` rows).
+
+    Raises:
+        turn.store.StoreUnavailable: the store could not be read.
+    """
+    store, now = manager.store, manager.clock.now()
+    open_rows = await manager.store_call(store.ledger_open_count)
+    rows = await manager.store_call(lambda: store.ledger_due(now + timedelta(days=3650), BACKLOG_SCAN))
+    backlog = [r for r in rows if r.status in (IntentStatus.EFFECT_UNKNOWN, IntentStatus.RETRYING)
+               or r.kind is IntentKind.COMPENSATION]
+    oldest = max(((now - r.created_at).total_seconds() for r in backlog), default=0.0)
+    return open_rows, len(backlog), max(0.0, oldest)
+
+
 async def _metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[METRICS].registry)
+    metrics = request.app[METRICS]
+    try:
+        metrics.ledger_figures = await ledger_figures(request.app[MANAGER])
+    except Exception:
+        metrics.ledger_figures = None  # the other metrics are still worth serving
+        log.warning("metrics: the ledger could not be read", exc_info=True)
+    body = generate_latest(metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -126,11 +126,18 @@ class TraceSettings(BaseModel):
     Attributes:
         otlp_endpoint: an OTLP/HTTP traces URL, e.g.
             ``http://collector:4318/v1/traces``; empty: no export.
-        service_name: the ``service.name`` resource attribute.
+            Empty: the standard ``OTEL_EXPORTER_OTLP_*`` environment
+            variables decide (none set: no export).
+        service_name: the ``service.name`` resource attribute
+            (``OTEL_SERVICE_NAME`` wins when set).
+        include_content: put what people said and were told in spans (the
+            transcript, the reply, tool arguments). Off by default: spans
+            carry ids, states, times and counts, never content.
     """
 
     otlp_endpoint: str = Field("", max_length=2000, pattern=r"^(https?://\S+)?$")
     service_name: str = Field("turnkeeper", min_length=1, max_length=200)
+    include_content: bool = False
 
 
 class ShutdownSettings(BaseModel):

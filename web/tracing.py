@@ -1,34 +1,59 @@
 """Traces (OpenTelemetry): one span per turn as this process ran it, with
-what an operator asks of a stop, and a child span per tool call.
+what an operator asks of a stop, and a child span for each piece of its
+work and for the stop's propagation.
 
-Built from every event this process logs (a tap on
-:class:`turn.events.EventLogs`, as :mod:`web.metrics`), so no part of the
-turn's work waits on telemetry:
+Two feeds, neither of which makes a turn wait on telemetry: every event
+this process logs (a tap on :class:`turn.events.EventLogs`, as
+:mod:`web.metrics`) and every cancel scope's children
+(:class:`turn.scope_observer.ScopeObserver`, ``manager.scope_observers``).
 
 - span ``turn`` from the turn's first event here to its terminal one (or,
   in a drain, to its release: ``turnkeeper.turn.released`` true; the
   instance that resumes it opens its own span with the same
   ``turnkeeper.turn.id``). Attributes: ``turnkeeper.turn.id``,
-  ``turnkeeper.session.id``, ``turnkeeper.turn.generation``, ``turnkeeper.turn.status``,
-  ``turnkeeper.stop.reason``, ``turnkeeper.stop.initiator``,
+  ``turnkeeper.session.id``, ``turnkeeper.turn.generation``,
+  ``turnkeeper.turn.status``, ``turnkeeper.turn.deadline_ms`` (its time
+  limit), ``turnkeeper.stop.reason``, ``turnkeeper.stop.initiator``,
   ``turnkeeper.stop.to_terminal_ms`` (stop request to the terminal write),
   ``turnkeeper.tokens_after_stop`` and ``turnkeeper.requests_after_stop``
-  (a model's spend after the stop: the target for the second is 0). Span
-  events: ``stop requested``, ``barge-in``, ``model request`` (each
-  request's tokens). A FAILED turn's span has status ERROR.
-- span ``tool <name>`` (child of its turn) from ``tool.started`` to its
-  outcome (done, error, cancelled, compensated, abandoned ...).
+  (a model's spend after the stop: the target for the second is 0),
+  ``gen_ai.usage.input_tokens`` / ``output_tokens`` (the turn's sums).
+  Span events: ``stop requested``, ``barge-in``, ``end of speech``,
+  ``model request``. A FAILED turn's span has status ERROR.
+- children: ``stt`` (end of speech to the final transcript), ``chat
+  <model>`` per model request (OpenTelemetry GenAI conventions:
+  ``gen_ai.operation.name``, ``gen_ai.provider.name``,
+  ``gen_ai.request.model``, ``gen_ai.request.max_tokens``,
+  ``gen_ai.usage.input_tokens``, ``gen_ai.usage.output_tokens``; and
+  ``turnkeeper.model.time_to_first_token_ms``, ``partial``, tokens after
+  the stop), ``tool <name>`` (``tool.started`` to its outcome, with
+  ``turnkeeper.tool.idempotency_key``), ``tts`` (with
+  ``turnkeeper.tts.time_to_first_audio_ms``), ``playout``; each with
+  ``turnkeeper.child.outcome`` (completed, stopped, committing, failed)
+  and ``turnkeeper.child.after_stop``.
+- ``cancel``: the stop's propagation, from the scope being stopped to its
+  children's reports (``turnkeeper.stop.settled_ms``; an event per child
+  with its outcome and ms after the stop).
+- ``replay``: a resumed turn (``agent.restart``) from its restart to its
+  first model request: its ledger's open steps settled, its done steps
+  given back to the model (``turnkeeper.resume.reason``).
 
-Export: OTLP over HTTP to ``traces.otlp_endpoint`` (e.g.
-``http://collector:4318/v1/traces``), batched; empty: spans are made and
-dropped (tests add their own processor). Cleanup ends the spans still
-open (``turnkeeper.turn.unfinished``) and flushes the exporter.
+No transcript, reply, prompt or tool arguments are put in spans unless
+``traces.include_content`` is set. Export: OTLP over HTTP to
+``traces.otlp_endpoint`` when set, else as the standard ``OTEL_*``
+environment variables say (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or
+``OTEL_EXPORTER_OTLP_ENDPOINT``, with ``OTEL_EXPORTER_OTLP_HEADERS`` and the
+rest; ``OTEL_TRACES_EXPORTER=none`` turns it off; ``OTEL_SERVICE_NAME``
+names the service), batched; neither: spans are made and dropped (tests
+add their own processor). Cleanup ends the spans still open
+(``turnkeeper.turn.unfinished``) and flushes the exporter.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import OrderedDict
 from datetime import datetime
 from typing import Any
@@ -41,7 +66,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, Status, StatusCode
 
 from clock import Clock
-from turn.models import EventRecord, TurnStatus
+from turn.manager import TurnManager
+from turn.models import ChildOutcome, EventRecord, StopReason, StopReport, TurnStatus
+from turn.scope_observer import ChildRun
 from web.settings import Settings
 from web.state import MANAGER
 
@@ -58,34 +85,69 @@ TOOL_ENDS = frozenset({
     "tool.done", "tool.error", "tool.cancelled", "tool.not_started", "tool.compensated", "tool.abandoned",
     "tool.effect_unknown", "tool.human_required",
 })
+#: scope children with a span of their own from the scope observer (tools
+#: have theirs from the ledger's events; a text turn's ``agent`` child only
+#: wraps the model and tool children, which are its siblings in the scope)
+SCOPE_SPANS = frozenset({"stt", "model", "tts", "playout"})
 
 
 def _ns(at: datetime) -> int:
     return int(at.timestamp() * 1e9)
 
 
+def _exporter(settings: Settings) -> Any:
+    """The span exporter the settings or the standard ``OTEL_*`` variables
+    ask for (None: no export)."""
+    endpoint = settings.traces.otlp_endpoint
+    from_env = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    wanted = os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
+    if not endpoint and (not from_env or "otlp" not in wanted.split(",")):
+        return None
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    if endpoint:
+        return OTLPSpanExporter(endpoint=endpoint, timeout=EXPORT_TIMEOUT_S)
+    # the exporter reads OTEL_EXPORTER_OTLP_* itself (endpoint, headers, compression, timeout)
+    has_timeout = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT" in os.environ or "OTEL_EXPORTER_OTLP_TIMEOUT" in os.environ
+    return OTLPSpanExporter() if has_timeout else OTLPSpanExporter(timeout=EXPORT_TIMEOUT_S)
+
+
 class Tracing:
-    """This process's tracer and the spans open now.
+    """This process's tracer and the spans open now; an event tap and a
+    scope observer (see the module doc).
 
     Args:
-        settings: ``traces.otlp_endpoint`` and ``traces.service_name``.
+        settings: ``traces.*`` (export, content) and ``llm`` (the model
+            spans' provider and model names).
         clock: the time a span still open at shutdown ends at.
+        manager: read for a turn's deadline when it starts running here
+            (None: no deadline attribute).
     """
 
-    def __init__(self, settings: Settings, clock: Clock) -> None:
+    def __init__(self, settings: Settings, clock: Clock, manager: TurnManager | None = None) -> None:
         self.clock = clock
+        self.manager = manager
         t = settings.traces
-        self.provider = TracerProvider(resource=Resource.create({"service.name": t.service_name}))
-        if t.otlp_endpoint:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            exporter = OTLPSpanExporter(endpoint=t.otlp_endpoint, timeout=EXPORT_TIMEOUT_S)
+        self.content = t.include_content
+        self.provider_name = "openai" if settings.llm.provider == "openai" else "turnkeeper.local"
+        self.model = settings.llm.model if settings.llm.provider == "openai" else "local-agent"
+        self.max_tokens = settings.llm.max_tokens
+        named = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": t.service_name}
+        self.provider = TracerProvider(resource=Resource.create(named))
+        exporter = _exporter(settings)
+        if exporter is not None:
             self.provider.add_span_processor(BatchSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("turnkeeper")
         self._turns: OrderedDict[str, Span] = OrderedDict()
         self._tools: dict[str, list[tuple[str, Span]]] = {}
         self._ran: set[str] = set()  # turns seen RUNNING in their open span
-        self._spend: dict[str, list[int]] = {}  # [tokens, requests] after the stop, per open span
+        self._spend: dict[str, list[int]] = {}  # [tokens, requests] after the stop, [input, output], per open span
+        self._children: dict[tuple[str, str], Span] = {}  # (turn, child name) -> open span
+        self._model_ended: dict[str, tuple[Span, int]] = {}  # a model span waiting for its usage event
+        self._cancel: dict[str, Span] = {}
+        self._replay: dict[str, Span] = {}
+
+    # -- the event tap ---------------------------------------------------------
 
     def observe(self, ev: EventRecord) -> None:
         """Turn one logged event into span changes (never raises: telemetry
@@ -97,6 +159,8 @@ class Tracing:
 
     def _observe(self, ev: EventRecord) -> None:
         p, turn_id = ev.payload, ev.turn_id
+        if ev.type == "barge_in":  # a session's event: it stopped the turn it names
+            turn_id = str(p.get("old_turn_id") or "")
         if not turn_id:
             return
         if ev.type == "turn":
@@ -106,25 +170,59 @@ class Tracing:
         if span is None:
             return
         if ev.type == "tool.started":
-            child = self.tracer.start_span(f"tool {p.get('name', '?')}", context=trace.set_span_in_context(span),
-                                           start_time=_ns(ev.at))
+            child = self._child_span(span, f"tool {p.get('name', '?')}", ev.at)
             child.set_attribute("turnkeeper.tool.effect", str(p.get("effect", "")))
+            if self.content:
+                child.set_attribute("turnkeeper.tool.arguments", str(p.get("arguments", "")))
             self._tools.setdefault(turn_id, []).append((str(p.get("name", "")), child))
+        elif ev.type == "tool.intent":
+            for name, child in self._tools.get(turn_id, []):
+                if name == p.get("name"):
+                    child.set_attribute("turnkeeper.tool.idempotency_key", str(p.get("key", "")))
         elif ev.type in TOOL_ENDS:
             self._tool_end(ev, turn_id, p)
         elif ev.type == "usage":
-            spend = self._spend.setdefault(turn_id, [0, 0])
-            spend[0] += int(p.get("completion_tokens_after_stop") or 0)
-            spend[1] += bool(p.get("started_after_stop"))
-            span.set_attribute("turnkeeper.tokens_after_stop", spend[0])
-            span.set_attribute("turnkeeper.requests_after_stop", spend[1])
-            span.add_event("model request", {
-                "prompt_tokens": int(p.get("prompt_tokens") or 0), "completion_tokens": int(p.get("completion_tokens") or 0),
-                "completion_tokens_after_stop": int(p.get("completion_tokens_after_stop") or 0),
-                "started_after_stop": bool(p.get("started_after_stop")),
-            }, timestamp=_ns(ev.at))
+            self._usage(ev, turn_id, span, p)
         elif ev.type == "barge_in":
             span.add_event("barge-in", {"initiator": str(p.get("initiator", ""))}, timestamp=_ns(ev.at))
+        elif ev.type == "agent.restart":
+            replay = self._child_span(span, "replay", ev.at)
+            replay.set_attribute("turnkeeper.resume.reason", str(p.get("reason", "")))
+            self._replay[turn_id] = replay
+
+    def _usage(self, ev: EventRecord, turn_id: str, span: Span, p: dict[str, Any]) -> None:
+        spend = self._spend.setdefault(turn_id, [0, 0, 0, 0])
+        prompt, completion = int(p.get("prompt_tokens") or 0), int(p.get("completion_tokens") or 0)
+        spend[0] += int(p.get("completion_tokens_after_stop") or 0)
+        spend[1] += bool(p.get("started_after_stop"))
+        spend[2] += prompt
+        spend[3] += completion
+        span.set_attributes({
+            "turnkeeper.tokens_after_stop": spend[0], "turnkeeper.requests_after_stop": spend[1],
+            "gen_ai.usage.input_tokens": spend[2], "gen_ai.usage.output_tokens": spend[3],
+        })
+        span.add_event("model request", {
+            "prompt_tokens": prompt, "completion_tokens": completion,
+            "completion_tokens_after_stop": int(p.get("completion_tokens_after_stop") or 0),
+            "started_after_stop": bool(p.get("started_after_stop")),
+        }, timestamp=_ns(ev.at))
+        ended = self._model_ended.pop(turn_id, None)
+        model = ended[0] if ended is not None else self._children.get((turn_id, "model"))
+        if model is None:
+            return
+        model.set_attributes({
+            "gen_ai.usage.input_tokens": prompt, "gen_ai.usage.output_tokens": completion,
+            "turnkeeper.model.request": int(p.get("request") or 0), "turnkeeper.model.partial": bool(p.get("partial")),
+            "turnkeeper.model.usage_source": str(p.get("source", "")),
+            "turnkeeper.model.tokens_after_stop": int(p.get("completion_tokens_after_stop") or 0),
+            "turnkeeper.model.started_after_stop": bool(p.get("started_after_stop")),
+        })
+        if p.get("max_tokens") is not None:
+            model.set_attribute("gen_ai.request.max_tokens", int(p["max_tokens"]))
+        if p.get("after_stop"):
+            model.set_attribute("turnkeeper.model.after_stop", str(p["after_stop"]))
+        if ended is not None:
+            model.end(end_time=ended[1])
 
     def _turn_event(self, ev: EventRecord, turn_id: str, p: dict[str, Any]) -> None:
         status = str(p.get("status", ""))
@@ -137,13 +235,17 @@ class Tracing:
                 "turnkeeper.turn.generation": int(ev.generation or 0),
                 "turnkeeper.tokens_after_stop": 0, "turnkeeper.requests_after_stop": 0,
             })
-            self._spend[turn_id] = [0, 0]
+            self._spend[turn_id] = [0, 0, 0, 0]
             self._turns[turn_id] = span
             while len(self._turns) > MAX_OPEN:
                 oldest = next(iter(self._turns))
                 self._turns[oldest].set_attribute("turnkeeper.turn.unfinished", True)
                 self._end(oldest, ev.at)
         span.set_attribute("turnkeeper.turn.status", status)
+        if self.content:  # the turn as recorded: the user's words, the reply as heard
+            for field in ("transcript", "reply"):
+                if p.get(field):
+                    span.set_attribute(f"turnkeeper.{field}", str(p[field]))
         reason = p.get("stop_reason") or {}
         if status == TurnStatus.CANCEL_REQUESTED.value:
             span.add_event("stop requested", {"reason": str(reason.get("kind", "")),
@@ -153,6 +255,9 @@ class Tracing:
             self._end(turn_id, ev.at)
         elif status == TurnStatus.RUNNING.value:
             self._ran.add(turn_id)
+            rt = self.manager.runtime(turn_id) if self.manager is not None else None
+            if rt is not None and rt.deadline is not None:
+                span.set_attribute("turnkeeper.turn.deadline_ms", round((rt.deadline - self.clock.monotonic()) * 1000))
         elif status in TERMINAL:
             if reason:
                 span.set_attribute("turnkeeper.stop.reason", str(reason.get("kind", "")))
@@ -171,16 +276,105 @@ class Tracing:
         for i, (tool, child) in enumerate(open_tools):
             if tool == name:
                 child.set_attribute("turnkeeper.tool.outcome", ev.type.removeprefix("tool."))
+                if p.get("key"):
+                    child.set_attribute("turnkeeper.tool.idempotency_key", str(p["key"]))
                 if ev.type == "tool.error":
                     child.set_status(Status(StatusCode.ERROR, str(p.get("error", ""))))
                 child.end(end_time=_ns(ev.at))
                 del open_tools[i]
                 return
 
+    # -- the scope observer ----------------------------------------------------
+
+    def _child_span(self, turn: Span, name: str, at: datetime) -> Span:
+        return self.tracer.start_span(name, context=trace.set_span_in_context(turn), start_time=_ns(at))
+
+    def child_started(self, child: ChildRun) -> None:
+        """A scope child started: its span opens (``stt``, ``model``, ``tts``,
+        ``playout``); a resumed turn's ``replay`` ends at its first model request."""
+        if child.name not in SCOPE_SPANS or child.turn_id not in self._turns:
+            return
+        turn = self._turns[child.turn_id]
+        if child.name == "model":
+            replay = self._replay.pop(child.turn_id, None)
+            if replay is not None:
+                replay.end(end_time=_ns(child.started_at))
+            span = self._child_span(turn, f"chat {self.model}", child.started_at)
+            span.set_attributes({"gen_ai.operation.name": "chat", "gen_ai.provider.name": self.provider_name,
+                                 "gen_ai.request.model": self.model})
+        else:
+            span = self._child_span(turn, child.name, child.started_at)
+        self._children[(child.turn_id, child.name)] = span
+
+    def child_ended(self, child: ChildRun) -> None:
+        """A scope child ended: its outcome and marks go on its span, which
+        ends (a model's once its usage event came)."""
+        span = self._children.pop((child.turn_id, child.name), None)
+        if span is None or child.ended_at is None:
+            return
+        outcome = child.outcome.value if child.outcome is not None else "unknown"
+        span.set_attributes({"turnkeeper.child.outcome": outcome, "turnkeeper.child.after_stop": child.after_stop})
+        for name, at in child.marks:
+            span.add_event(name.replace("_", " "), timestamp=_ns(at))
+        first_token = child.mark_at("first_token")
+        if first_token is not None:
+            span.set_attribute("turnkeeper.model.time_to_first_token_ms", _ms(child.started_at, first_token))
+        first_sentence, first_audio = child.mark_at("first_sentence"), child.mark_at("first_audio")
+        if first_sentence is not None and first_audio is not None:
+            span.set_attribute("turnkeeper.tts.time_to_first_audio_ms", _ms(first_sentence, first_audio))
+        if child.outcome is ChildOutcome.FAILED:
+            span.set_status(Status(StatusCode.ERROR, child.error or "failed"))
+        if child.name == "model":
+            self._model_ended[child.turn_id] = (span, _ns(child.ended_at))  # its usage event follows at once
+        else:
+            span.end(end_time=_ns(child.ended_at))
+
+    def scope_stopped(self, turn_id: str, reason: StopReason | None, at: datetime) -> None:
+        """The scope was stopped: the ``cancel`` span opens."""
+        turn = self._turns.get(turn_id)
+        if turn is None or turn_id in self._cancel:
+            return
+        span = self._child_span(turn, "cancel", at)
+        if reason is not None:
+            span.set_attributes({"turnkeeper.stop.reason": reason.kind.value, "turnkeeper.stop.initiator": reason.initiator})
+        self._cancel[turn_id] = span
+
+    def scope_settled(self, turn_id: str, report: StopReport, at: datetime) -> None:
+        """The stop's children reported: each as an event on ``cancel``, which ends."""
+        span = self._cancel.pop(turn_id, None)
+        if span is None:
+            return
+        span.set_attributes({"turnkeeper.stop.settled_ms": report.settled_ms, "turnkeeper.stop.grace_ms": report.grace_ms})
+        for c in report.children:
+            attrs: dict[str, Any] = {"child": c.name, "outcome": c.outcome.value}
+            if c.ms is not None:
+                attrs["ms_after_stop"] = c.ms
+            span.add_event(f"child {c.outcome.value}", attrs, timestamp=_ns(at))
+        if any(c.outcome is ChildOutcome.IGNORED_CANCEL for c in report.children):
+            span.set_attribute("turnkeeper.stop.forced", True)
+        span.end(end_time=_ns(at))
+
+    def turn_noted(self, turn_id: str, name: str, at: datetime) -> None:
+        """A moment of the turn itself (``speech_end``): an event on its span."""
+        turn = self._turns.get(turn_id)
+        if turn is not None:
+            turn.add_event(name.replace("_", " ").replace("speech end", "end of speech"), timestamp=_ns(at))
+
+    # -- ending ----------------------------------------------------------------
+
     def _end(self, turn_id: str, at: datetime) -> None:
         for _, child in self._tools.pop(turn_id, []):
             child.set_attribute("turnkeeper.tool.outcome", "unknown")
             child.end(end_time=_ns(at))
+        for key in [k for k in self._children if k[0] == turn_id]:
+            self._children.pop(key).end(end_time=_ns(at))
+        for pending in (self._cancel, self._replay):
+            span = pending.pop(turn_id, None)
+            if span is not None:
+                span.end(end_time=_ns(at))
+        model = self._model_ended.pop(turn_id, None)
+        if model is not None:
+            model[0].end(end_time=model[1])
         self._ran.discard(turn_id)
         self._spend.pop(turn_id, None)
         span = self._turns.pop(turn_id, None)
@@ -195,15 +389,20 @@ class Tracing:
         self.provider.shutdown()
 
 
+def _ms(start: datetime, end: datetime) -> float:
+    return round((end - start).total_seconds() * 1000, 3)
+
+
 #: this app's tracing
 TRACING: web.AppKey[Tracing] = web.AppKey("tracing")
 
 
 def add_tracing(app: web.Application, tracing: Tracing) -> None:
-    """The tap that feeds ``tracing`` from ``app``'s event logs; cleanup
-    flushes it."""
+    """The tap and the scope observer that feed ``tracing`` from ``app``'s
+    Turn Manager; cleanup flushes it."""
     app[TRACING] = tracing
     app[MANAGER].events.taps.append(tracing.observe)
+    app[MANAGER].scope_observers.append(tracing)
 
     async def flushed(app: web.Application) -> None:
         await asyncio.to_thread(tracing.shutdown)  # the exporter's last flush is blocking HTTP

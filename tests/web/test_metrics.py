@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import aiohttp
@@ -17,11 +17,13 @@ from aiohttp import web
 from conftest import start_app
 from prometheus_client.parser import text_string_to_metric_families
 
+from turn.intents import Intent, IntentStatus
 from turn.models import EventRecord
 from web.app import create_app
 from web.drain import DRAIN, drain_app
 from web.metrics import Metrics
 from web.settings import Settings
+from web.state import MANAGER
 
 TOKEN = "tok-metrics-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -115,6 +117,10 @@ def test_voice_events_are_counted_by_transport() -> None:
     metrics.observe(ev("backchannel", paused_ms=120.0, text="uh-huh", syllables=2))
     metrics.observe(ev("agent.restart", reason="taken_over"))
     metrics.observe(ev("tool.compensated", key="k", step=1, name="create_order"))
+    late = ev("agent.delta", text="late")
+    metrics.observe(late.model_copy(update={"fenced": True}))
+    recovered = {"kind": "worker_shutdown", "initiator": "server", "at": at.isoformat(), "request_id": "recover:t2"}
+    metrics.observe(ev("turn", status="CANCELLED", stop_reason=recovered))
     got = {(s.name, tuple(sorted(s.labels.items()))): s.value
            for family in metrics.registry.collect() for s in family.samples}
     phone = (("transport", "phone"),)
@@ -126,3 +132,31 @@ def test_voice_events_are_counted_by_transport() -> None:
     assert got[("turnkeeper_noise_pause_seconds_bucket", (("kind", "false_interruption"), ("le", "0.0"), *phone))] == 1
     assert got[("turnkeeper_turns_resumed_total", (("how", "taken_over"),))] == 1
     assert got[("turnkeeper_effects_total", (("outcome", "compensated"),))] == 1
+    # the pause 600 ms before the fence is what the caller heard stop: 40 ms after the onset
+    assert got[("turnkeeper_audible_stop_seconds_sum", phone)] == pytest.approx(0.04)
+    assert got[("turnkeeper_late_events_fenced_total", (("type", "agent.delta"),))] == 1
+    assert got[("turnkeeper_abandoned_leases_total", (("action", "taken_over"),))] == 1
+    assert got[("turnkeeper_abandoned_leases_total", (("action", "stopped"),))] == 1
+
+
+async def test_the_reconciliation_backlog_is_read_from_the_ledger(server: tuple[web.Application, str]) -> None:
+    """An effect nobody could confirm, waiting for its next lookup: the
+    backlog counts it and its age; calls in flight are open rows, not
+    backlog."""
+    app, url = server
+    store, now = app[MANAGER].store, datetime.now(UTC)
+    async with aiohttp.ClientSession() as http:
+        before = await scrape(http, url)
+        assert before[("turnkeeper_reconciliation_backlog", ())] == 0
+        assert before[("turnkeeper_reconciliation_oldest_seconds", ())] == 0
+        waiting = Intent(key="t-old:1", turn_id="t-old", step=1, tool="create_order", effect="compensate",
+                         status=IntentStatus.RETRYING, next_attempt_at=now + timedelta(hours=1),
+                         created_at=now - timedelta(seconds=90), updated_at=now)
+        in_flight = Intent(key="t-new:1", turn_id="t-new", step=1, tool="get_weather", created_at=now, updated_at=now,
+                           next_attempt_at=now + timedelta(hours=1))
+        await store.ledger_add(waiting)
+        await store.ledger_add(in_flight)
+        after = await scrape(http, url)
+    assert after[("turnkeeper_ledger_open_rows", ())] == 2
+    assert after[("turnkeeper_reconciliation_backlog", ())] == 1
+    assert 90 <= after[("turnkeeper_reconciliation_oldest_seconds", ())] < 150
