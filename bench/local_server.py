@@ -50,10 +50,13 @@ async def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float =
 
 
 @asynccontextmanager
-async def server(prefix: str = "tk-bench-", env: dict[str, str] | None = None) -> AsyncIterator[tuple[str, subprocess.Popen[bytes]]]:
+async def server(
+    prefix: str = "tk-bench-", env: dict[str, str] | None = None, log_path: Path | None = None
+) -> AsyncIterator[tuple[str, subprocess.Popen[bytes]]]:
     """Start the server (``env``: more environment, e.g. settings); yield
     (base URL, process); terminate it on exit (killed if it has not exited
-    10 s later).
+    10 s later). ``log_path``: write its stdout and log (stderr) to this
+    file instead of discarding stdout and passing stderr through.
 
     Raises:
         RuntimeError: it exited or was not healthy within 30 s.
@@ -74,7 +77,13 @@ async def server(prefix: str = "tk-bench-", env: dict[str, str] | None = None) -
             "TURNKEEPER_STT__GRAMMAR": str(d / "bench.gram"),
             "TURNKEEPER_LOG_LEVEL": "WARNING",
         }
-        proc = subprocess.Popen([sys.executable, "-m", "web.cli", "serve", "--port", str(port)], env=env, cwd=d, stdout=subprocess.DEVNULL)
+        out = log_path.open("ab") if log_path is not None else None
+        try:  # a file, not a pipe: a chatty server never blocks on it
+            proc = subprocess.Popen([sys.executable, "-m", "web.cli", "serve", "--port", str(port)], env=env, cwd=d,
+                                    stdout=out or subprocess.DEVNULL, stderr=out)
+        finally:
+            if out is not None:
+                out.close()
         try:
             await wait_healthy(url, proc)
             yield url, proc
