@@ -137,6 +137,7 @@ class TurnScope:
     ) -> None:
         self.turn_id = turn_id
         self.observer = observer if observer else None
+        self._observed_settle = False
         self.clock = clock
         self.grace_s = grace_s
         self.deadline = deadline
@@ -475,7 +476,8 @@ class TurnScope:
             settled_ms=round((self.clock.monotonic() - started) * 1000, 3),
             grace_ms=self.grace_s * 1000,
         )
-        if self.observer is not None:
+        if self.observer is not None and not self._observed_settle:  # the first report: a repeat would count twice
+            self._observed_settle = True
             self.observer.scope_settled(self.turn_id, report, self.clock.now())
         return report
 

@@ -76,7 +76,8 @@ class ScopeObserver(Protocol):
 
     def turn_noted(self, turn_id: str, name: str, at: datetime) -> None:
         """A moment of the turn itself, not of one child: ``speech_end``
-        (the user's speech ended, before the endpoint's silence)."""
+        (the user's speech ended, before the endpoint's silence),
+        ``stt_start`` (the endpoint fired: the recogniser's final began)."""
 
 
 class ScopeObservers:

@@ -145,10 +145,10 @@ async def _model_call(
     try:
         async with contextlib.aclosing(llm.stream(messages, tools=specs, meter=req)) as stream:  # type: ignore[type-var]
             async for item in stream:
-                mark("first_token")  # the model's time to first token (a tool call's chunk counts too)
-                if isinstance(item, ToolCall):
+                if isinstance(item, ToolCall):  # a provider may yield these only once its stream is over
                     calls.append(item)
                     continue
+                mark("first_token")  # the model's time to first (text) token
                 if scope.stopped.is_set() or manager.stopping_now(turn_id):
                     # the stop is recorded (its gate closed in that step), even
                     # if the worker has not woken yet; or a provider ignored

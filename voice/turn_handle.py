@@ -145,6 +145,8 @@ class TurnHandle:
     acted: bool = False
     #: clock seconds when the user's speech in it ended (None: not yet)
     speech_end_at: float | None = None
+    #: clock seconds when its STT final started (the endpoint fired)
+    stt_started_at: float | None = None
     phase: AgentPhase | Literal["listening"] = "listening"
     finished: bool = False
     #: the client was told how much of its interrupted reply was heard
@@ -206,10 +208,12 @@ class TurnHandle:
                 grace_s=self.ctx.grace_ms / 1000,
                 shutdown_reserve_s=self.ctx.shutdown_reserve_s,
             )
-            if self.speech_end_at is not None and manager.scope_observers:  # voice-to-voice starts here
+            if manager.scope_observers:  # voice-to-voice and STT start before the scope does
                 clock = self.ctx.clock
-                ended = clock.now() - timedelta(seconds=max(0.0, clock.monotonic() - self.speech_end_at))
-                manager.scope_observers.turn_noted(turn.id, "speech_end", ended)
+                for name, at in (("speech_end", self.speech_end_at), ("stt_start", self.stt_started_at)):
+                    if at is not None:
+                        wall = clock.now() - timedelta(seconds=max(0.0, clock.monotonic() - at))
+                        manager.scope_observers.turn_noted(turn.id, name, wall)
             async with self.scope as scope:
                 await answer(self, scope, turn)
         except asyncio.CancelledError:
@@ -266,6 +270,7 @@ class TurnHandle:
         if self.utterance_ended.is_set():
             return
         self.speech_end_at = speech_end_at
+        self.stt_started_at = self.ctx.clock.monotonic()
         self.utterance_ended.set()
         self.stt_final = asyncio.ensure_future(self.stt.finish())
         # its failure is read by the turn's work; don't also log it as lost

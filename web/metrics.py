@@ -28,7 +28,9 @@ From every event this process logs (a tap on :class:`turn.events.EventLogs`):
   first worker drained (adopted) or died (taken_over);
 - ``turnkeeper_audible_stop_seconds{transport}``: a barge-in's speech onset
   to the agent's audio pausing on the server (the first stage's pause, or
-  the fence when nothing paused it first), s;
+  the fence when nothing paused it first), s; only when reply audio was
+  pending (``cleared_ms`` > 0). What the ear hears is measured by
+  ``bench/bargein.py``;
 - ``turnkeeper_late_events_fenced_total{type}``: output of an obsolete
   generation or a stopped turn that arrived late and was withheld;
 - ``turnkeeper_abandoned_leases_total{action}``: turns whose worker died,
@@ -57,7 +59,7 @@ in flight included), ``turnkeeper_reconciliation_backlog`` (effect_unknown
 and retrying rows and open compensations: what reconciliation still has to
 settle, counted up to ``BACKLOG_SCAN``) and
 ``turnkeeper_reconciliation_oldest_seconds`` (the age of the oldest of
-them, s; 0 when none).
+them, s; 0 when none); the ledger is read at most every ``LEDGER_EVERY_S``.
 
 Nothing here is counted per 20 ms audio frame: a voice session costs the
 metrics a few dictionary updates per turn. No label carries a tenant, session or turn
@@ -68,6 +70,7 @@ no credentials, like ``/healthz``.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 
@@ -90,8 +93,12 @@ log = logging.getLogger(__name__)
 STOP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 #: latency buckets of STT, model, TTS and voice-to-voice, s
 LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
-#: ledger rows read at most per scrape for the reconciliation backlog
+#: ledger rows read at most for the reconciliation backlog
 BACKLOG_SCAN = 500
+#: the ledger is read at most this often, s (scrapes in between get the last figures)
+LEDGER_EVERY_S = 10.0
+#: turns followed at most for their transport and moments
+MAX_TURNS = 10_000
 TERMINAL = frozenset(s.value for s in TurnStatus if s.is_terminal)
 #: transport names of the voice session classes
 TRANSPORTS = {"PeerSession": "webrtc", "PhoneCall": "phone", "DeviceCall": "device"}
@@ -157,11 +164,13 @@ class Metrics:
                               ["child"], registry=r)
         #: the transport of a session open here ("" if none): set by add_routes
         self.transport_of: Callable[[str], str] = lambda _session_id: ""
-        #: session of each turn running here, and when its user stopped speaking
-        self._session: dict[str, str] = {}
-        self._speech_end: dict[str, datetime] = {}
-        #: the ledger's figures as of the last scrape: open rows, backlog, oldest age (s)
+        #: transport of each turn running here (resolved as it starts), and
+        #: its moments noted: speech_end, stt_start (at most MAX_TURNS turns)
+        self._transport_of_turn: OrderedDict[str, str] = OrderedDict()
+        self._noted: dict[str, dict[str, datetime]] = {}
+        #: the ledger's figures as last read: open rows, backlog, oldest age (s)
         self.ledger_figures: tuple[int, int, float] | None = None
+        self.ledger_read_at: float | None = None
 
     def observe(self, ev: EventRecord) -> None:
         """Count one logged event (the tap on the event logs)."""
@@ -169,7 +178,11 @@ class Metrics:
         if ev.fenced:
             self.fenced.labels(type=ev.type).inc()
         if ev.type == "turn" and p.get("status") == TurnStatus.RUNNING.value and ev.turn_id:
-            self._session[ev.turn_id] = ev.session_id
+            self._transport_of_turn[ev.turn_id] = self.transport_of(ev.session_id) or "text"
+            while len(self._transport_of_turn) > MAX_TURNS:  # turns that ended elsewhere (taken over, lost)
+                self._forget(next(iter(self._transport_of_turn)))
+        elif ev.type == "turn" and p.get("status") == TurnStatus.QUEUED.value and ev.turn_id:
+            self._forget(ev.turn_id)  # released in a drain: it runs on elsewhere
         elif ev.type == "turn" and p.get("status") in TERMINAL:
             reason = p.get("stop_reason") or {}
             kind = str(reason.get("kind", ""))
@@ -177,8 +190,7 @@ class Metrics:
             if str(reason.get("request_id", "")).startswith("recover:"):
                 self.abandoned.labels(action="stopped").inc()
             if ev.turn_id:
-                self._session.pop(ev.turn_id, None)
-                self._speech_end.pop(ev.turn_id, None)
+                self._forget(ev.turn_id)
             stopped_at = _when(reason.get("at"))
             if stopped_at is not None:
                 self.stop_seconds.labels(reason=kind, status=p["status"]).observe(
@@ -195,7 +207,9 @@ class Metrics:
             transport = self.transport_of(ev.session_id)
             to_fence = float(p.get("onset_to_fence_ms") or 0)
             self.onset_to_fence.labels(transport=transport).observe(max(0.0, to_fence / 1000))
-            if p.get("initiator") == "vad":  # a press or an abort has no speech onset
+            if p.get("initiator") == "vad" and int(p.get("cleared_ms") or 0) > 0:
+                # speech over a reply with audio pending (a press has no onset; a
+                # barge-in while the agent only thought stopped nothing audible)
                 # playout paused paused_ms before the fence (0: the fence paused it)
                 to_pause = to_fence - float(p.get("paused_ms") or 0)
                 self.audible_stop.labels(transport=transport).observe(max(0.0, to_pause / 1000))
@@ -220,16 +234,18 @@ class Metrics:
         from a child that ended (only what it did before any stop)."""
         if child.ended_at is None:
             return
+        noted = self._noted.get(child.turn_id, {})
         if child.name == "stt" and child.outcome is ChildOutcome.COMPLETED:
+            began = noted.get("stt_start", child.started_at)  # the final may be under way before the turn's scope opens
             self.stt.labels(transport=self._transport(child.turn_id)).observe(
-                (child.ended_at - child.started_at).total_seconds())
+                max(0.0, (child.ended_at - began).total_seconds()))
         elif child.name == "model" and (first := child.mark_at("first_token")) is not None:
             self.ttft.observe((first - child.started_at).total_seconds())
         elif child.name == "tts" and (audio := child.mark_at("first_audio")) is not None:
             sentence = child.mark_at("first_sentence")
             if sentence is not None:
                 self.tts_first_audio.observe(max(0.0, (audio - sentence).total_seconds()))
-            ended = self._speech_end.pop(child.turn_id, None)
+            ended = noted.pop("speech_end", None)
             if ended is not None:
                 self.voice_to_voice.labels(transport=self._transport(child.turn_id)).observe(
                     max(0.0, (audio - ended).total_seconds()))
@@ -244,13 +260,17 @@ class Metrics:
                 self.forced.labels(child=c.name.split(":", 1)[0]).inc()  # "tool:<name>" counts as "tool"
 
     def turn_noted(self, turn_id: str, name: str, at: datetime) -> None:
-        """The user's speech ended (``speech_end``): voice-to-voice starts."""
-        if name == "speech_end" and turn_id in self._session:
-            self._speech_end[turn_id] = at
+        """The user's speech ended (``speech_end``: voice-to-voice starts)
+        or its recogniser's final began (``stt_start``)."""
+        if turn_id in self._transport_of_turn:
+            self._noted.setdefault(turn_id, {})[name] = at
 
     def _transport(self, turn_id: str) -> str:
-        session = self._session.get(turn_id)
-        return "text" if session is None else (self.transport_of(session) or "text")
+        return self._transport_of_turn.get(turn_id, "text")
+
+    def _forget(self, turn_id: str) -> None:
+        self._transport_of_turn.pop(turn_id, None)
+        self._noted.pop(turn_id, None)
 
 
 def _when(value: object) -> datetime | None:
@@ -332,11 +352,14 @@ async def ledger_figures(manager: TurnManager) -> tuple[int, int, float]:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    metrics = request.app[METRICS]
-    try:
-        metrics.ledger_figures = await ledger_figures(request.app[MANAGER])
-    except Exception:
-        metrics.ledger_figures = None  # the other metrics are still worth serving
-        log.warning("metrics: the ledger could not be read", exc_info=True)
+    metrics, manager = request.app[METRICS], request.app[MANAGER]
+    now = manager.clock.monotonic()
+    if metrics.ledger_read_at is None or now - metrics.ledger_read_at >= LEDGER_EVERY_S:
+        metrics.ledger_read_at = now  # a flood of scrapes reads the store once per LEDGER_EVERY_S
+        try:
+            metrics.ledger_figures = await ledger_figures(manager)
+        except Exception:
+            metrics.ledger_figures = None  # the other metrics are still worth serving
+            log.warning("metrics: the ledger could not be read", exc_info=True)
     body = generate_latest(metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -20,7 +20,7 @@ this process logs (a tap on :class:`turn.events.EventLogs`, as
   ``gen_ai.usage.input_tokens`` / ``output_tokens`` (the turn's sums).
   Span events: ``stop requested``, ``barge-in``, ``end of speech``,
   ``model request``. A FAILED turn's span has status ERROR.
-- children: ``stt`` (end of speech to the final transcript), ``chat
+- children: ``stt`` (the endpoint firing to the final transcript), ``chat
   <model>`` per model request (OpenTelemetry GenAI conventions:
   ``gen_ai.operation.name``, ``gen_ai.provider.name``,
   ``gen_ai.request.model``, ``gen_ai.request.max_tokens``,
@@ -95,13 +95,28 @@ def _ns(at: datetime) -> int:
     return int(at.timestamp() * 1e9)
 
 
+def _env_list(name: str, default: str) -> list[str]:
+    """A comma-separated OTEL_* variable's items (empty or unset: ``default``)."""
+    value = os.environ.get(name, "").strip() or default
+    return [item.strip().lower() for item in value.split(",") if item.strip()]
+
+
 def _exporter(settings: Settings) -> Any:
     """The span exporter the settings or the standard ``OTEL_*`` variables
-    ask for (None: no export)."""
+    ask for (None: no export). Per the OpenTelemetry SDK configuration
+    spec: ``OTEL_SDK_DISABLED=true`` and ``OTEL_TRACES_EXPORTER=none`` turn
+    it off, an empty variable counts as unset; only the ``http/protobuf``
+    protocol is spoken (another is refused with a warning)."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
     endpoint = settings.traces.otlp_endpoint
     from_env = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    wanted = os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
-    if not endpoint and (not from_env or "otlp" not in wanted.split(",")):
+    if not endpoint and (not from_env or "otlp" not in _env_list("OTEL_TRACES_EXPORTER", "otlp")):
+        return None
+    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+                or "http/protobuf").strip().lower()
+    if not endpoint and protocol != "http/protobuf":
+        log.warning("traces: OTEL_EXPORTER_OTLP_PROTOCOL=%s is not spoken here (http/protobuf only): no export", protocol)
         return None
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -110,6 +125,13 @@ def _exporter(settings: Settings) -> Any:
     # the exporter reads OTEL_EXPORTER_OTLP_* itself (endpoint, headers, compression, timeout)
     has_timeout = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT" in os.environ or "OTEL_EXPORTER_OTLP_TIMEOUT" in os.environ
     return OTLPSpanExporter() if has_timeout else OTLPSpanExporter(timeout=EXPORT_TIMEOUT_S)
+
+
+def _service_named_by_env() -> bool:
+    if os.environ.get("OTEL_SERVICE_NAME", "").strip():
+        return True
+    attrs = os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    return any(pair.split("=", 1)[0].strip() == "service.name" for pair in attrs.split(",") if "=" in pair)
 
 
 class Tracing:
@@ -132,7 +154,7 @@ class Tracing:
         self.provider_name = "openai" if settings.llm.provider == "openai" else "turnkeeper.local"
         self.model = settings.llm.model if settings.llm.provider == "openai" else "local-agent"
         self.max_tokens = settings.llm.max_tokens
-        named = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": t.service_name}
+        named = {} if _service_named_by_env() else {"service.name": t.service_name}
         self.provider = TracerProvider(resource=Resource.create(named))
         exporter = _exporter(settings)
         if exporter is not None:
@@ -146,6 +168,7 @@ class Tracing:
         self._model_ended: dict[str, tuple[Span, int]] = {}  # a model span waiting for its usage event
         self._cancel: dict[str, Span] = {}
         self._replay: dict[str, Span] = {}
+        self._stt_start: dict[str, datetime] = {}
 
     # -- the event tap ---------------------------------------------------------
 
@@ -279,10 +302,18 @@ class Tracing:
                 if p.get("key"):
                     child.set_attribute("turnkeeper.tool.idempotency_key", str(p["key"]))
                 if ev.type == "tool.error":
-                    child.set_status(Status(StatusCode.ERROR, str(p.get("error", ""))))
+                    child.set_status(Status(StatusCode.ERROR, self._error_text(str(p.get("error", "")), "tool error")))
                 child.end(end_time=_ns(ev.at))
                 del open_tools[i]
                 return
+
+    def _error_text(self, text: str, bare: str | None = None) -> str:
+        """An error for a span's status: whole with content on, else only
+        its type (``"Type: message"``) or ``bare`` (a message may quote
+        what the user said)."""
+        if self.content:
+            return text
+        return bare if bare is not None else text.split(":", 1)[0]
 
     # -- the scope observer ----------------------------------------------------
 
@@ -303,7 +334,8 @@ class Tracing:
             span.set_attributes({"gen_ai.operation.name": "chat", "gen_ai.provider.name": self.provider_name,
                                  "gen_ai.request.model": self.model})
         else:
-            span = self._child_span(turn, child.name, child.started_at)
+            began = self._stt_start.pop(child.turn_id, child.started_at) if child.name == "stt" else child.started_at
+            span = self._child_span(turn, child.name, began)  # STT's final may begin before the turn's scope
         self._children[(child.turn_id, child.name)] = span
 
     def child_ended(self, child: ChildRun) -> None:
@@ -323,7 +355,7 @@ class Tracing:
         if first_sentence is not None and first_audio is not None:
             span.set_attribute("turnkeeper.tts.time_to_first_audio_ms", _ms(first_sentence, first_audio))
         if child.outcome is ChildOutcome.FAILED:
-            span.set_status(Status(StatusCode.ERROR, child.error or "failed"))
+            span.set_status(Status(StatusCode.ERROR, self._error_text(child.error or "failed")))
         if child.name == "model":
             self._model_ended[child.turn_id] = (span, _ns(child.ended_at))  # its usage event follows at once
         else:
@@ -355,9 +387,12 @@ class Tracing:
         span.end(end_time=_ns(at))
 
     def turn_noted(self, turn_id: str, name: str, at: datetime) -> None:
-        """A moment of the turn itself (``speech_end``): an event on its span."""
+        """A moment of the turn itself: ``speech_end`` an event on its span,
+        ``stt_start`` the start of its ``stt`` span."""
         turn = self._turns.get(turn_id)
-        if turn is not None:
+        if turn is not None and name == "stt_start":
+            self._stt_start[turn_id] = at
+        elif turn is not None:
             turn.add_event(name.replace("_", " ").replace("speech end", "end of speech"), timestamp=_ns(at))
 
     # -- ending ----------------------------------------------------------------
@@ -368,6 +403,7 @@ class Tracing:
             child.end(end_time=_ns(at))
         for key in [k for k in self._children if k[0] == turn_id]:
             self._children.pop(key).end(end_time=_ns(at))
+        self._stt_start.pop(turn_id, None)
         for pending in (self._cancel, self._replay):
             span = pending.pop(turn_id, None)
             if span is not None:

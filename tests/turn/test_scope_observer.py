@@ -77,6 +77,8 @@ async def test_children_marks_stop_and_report_reach_the_observers(clock: Virtual
         settle = asyncio.ensure_future(scope.settle())
         await clock.advance(0.25)
         report = await settle
+        again = await scope.settle()  # a stop path that settles twice (voice does): told once
+        assert again.children[1].outcome is ChildOutcome.IGNORED_CANCEL
         exit_scope = asyncio.ensure_future(clock.advance(5))
     await exit_scope
 

@@ -21,7 +21,7 @@ from turn.intents import Intent, IntentStatus
 from turn.models import EventRecord
 from web.app import create_app
 from web.drain import DRAIN, drain_app
-from web.metrics import Metrics
+from web.metrics import METRICS, Metrics
 from web.settings import Settings
 from web.state import MANAGER
 
@@ -156,6 +156,9 @@ async def test_the_reconciliation_backlog_is_read_from_the_ledger(server: tuple[
                            next_attempt_at=now + timedelta(hours=1))
         await store.ledger_add(waiting)
         await store.ledger_add(in_flight)
+        cached = await scrape(http, url)  # within LEDGER_EVERY_S: the last figures, no store read
+        assert cached[("turnkeeper_ledger_open_rows", ())] == 0
+        app[METRICS].ledger_read_at = None  # as if LEDGER_EVERY_S had passed
         after = await scrape(http, url)
     assert after[("turnkeeper_ledger_open_rows", ())] == 2
     assert after[("turnkeeper_reconciliation_backlog", ())] == 1

@@ -148,11 +148,22 @@ async def test_the_standard_otel_variables_export_over_otlp(tmp_path: Path, monk
 
 
 def test_no_export_unless_configured(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER"):
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER",
+                 "OTEL_SDK_DISABLED", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
         monkeypatch.delenv(name, raising=False)
     assert _exporter(Settings(store="sqlite:///:memory:")) is None
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
     assert _exporter(Settings(store="sqlite:///:memory:")) is not None
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "")  # empty counts as unset: otlp
+    assert _exporter(Settings(store="sqlite:///:memory:")) is not None
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console, otlp")
+    assert _exporter(Settings(store="sqlite:///:memory:")) is not None
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")  # not spoken here: refused, not posted to :4317
+    assert _exporter(Settings(store="sqlite:///:memory:")) is None
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL")
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert _exporter(Settings(store="sqlite:///:memory:")) is None
+    monkeypatch.delenv("OTEL_SDK_DISABLED")
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")  # the standard switch off
     assert _exporter(Settings(store="sqlite:///:memory:")) is None
     assert _exporter(Settings(store="sqlite:///:memory:", traces={"otlp_endpoint": "http://127.0.0.1:9/v1/traces"})) is not None
