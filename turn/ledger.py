@@ -367,11 +367,17 @@ class Ledger:
     async def compensate(self, effect: Intent, *, now: bool, within_s: float = COMPENSATE_NOW_S) -> Intent:
         """Create (once) the durable compensation job of ``effect``; with
         ``now``, try it at once, for at most ``within_s`` s (a slower one is
-        retried later). Returns the job."""
+        retried later). Returns the job. A job tried now is not due for the
+        reconciliation worker before ``within_s`` has passed (a crash during
+        the try leaves it to the worker after that)."""
         at = self.clock.now()
+        # tried here at once: not due for the reconciliation worker until this
+        # attempt is over, so no two attempts of one reversal run at once
+        held = at + timedelta(seconds=within_s) if now else None
         job = Intent(
             key=compensation_key(effect.key), turn_id=effect.turn_id, step=effect.step, tool=effect.tool,
             args=effect.args, effect=effect.effect, kind=IntentKind.COMPENSATION, created_at=at, updated_at=at,
+            next_attempt_at=held,
         )
         job, created = await self._call(lambda: self.store.ledger_add(job))
         if created:

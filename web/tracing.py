@@ -169,6 +169,8 @@ class Tracing:
         self._cancel: dict[str, Span] = {}
         self._replay: dict[str, Span] = {}
         self._stt_start: dict[str, datetime] = {}
+        self._cancel_unnamed: set[str] = set()
+        self._stop_asked: dict[str, tuple[str, str]] = {}  # (kind, initiator) of a stop recorded in the store
 
     # -- the event tap ---------------------------------------------------------
 
@@ -271,6 +273,12 @@ class Tracing:
                     span.set_attribute(f"turnkeeper.{field}", str(p[field]))
         reason = p.get("stop_reason") or {}
         if status == TurnStatus.CANCEL_REQUESTED.value:
+            self._stop_asked[turn_id] = (str(reason.get("kind", "")), str(reason.get("initiator", "")))
+            cancel = self._cancel.get(turn_id)
+            if cancel is not None and turn_id in self._cancel_unnamed:  # the scope stopped before this event came
+                self._cancel_unnamed.discard(turn_id)
+                cancel.set_attributes({"turnkeeper.stop.reason": self._stop_asked[turn_id][0],
+                                       "turnkeeper.stop.initiator": self._stop_asked[turn_id][1]})
             span.add_event("stop requested", {"reason": str(reason.get("kind", "")),
                                               "initiator": str(reason.get("initiator", ""))}, timestamp=_ns(ev.at))
         elif status == TurnStatus.QUEUED.value and turn_id in self._ran:
@@ -367,8 +375,12 @@ class Tracing:
         if turn is None or turn_id in self._cancel:
             return
         span = self._child_span(turn, "cancel", at)
-        if reason is not None:
-            span.set_attributes({"turnkeeper.stop.reason": reason.kind.value, "turnkeeper.stop.initiator": reason.initiator})
+        # None: asked from outside and recorded in the store (its CANCEL_REQUESTED event says why)
+        kind, initiator = (reason.kind.value, reason.initiator) if reason is not None else self._stop_asked.get(turn_id, ("", ""))
+        if kind:
+            span.set_attributes({"turnkeeper.stop.reason": kind, "turnkeeper.stop.initiator": initiator})
+        else:
+            self._cancel_unnamed.add(turn_id)
         self._cancel[turn_id] = span
 
     def scope_settled(self, turn_id: str, report: StopReport, at: datetime) -> None:
@@ -404,6 +416,8 @@ class Tracing:
         for key in [k for k in self._children if k[0] == turn_id]:
             self._children.pop(key).end(end_time=_ns(at))
         self._stt_start.pop(turn_id, None)
+        self._stop_asked.pop(turn_id, None)
+        self._cancel_unnamed.discard(turn_id)
         for pending in (self._cancel, self._replay):
             span = pending.pop(turn_id, None)
             if span is not None:

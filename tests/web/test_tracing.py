@@ -70,6 +70,7 @@ async def test_a_stopped_turn_and_a_tool_call_as_spans(tmp_path: Path) -> None:
             reported = {e.attributes["child"]: e.attributes["outcome"] for e in cancel.events}
             assert reported == {"agent": "stopped", "model": "stopped"}
             assert cancel.attributes["turnkeeper.stop.settled_ms"] >= 0
+            assert cancel.attributes["turnkeeper.stop.reason"] == "user_cancel"  # asked over the API: from the store
             assert turn.start_time <= cancel.start_time <= cancel.end_time <= turn.end_time
             assert not any(k in ("turnkeeper.transcript", "turnkeeper.reply", "turnkeeper.tool.arguments")
                            for sp in spans for k in sp.attributes)  # no content by default
