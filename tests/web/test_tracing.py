@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -34,12 +35,17 @@ async def ended_spans(exporter: InMemorySpanExporter, turn_id: str) -> list[Read
     return list(exporter.get_finished_spans())
 
 
-async def test_a_stopped_turn_and_a_tool_call_as_spans(tmp_path: Path) -> None:
-    app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db", api_tokens=f"default:{TOKEN}",
-                              llm={"tokens_per_second": 20}))
+async def traced_app(tmp_path: Path, **settings: Any) -> tuple[web.Application, InMemorySpanExporter, web.AppRunner, str]:
+    """The real app on a free port, its spans kept in memory: (app, exporter, runner, URL)."""
+    app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db", api_tokens=f"default:{TOKEN}", **settings))
     exporter = InMemorySpanExporter()
     app[TRACING].provider.add_span_processor(SimpleSpanProcessor(exporter))
     runner, url = await start_app(app)
+    return app, exporter, runner, url
+
+
+async def test_a_stopped_turn_and_a_tool_call_as_spans(tmp_path: Path) -> None:
+    app, exporter, runner, url = await traced_app(tmp_path, llm={"tokens_per_second": 20})
     try:
         async with aiohttp.ClientSession() as http:
             async with http.post(f"{url}/v1/turns", json={"text": "tell me a story"}, headers=AUTH) as r:
@@ -91,11 +97,7 @@ async def test_a_stopped_turn_and_a_tool_call_as_spans(tmp_path: Path) -> None:
 
 
 async def test_content_goes_into_spans_only_when_asked(tmp_path: Path) -> None:
-    app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db", api_tokens=f"default:{TOKEN}",
-                              traces={"include_content": True}))
-    exporter = InMemorySpanExporter()
-    app[TRACING].provider.add_span_processor(SimpleSpanProcessor(exporter))
-    runner, url = await start_app(app)
+    _, exporter, runner, url = await traced_app(tmp_path, traces={"include_content": True})
     try:
         async with aiohttp.ClientSession() as http:
             async with http.post(f"{url}/v1/turns", json={"text": "please order a coffee"}, headers=AUTH) as r:
