@@ -16,15 +16,13 @@ with a 4xx/5xx status; a bad request never affects other sessions.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
-from pydantic import BaseModel, Field, ValidationError
 
 from clock import Clock, SystemClock
 from turn.ledger import EffectHandler
@@ -43,14 +41,11 @@ from voice.stt import PocketsphinxSTT
 from voice.text_turns import TextTurns
 from voice.tools import Toolbox
 from voice.tts import EspeakTTS
-from web import api, drain, instances, metrics, tracing
-from web.admission import admit
+from web import api, drain, instances, metrics, signaling, tracing
 from web.auth import Auth
 from web.devices import routes as device_routes
 from web.drain import DRAIN, close_streams
 from web.errors import ApiError
-from web.offer_validation import OfferRejected, validate_offer
-from web.peer import PeerSession
 from web.settings import Settings
 from web.state import AUTH, CLOCK, LEASES, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE, STREAMS, TEXT_TURNS, WORKERS
 from web.telephony import routes as telephony_routes
@@ -66,14 +61,6 @@ __all__ = [
     "AUTH", "CLOCK", "LEASES", "MANAGER", "PEERS", "PROVIDERS", "SETTINGS", "STORE", "STREAMS", "TEXT_TURNS",
     "ApiError", "EmbeddedProviders", "create_app", "open_store",
 ]
-
-
-class OfferRequest(BaseModel):
-    """Body of ``POST /v1/webrtc/offer`` (the JSON form of an
-    RTCSessionDescriptionInit, W3C WebRTC 1.0)."""
-
-    type: Literal["offer"]
-    sdp: str = Field(min_length=1)
 
 
 class EmbeddedProviders:
@@ -263,7 +250,7 @@ def create_app(
     app.router.add_get("/", _index)
     app.router.add_static("/static", STATIC_DIR)
     app.router.add_get("/healthz", _healthz)
-    app.router.add_post("/v1/webrtc/offer", _offer)
+    signaling.add_routes(app)
     api.add_routes(app)
     drain.add_routes(app, drain.Drain(app[CLOCK], settings.shutdown))
     metrics.add_routes(app, metrics.Metrics())
@@ -433,62 +420,3 @@ async def _index(request: web.Request) -> web.StreamResponse:
 
 async def _healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "sessions": len(request.app[PEERS])})
-
-
-async def _read_json(request: web.Request) -> Any:
-    limit = request.app[SETTINGS].max_offer_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise ApiError(413, "body_too_large", f"body is larger than {limit} bytes")
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise ApiError(413, "body_too_large", f"body is larger than {limit} bytes") from exc
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise ApiError(400, "bad_json", f"body is not valid JSON: {exc}") from exc
-
-
-async def _offer(request: web.Request) -> web.Response:
-    app = request.app
-    body = await _read_json(request)
-    try:
-        offer = OfferRequest.model_validate(body)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
-        raise ApiError(400, "invalid_offer", problems) from exc
-    try:
-        # Before any limit is counted or session made: an offer that can never
-        # connect must not hold a pending slot until connect_timeout_s.
-        validate_offer(offer.sdp)
-    except OfferRejected as exc:
-        raise ApiError(400, exc.code, str(exc)) from exc
-    settings = app[SETTINGS]
-    peers = app[PEERS]
-    client = request.remote or "?"
-    admit(app, client)
-    clock = app[CLOCK]
-    peer = PeerSession(
-        settings=settings,
-        manager=app[MANAGER],
-        providers=app[PROVIDERS].for_session(),
-        clock=clock,
-        on_closed=lambda p: _forget(peers, p),
-        client=request.remote or "?",
-    )
-    peers[peer.id] = peer
-    try:
-        sdp = await peer.answer(offer.sdp)
-    except OfferRejected as exc:
-        await peer.close(StopReasonKind.TRANSPORT_DISCONNECTED)
-        raise ApiError(400, exc.code, str(exc)) from exc
-    except BaseException:
-        await asyncio.shield(peer.close(StopReasonKind.TRANSPORT_DISCONNECTED))
-        raise
-    log.info("session %s: answered offer", peer.id)
-    return web.json_response({"type": "answer", "sdp": sdp, "session_id": peer.id})
-
-
-def _forget(peers: dict[str, Any], peer: PeerSession) -> None:
-    """A closed peer leaves the table (if still there)."""
-    peers.pop(peer.id, None)

@@ -19,7 +19,7 @@ from aiohttp import web
 from aiortc import RTCPeerConnection
 from conftest import start_app
 
-import web.app as web_app
+from web import signaling
 from web.app import PEERS, create_app
 from web.offer_validation import (
     MAX_CANDIDATES_PER_MEDIA,
@@ -236,14 +236,14 @@ async def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterat
     """The default body cap (64 KiB, so the 60 KB line reaches the SDP
     check), two pending offers per client; counts every PeerSession made."""
     made: list = []
-    real = web_app.PeerSession
+    real = signaling.PeerSession
 
     def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
         peer = real(*args, **kwargs)
         made.append(peer)
         return peer
 
-    monkeypatch.setattr(web_app, "PeerSession", counting)
+    monkeypatch.setattr(signaling, "PeerSession", counting)
     app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db", max_pending_per_client=2))
     runner, url = await start_app(app)
     yield app, url, made

@@ -1,0 +1,113 @@
+"""WebRTC signaling: ``POST /v1/webrtc/offer`` answers a browser's SDP offer
+(JSON Session Establishment Protocol style, RFC 8829's offer/answer over
+one HTTP exchange) and starts a :class:`web.peer.PeerSession`.
+
+    POST /v1/webrtc/offer   {"type": "offer", "sdp": "..."} ->
+                            {"type": "answer", "sdp": "...", "session_id": "..."}
+
+An offer that can never connect is refused (400 ``invalid_sdp``) before
+any limit is counted or any session is made (:mod:`web.offer_validation`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, Field, ValidationError
+
+from turn.models import StopReasonKind
+from web.admission import admit
+from web.errors import ApiError
+from web.offer_validation import OfferRejected, validate_offer
+from web.peer import PeerSession
+from web.state import CLOCK, MANAGER, PEERS, PROVIDERS, SETTINGS
+
+log = logging.getLogger(__name__)
+
+
+class OfferRequest(BaseModel):
+    """Body of ``POST /v1/webrtc/offer`` (the JSON form of an
+    RTCSessionDescriptionInit, W3C WebRTC 1.0)."""
+
+    type: Literal["offer"]
+    sdp: str = Field(min_length=1)
+
+
+async def read_json(request: web.Request) -> Any:
+    """The request's body as JSON, at most ``max_offer_bytes``.
+
+    Raises:
+        ApiError: 413 ``body_too_large``; 400 ``bad_json``.
+    """
+    limit = request.app[SETTINGS].max_offer_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise ApiError(413, "body_too_large", f"body is larger than {limit} bytes")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise ApiError(413, "body_too_large", f"body is larger than {limit} bytes") from exc
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ApiError(400, "bad_json", f"body is not valid JSON: {exc}") from exc
+
+
+async def offer(request: web.Request) -> web.Response:
+    """Answer a WebRTC offer and start its session (connected within
+    ``connect_timeout_s`` or closed).
+
+    Raises:
+        ApiError: 400 ``bad_json``, ``invalid_offer`` or ``invalid_sdp``;
+            413 ``body_too_large``; 429/503 from :func:`web.admission.admit`.
+    """
+    app = request.app
+    body = await read_json(request)
+    try:
+        req = OfferRequest.model_validate(body)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
+        raise ApiError(400, "invalid_offer", problems) from exc
+    try:
+        # Before any limit is counted or session made: an offer that can never
+        # connect must not hold a pending slot until connect_timeout_s.
+        validate_offer(req.sdp)
+    except OfferRejected as exc:
+        raise ApiError(400, exc.code, str(exc)) from exc
+    settings = app[SETTINGS]
+    peers = app[PEERS]
+    client = request.remote or "?"
+    admit(app, client)
+    clock = app[CLOCK]
+    peer = PeerSession(
+        settings=settings,
+        manager=app[MANAGER],
+        providers=app[PROVIDERS].for_session(),
+        clock=clock,
+        on_closed=lambda p: _forget(peers, p),
+        client=request.remote or "?",
+    )
+    peers[peer.id] = peer
+    try:
+        sdp = await peer.answer(req.sdp)
+    except OfferRejected as exc:
+        await peer.close(StopReasonKind.TRANSPORT_DISCONNECTED)
+        raise ApiError(400, exc.code, str(exc)) from exc
+    except BaseException:
+        await asyncio.shield(peer.close(StopReasonKind.TRANSPORT_DISCONNECTED))
+        raise
+    log.info("session %s: answered offer", peer.id)
+    return web.json_response({"type": "answer", "sdp": sdp, "session_id": peer.id})
+
+
+def _forget(peers: dict[str, Any], peer: PeerSession) -> None:
+    """A closed peer leaves the table (if still there)."""
+    peers.pop(peer.id, None)
+
+
+def add_routes(app: web.Application) -> None:
+    """Register ``POST /v1/webrtc/offer`` on ``app``."""
+    app.router.add_post("/v1/webrtc/offer", offer)
