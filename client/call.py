@@ -92,6 +92,11 @@ class CallClient:
             microphone at this gain (dB, e.g. -10), as a speakerphone does.
         echo_delay_ms: extra delay of that echo (acoustic path and the
             device's buffers), ms, multiple of 20.
+        token: credentials for the offer: a client token (``ck_...``,
+            presented as is: one call), or a tenant API token, with which
+            the client does what an app's backend does, minting a client
+            token (``POST /v1/sessions``) for each offer. None: no
+            credentials (a development server).
     """
 
     def __init__(
@@ -102,8 +107,10 @@ class CallClient:
         jitter_prefetch: int = 1,
         echo_gain_db: float | None = None,
         echo_delay_ms: int = 60,
+        token: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.token = token
         self.clock = clock or SystemClock()
         self.jitter_prefetch = jitter_prefetch
         self.echo_gain = None if echo_gain_db is None else 10 ** (echo_gain_db / 20)
@@ -231,11 +238,28 @@ class CallClient:
             event_times=list(self._event_times),
         )
 
+    async def _client_token(self, http: aiohttp.ClientSession) -> str | None:
+        """The client token the offer presents (see ``token``).
+
+        Raises:
+            CallError: the server refused to mint one.
+        """
+        if self.token is None or self.token.startswith("ck_"):
+            return self.token
+        async with http.post(f"{self.base_url}/v1/sessions", json={},
+                             headers={"Authorization": f"Bearer {self.token}"}) as resp:
+            body = await resp.json(content_type=None)
+            if resp.status != 201 or not isinstance(body, dict) or not isinstance(body.get("client_token"), str):
+                raise CallError(f"cannot mint a client token at {self.base_url}/v1/sessions (HTTP {resp.status})")
+            return str(body["client_token"])
+
     async def _post_offer(self, sdp: str) -> dict[str, Any]:
         url = f"{self.base_url}/v1/webrtc/offer"
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-                async with http.post(url, json={"type": "offer", "sdp": sdp}) as resp:
+                token = await self._client_token(http)
+                headers = {"Authorization": f"Bearer {token}"} if token else {}
+                async with http.post(url, json={"type": "offer", "sdp": sdp}, headers=headers) as resp:
                     text = await resp.text()
                     status = resp.status
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:

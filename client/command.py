@@ -70,7 +70,8 @@ async def run_call(args: argparse.Namespace, settings: Settings) -> int:
         if args.local:
             store = args.store or f"sqlite:///{tmp.name}/turnkeeper.db"
             update: dict[str, object] = {"store": store}
-            if phone or device is not None:  # a token of the call's tenant, so the caller can read the timeline
+            # a token of the call's tenant: it mints the client token, reads the timeline
+            if phone or device is not None or settings.api_tokens:
                 token = secrets.token_urlsafe(16)
                 tokens = ",".join(p for p in (settings.api_tokens, f"default:{token}") if p)
                 update["api_tokens"] = tokens
@@ -94,7 +95,7 @@ async def run_call(args: argparse.Namespace, settings: Settings) -> int:
         elif phone:
             client = PhoneCallClient(url, phone, token=token)
         else:
-            client = CallClient(url)
+            client = CallClient(url, token=token)
         result = await client.run(opening, barge_ins, out_wav=out, timeout_s=args.timeout)
     finally:
         if runner is not None:

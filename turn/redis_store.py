@@ -23,6 +23,8 @@ Key layout (``P`` is the configurable prefix, default ``tk``)::
     P:instances              sorted set: instance ids by registration expiry
     P:device:ID              hash: tenant_id, token_hash, created_at, revoked
     P:devtoken:HASH          string: the device id of a token's hash (deleted on revoke)
+    P:clienttoken:HASH       string: a client token's grant (JSON), expiring with it;
+                             claimed with GETDEL (single use)
     P:{turn:ID}:ledger       sorted set: the turn's intent keys, by order written
     P:{turn:ID}:intent:KEY   hash: data (the intent as JSON), status, version
     P:{turn:ID}:audit:KEY    list: audit rows (JSON)
@@ -134,3 +136,22 @@ class RedisStore(RedisTurnRows, RedisEventRows, RedisLedgerRows, RedisWorkQueue)
         await self._call(c.hset(key, "revoked", "1"))
         await self._call(c.delete(f"{self.prefix}:devtoken:{token_hash}"))
         return True
+
+    # -- client tokens ---------------------------------------------------------------
+
+    async def client_token_put(self, token_hash: str, grant: str, expires_at: datetime, now: datetime) -> None:
+        at_ms = int(expires_at.timestamp() * 1000)
+        # Redis forgets it after the grant's lifetime on its own clock (+1 s)
+        ttl_ms = max(1, int((expires_at - now).total_seconds() * 1000)) + 1000
+        await self._call(self._c().set(f"{self.prefix}:clienttoken:{token_hash}", f"{at_ms}|{grant}", px=ttl_ms))
+
+    async def client_token_claim(self, token_hash: str, now: datetime) -> str | None:
+        raw = await self._call(self._c().getdel(f"{self.prefix}:clienttoken:{token_hash}"))
+        if raw is None:
+            return None
+        at_ms, _, grant = str(raw).partition("|")
+        # Redis expires keys on its own clock; ours decides (virtual time in tests)
+        if not at_ms.isdigit() or int(at_ms) <= now.timestamp() * 1000:
+            return None
+        return grant
+

@@ -3,9 +3,10 @@
 One file holds every table: ``turns``, ``sessions`` (with the generation
 and event-sequence counters), ``events``, ``stop_requests``, ``ledger``,
 ``ledger_audit``, ``work_queue``, ``secrets``, ``devices`` (schema 6:
-device tokens, hashed) and ``instances`` (schema 7: the instances'
-registrations). :func:`migrate` brings a
-file of any earlier schema (1 to 6) up to ``SCHEMA_VERSION`` in place: the
+device tokens, hashed), ``instances`` (schema 7: the instances'
+registrations) and ``client_tokens`` (schema 8: single-use session-start
+grants, by token hash). :func:`migrate` brings a
+file of any earlier schema (1 to 7) up to ``SCHEMA_VERSION`` in place: the
 tables are created if missing, the turn columns added since schema 1 are
 added, and ``PRAGMA user_version`` is set.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import sqlite3
 
 #: the schema this code writes (``PRAGMA user_version``)
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS turns (
@@ -101,6 +102,12 @@ CREATE TABLE IF NOT EXISTS instances (
     info TEXT NOT NULL,
     expires_at TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS client_tokens (
+    token_hash TEXT PRIMARY KEY,
+    grant_json TEXT NOT NULL,
+    expires_at TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS client_tokens_expiry ON client_tokens (expires_at);
 """
 
 # Columns added after the first release (schema 1), in schemas 2, 3 and 5:

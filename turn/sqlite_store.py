@@ -101,3 +101,29 @@ class SqliteStore(SqliteTurnRows, SqliteEventRows, SqliteLedgerRows, SqliteWorkQ
             return cur.rowcount == 1
 
         return await self._run(self._tx, revoke)
+
+    # -- client tokens ---------------------------------------------------------------
+
+    async def client_token_put(self, token_hash: str, grant: str, expires_at: datetime, now: datetime) -> None:
+        def put(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "INSERT INTO client_tokens (token_hash, grant_json, expires_at) VALUES (?, ?, ?) "
+                "ON CONFLICT (token_hash) DO UPDATE SET grant_json = excluded.grant_json, expires_at = excluded.expires_at",
+                (token_hash, grant, expires_at.isoformat()),
+            )
+
+        await self._run(self._tx, put)
+
+    async def client_token_claim(self, token_hash: str, now: datetime) -> str | None:
+        def claim(conn: sqlite3.Connection) -> str | None:
+            row = conn.execute(
+                "DELETE FROM client_tokens WHERE token_hash = ? RETURNING grant_json, expires_at", (token_hash,)
+            ).fetchone()
+            # grants never claimed go with the next claim after they expire
+            conn.execute("DELETE FROM client_tokens WHERE expires_at <= ?", (now.isoformat(),))
+            if row is None or datetime.fromisoformat(row[1]) <= now:
+                return None
+            return str(row[0])
+
+        return await self._run(self._tx, claim)
+

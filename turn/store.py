@@ -413,3 +413,21 @@ class TurnStore(Protocol):
         from now on. Returns False if the tenant has no such device (or it
         was revoked already)."""
         ...
+
+    # -- client tokens (single-use credentials to start a voice session) -----------
+
+    async def client_token_put(self, token_hash: str, grant: str, expires_at: datetime, now: datetime) -> None:
+        """Keep ``grant`` (JSON) under ``token_hash`` (hex SHA-256 of the
+        token; the token itself is never stored) until ``expires_at`` (UTC;
+        ``now`` is the clock's time, so a virtual clock works too),
+        replacing what was there. Grants expired and never claimed are purged
+        by a later claim.
+        """
+        ...
+
+    async def client_token_claim(self, token_hash: str, now: datetime) -> str | None:
+        """Take the grant kept under ``token_hash``, atomically: it is gone
+        afterwards, so of two concurrent claims (on any instances) at most one
+        gets it. None if there is none or it expired before ``now``."""
+        ...
+

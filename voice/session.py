@@ -104,6 +104,8 @@ class AgentSession(SessionControls):
         vad: VAD settings (for the pre-roll length).
         config: session settings.
         plan: the limits of every turn (deadline, budget, max steps).
+        instructions: a system message put before the conversation in
+            every model request (None: none).
     """
 
     def __init__(
@@ -119,9 +121,11 @@ class AgentSession(SessionControls):
         vad: VadConfig | None = None,
         config: SessionConfig | None = None,
         plan: Plan | None = None,
+        instructions: str | None = None,
     ) -> None:
         self.session_id = session_id
         self.plan = plan or Plan()
+        self.instructions = instructions
         self.manager = manager
         self.providers = providers
         #: the recogniser's state for this session's voice (its requests only)
@@ -437,7 +441,8 @@ class AgentSession(SessionControls):
         """
         earlier = [t for r in self._runs if r.generation < run.generation for t in (r.work, r.stop_task) if t is not None]
         wait_s = earlier_turns_wait_s(self.config.stop_grace_ms)
-        return await history_after(self.manager, turn, earlier, wait_s=wait_s, max_messages=self.config.history_messages)
+        history = await history_after(self.manager, turn, earlier, wait_s=wait_s, max_messages=self.config.history_messages)
+        return history if self.instructions is None else [Message(role="system", content=self.instructions), *history]
 
     def _send(self, event: Envelope, *, withheld: bool = False) -> None:
         """Hand ``event`` (its generation and turn set by its emitter) to the

@@ -64,6 +64,33 @@ class EspeakTTS:
         """True if the espeak-ng executable is on PATH."""
         return shutil.which(self.config.executable) is not None
 
+    async def voice_exists(self, voice: str) -> bool:
+        """True if espeak-ng has ``voice`` (a name like ``en-gb`` or
+        ``en-us+f3``): it is asked to say "a" silently (``-q``) with it, at
+        most 5 s.
+        Answers are remembered (per process, at most 256 names)."""
+        known = _VOICES_SEEN.get((self.config.executable, voice))
+        if known is not None:
+            return known
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                self.config.executable, "-q", "-v", voice, "a",  # with no text at all it exits 0 for any voice
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            )
+        except FileNotFoundError:
+            return False
+        try:
+            async with asyncio.timeout(5):
+                ok = await proc.wait() == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await _reap(proc)
+        if len(_VOICES_SEEN) >= 256:
+            _VOICES_SEEN.clear()
+        _VOICES_SEEN[(self.config.executable, voice)] = ok
+        return ok
+
     async def synthesize(self, text: str, sink: PcmSink) -> None:
         """Speak ``text``; ``sink`` gets 48 kHz mono s16 PCM chunks.
 
@@ -121,6 +148,10 @@ class EspeakTTS:
                 await _reap(proc)
             finally:
                 self.running.discard(proc)
+
+
+#: (executable, voice) -> whether espeak-ng has it
+_VOICES_SEEN: dict[tuple[str, str], bool] = {}
 
 
 async def _reap(proc: asyncio.subprocess.Process) -> None:

@@ -36,6 +36,8 @@ from turn.manager import TurnManager, turn_fields
 from turn.models import Budget, Session, StopReason, StopReasonKind, Turn
 from turn.store import IdempotencyConflict, StopAnswer, UnknownSession, UnknownTurn, WrongSessionKind
 from web.auth import Auth
+from web.client_tokens import OPENAPI_PATHS as CLIENT_TOKEN_PATHS
+from web.client_tokens import OPENAPI_SCHEMAS as CLIENT_TOKEN_SCHEMAS
 from web.drain import DRAIN
 from web.errors import ApiError
 from web.state import AUTH, CLOCK, MANAGER, STREAMS, TEXT_TURNS
@@ -360,6 +362,7 @@ def _schemas() -> dict[str, Any]:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
+    schemas.update(CLIENT_TOKEN_SCHEMAS)
     schemas["Error"] = {
         "type": "object",
         "required": ["error"],
@@ -443,6 +446,7 @@ OPENAPI: dict[str, Any] = {
             "security": [],
             "responses": {"200": {"description": "JSON Schema (draft 2020-12) of one event, a union on 'type'",
                                   "content": {"application/schema+json": {"schema": {"type": "object"}}}}}}},
+        **CLIENT_TOKEN_PATHS,
         **TELEPHONY_PATHS,
     },
 }

@@ -41,7 +41,7 @@ from voice.stt import PocketsphinxSTT
 from voice.text_turns import TextTurns
 from voice.tools import Toolbox
 from voice.tts import EspeakTTS
-from web import api, drain, instances, metrics, signaling, tracing
+from web import api, client_tokens, drain, instances, metrics, signaling, tracing
 from web.auth import Auth
 from web.devices import routes as device_routes
 from web.drain import DRAIN, close_streams
@@ -100,9 +100,15 @@ class EmbeddedProviders:
         except Exception as exc:
             raise RuntimeError(f"speech recogniser cannot start: {exc}") from exc
 
-    def for_session(self) -> Providers:
-        """Providers for one new voice session."""
-        return Providers(stt=self.stt, llm=self.llm_for_session(), tts=EspeakTTS(self.settings.tts), tools=self.tools())
+    def for_session(self, voice: str | None = None) -> Providers:
+        """Providers for one new voice session (``voice``: its TTS voice
+        instead of ``tts.voice``)."""
+        tts = self.settings.tts if voice is None else self.settings.tts.model_copy(update={"voice": voice})
+        return Providers(stt=self.stt, llm=self.llm_for_session(), tts=EspeakTTS(tts), tools=self.tools())
+
+    async def voice_exists(self, voice: str) -> bool:
+        """True if the TTS can speak with ``voice``."""
+        return await EspeakTTS(self.settings.tts).voice_exists(voice)
 
     def llm_for_session(self) -> LanguageModel:
         """The model for one session or text turn: the embedded agent, or
@@ -251,6 +257,7 @@ def create_app(
     app.router.add_static("/static", STATIC_DIR)
     app.router.add_get("/healthz", _healthz)
     signaling.add_routes(app)
+    client_tokens.add_routes(app)
     api.add_routes(app)
     drain.add_routes(app, drain.Drain(app[CLOCK], settings.shutdown))
     metrics.add_routes(app, metrics.Metrics())
@@ -309,7 +316,7 @@ async def _store_opened(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     app[AUTH] = Auth(
         settings.tenants_by_token, await manager.store_call(lambda: store.secret("resume-token")),
-        app[CLOCK], settings.resume_token_ttl_s,
+        app[CLOCK], settings.resume_token_ttl_s, store=store, client_token_ttl_s=settings.auth.client_token_ttl_s,
     )
     yield
 

@@ -1,6 +1,6 @@
 """The ``turnkeeper`` command.
 
-    turnkeeper serve [--host H] [--port P] [--config FILE]
+    turnkeeper serve [--host H] [--port P] [--config FILE] [--insecure]
     turnkeeper drain [--server URL] [--config FILE] [--wait [--timeout S]]
     turnkeeper call (--server URL | --local) --wav FILE [--phone twilio|telnyx]
                     [--barge-in FILE --at SECONDS] [--out FILE] [--json]
@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     serve_.add_argument("--host", help="listen address (default 127.0.0.1)")
     serve_.add_argument("--port", type=int, help="TCP port (default 8080)")
     serve_.add_argument("--config", help="TOML settings file (default $TURNKEEPER_CONFIG)")
+    serve_.add_argument("--insecure", action="store_true",
+                        help="listen beyond loopback without API tokens: anyone who reaches it talks to the agent")
 
     drain_ = sub.add_parser("drain", help="make a running server drain and exit (a preStop hook)")
     drain_.add_argument("--server", help="server URL (default http://127.0.0.1:<port of the settings>)")
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     call.add_argument("--keys", help="with --phone: press these telephone keys (e.g. 12#) --at seconds after the agent starts talking")
     call.add_argument(
         "--token",
-        help="with --phone or --device: a bearer token of the call's tenant, to read its events (default $TURNKEEPER_TOKEN)",
+        help="a bearer token of the call's tenant (default $TURNKEEPER_TOKEN): a browser-like call mints a client token "
+             "with it (or give a client token ck_... itself); --phone and --device read the call's events with it",
     )
     call.add_argument(
         "--device", nargs="?", const="", metavar="WS_URL",
@@ -86,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             settings = load_settings(args.config, host=args.host, port=args.port)
+            if args.insecure:
+                settings = settings.model_copy(update={"auth": settings.auth.model_copy(update={"insecure": True})})
             _logging(settings)
             return asyncio.run(serve(settings))
         if args.command == "drain":

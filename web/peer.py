@@ -28,7 +28,7 @@ from turn.event_catalogue import AudioEnd, AudioStart
 from turn.events import EventFollower, event_json
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
-from turn.models import StopReasonKind, TurnKind
+from turn.models import Plan, StopReasonKind, TurnKind
 from voice.session import AgentSession, Providers
 from web.offer_validation import OfferRejected
 from web.settings import Settings
@@ -52,6 +52,11 @@ class PeerSession:
         clock: time source.
         on_closed: called once with this session after it has been freed.
         client: the client's address, for per-client limits.
+        tenant_id: whose session it is.
+        session_id: its id (a client token's); None: a new random one.
+        plan: the limits of its turns (None: the tenant's plan).
+        instructions: the system message of its model requests (None: none).
+        user_id: the app's id of its user (from the client token), or None.
     """
 
     def __init__(
@@ -63,8 +68,16 @@ class PeerSession:
         clock: Clock,
         on_closed: Callable[[PeerSession], None],
         client: str = "?",
+        tenant_id: str = "default",
+        session_id: str | None = None,
+        plan: Plan | None = None,
+        instructions: str | None = None,
+        user_id: str | None = None,
     ) -> None:
-        self.id = uuid.uuid4().hex
+        self.id = session_id or uuid.uuid4().hex
+        #: whose session it is (its plan and limits)
+        self.tenant_id = tenant_id
+        self.user_id = user_id
         #: the client's address (for per-client limits)
         self.client = client
         #: the peer connection reached "connected" at least once
@@ -93,7 +106,8 @@ class PeerSession:
             emit=self.log.emit_event,
             vad=settings.vad,
             config=settings.session,
-            plan=settings.plan_for("default"),
+            plan=plan or settings.plan_for(tenant_id),
+            instructions=instructions,
         )
         self._track: MediaStreamTrack | None = None
         self._on_closed = on_closed
@@ -190,7 +204,7 @@ class PeerSession:
 
     async def _run(self) -> None:
         try:
-            await self.manager.ensure_session(self.id, kind=TurnKind.VOICE)
+            await self.manager.ensure_session(self.id, tenant_id=self.tenant_id, kind=TurnKind.VOICE)
             self._follow_task = asyncio.get_running_loop().create_task(self._follow(), name=f"follow-{self.id}")
             await self.agent.run()
         except asyncio.CancelledError:

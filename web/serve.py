@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from web.app import create_app
+from web.auth import check_exposure
 from web.drain import DRAIN, drain_app
 from web.settings import Settings
 
@@ -40,7 +41,10 @@ async def serve(settings: Settings) -> int:
 
     Raises:
         OSError: the address cannot be listened on.
+        ValueError: not loopback, no API tokens and not ``auth.insecure``
+            (:func:`web.auth.check_exposure`).
     """
+    check_exposure(settings.host, bool(settings.tenants_by_token), settings.auth.insecure)
     app = create_app(settings)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
@@ -51,6 +55,9 @@ async def serve(settings: Settings) -> int:
         await runner.cleanup()
         raise OSError(exc.errno, f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from exc
     print(f"turnkeeper serving on http://{settings.host}:{settings.port}", flush=True)
+    if not settings.tenants_by_token:
+        log.warning("no API tokens: serving unauthenticated on %s (development mode: voice sessions are tenant "
+                    "'default', the REST API is off)", settings.host)
     drain = app[DRAIN]
     at_once = asyncio.Event()
     loop = asyncio.get_running_loop()

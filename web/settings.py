@@ -120,6 +120,22 @@ class DeviceSettings(BaseModel):
         return value
 
 
+class AuthSettings(BaseModel):
+    """Credentials of voice clients (env ``TURNKEEPER_AUTH__*``; see
+    :mod:`web.auth` and README "Who may talk to the agent").
+
+    Attributes:
+        client_token_ttl_s: how long a client token minted by
+            ``POST /v1/sessions`` may start its session, s.
+        insecure: serve on an address other than loopback with no API
+            tokens (anyone who reaches it talks to the agent on the
+            ``default`` tenant). The CLI's ``--insecure`` sets it.
+    """
+
+    client_token_ttl_s: float = Field(60.0, ge=5, le=3600)
+    insecure: bool = False
+
+
 class TraceSettings(BaseModel):
     """Where traces go (env ``TURNKEEPER_TRACES__*``; see :mod:`web.tracing`).
 
@@ -204,7 +220,11 @@ class Settings(BaseSettings):
             be at a checkpoint, ms (a worker that missed the stop signal sees
             the stop within this long).
         api_tokens: bearer tokens of the REST API, ``tenant:token`` pairs
-            separated by commas; empty disables the REST turn API.
+            separated by commas (``tenant:sha256:<64 hex>`` gives a
+            token's SHA-256 instead of the token); empty disables the REST
+            turn API and puts voice sessions in development mode (see
+            ``auth``).
+        auth: client tokens and development mode (:class:`AuthSettings`).
         resume_token_ttl_s: lifetime of an event-stream resume token, s.
         demo_shop: run the demo shop (package ``demo_shop``): its tools
             for the agent, their in-process external system and the worker
@@ -298,6 +318,7 @@ class Settings(BaseSettings):
     devices: DeviceSettings = DeviceSettings()
     shutdown: ShutdownSettings = ShutdownSettings()
     traces: TraceSettings = TraceSettings()
+    auth: AuthSettings = AuthSettings()
     admin_token: str = Field("", repr=False, max_length=256)
     advertise_url: str = Field("", max_length=512, pattern=r"^(https?://\S+)?$")
 
@@ -334,10 +355,18 @@ def parse_api_tokens(spec: str) -> dict[str, str]:
             raise ValueError("api_tokens must be tenant:token pairs separated by commas")
         if any(c.isspace() for c in token):
             raise ValueError(f"the token of tenant {tenant!r} contains whitespace")
+        if token.startswith("sha256:") and not _is_sha256_hex(token[len("sha256:"):]):
+            raise ValueError(f"the token of tenant {tenant!r} starts with sha256: but is not 64 hex digits after it")
+        if token.startswith("ck_"):
+            raise ValueError(f"the token of tenant {tenant!r} starts with ck_, which marks client tokens")
         if token in out and out[token] != tenant:
             raise ValueError("one token is given to two tenants")
         out[token] = tenant
     return out
+
+
+def _is_sha256_hex(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text)
 
 
 def load_settings(config: str | Path | None = None, **overrides: Any) -> Settings:

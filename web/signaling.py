@@ -24,7 +24,7 @@ from web.admission import admit
 from web.errors import ApiError
 from web.offer_validation import OfferRejected, validate_offer
 from web.peer import PeerSession
-from web.state import CLOCK, MANAGER, PEERS, PROVIDERS, SETTINGS
+from web.state import AUTH, CLOCK, MANAGER, PEERS, PROVIDERS, SETTINGS
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +60,17 @@ async def offer(request: web.Request) -> web.Response:
     """Answer a WebRTC offer and start its session (connected within
     ``connect_timeout_s`` or closed).
 
+    Credentials (:meth:`web.auth.Auth.voice_caller`): a client token
+    (``Authorization: Bearer ck_...``) starts its own session id, tenant,
+    plan, instructions and voice; a tenant API token starts a session of
+    that tenant; in development mode none is needed.
+
     Raises:
-        ApiError: 400 ``bad_json``, ``invalid_offer`` or ``invalid_sdp``;
-            413 ``body_too_large``; 429/503 from :func:`web.admission.admit`.
+        ApiError: 400 ``bad_json``, ``invalid_offer`` or ``invalid_sdp``
+            (checked first: such an offer uses no token); 401 missing or
+            invalid credentials; 403 a token not for WebRTC; 409 the
+            token's session runs already; 413 ``body_too_large``; 429/503
+            from :func:`web.admission.admit` (the token stays usable).
     """
     app = request.app
     body = await read_json(request)
@@ -80,26 +88,41 @@ async def offer(request: web.Request) -> web.Response:
     settings = app[SETTINGS]
     peers = app[PEERS]
     client = request.remote or "?"
-    admit(app, client)
-    clock = app[CLOCK]
+    # after the SDP check (a bad offer uses no token), before anything is made
+    auth = app[AUTH]
+    caller = await auth.voice_caller(request, "webrtc")
+    grant = caller.grant
+    try:
+        if grant is not None and grant.session_id in peers:
+            raise ApiError(409, "session_exists", "this client token's session is running already")
+        admit(app, client)
+    except ApiError:
+        await auth.refused(caller)  # nothing was started: the token may be used again
+        raise
     peer = PeerSession(
         settings=settings,
         manager=app[MANAGER],
-        providers=app[PROVIDERS].for_session(),
-        clock=clock,
+        providers=app[PROVIDERS].for_session(grant.options.voice if grant else None),
+        clock=app[CLOCK],
         on_closed=lambda p: _forget(peers, p),
-        client=request.remote or "?",
+        client=client,
+        tenant_id=caller.tenant_id,
+        session_id=grant.session_id if grant else None,
+        plan=grant.plan(settings.plan_for(caller.tenant_id)) if grant else None,
+        instructions=grant.options.instructions if grant else None,
+        user_id=grant.options.user_id if grant else None,
     )
     peers[peer.id] = peer
     try:
         sdp = await peer.answer(req.sdp)
     except OfferRejected as exc:
         await peer.close(StopReasonKind.TRANSPORT_DISCONNECTED)
+        await auth.refused(caller)
         raise ApiError(400, exc.code, str(exc)) from exc
     except BaseException:
         await asyncio.shield(peer.close(StopReasonKind.TRANSPORT_DISCONNECTED))
         raise
-    log.info("session %s: answered offer", peer.id)
+    log.info("session %s: answered offer (tenant %s)", peer.id, caller.tenant_id)
     return web.json_response({"type": "answer", "sdp": sdp, "session_id": peer.id})
 
 

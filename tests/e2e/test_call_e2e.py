@@ -58,7 +58,7 @@ def utt(path: Path, at_s: float | None = None) -> Utterance:
 
 
 async def test_barge_in_mid_answer(server: Server, say: Callable[..., Path], tmp_path: Path) -> None:
-    client = CallClient(server.url)
+    client = CallClient(server.url, token=TOKEN)
     out = tmp_path / "heard.wav"
     result = await client.run(
         utt(say("tell me a story")), [utt(say("what is the weather like today"), at_s=1.0)], out_wav=out, timeout_s=60
@@ -106,7 +106,7 @@ async def test_barge_in_mid_answer(server: Server, say: Callable[..., Path], tmp
 
 
 async def test_human_voice_gets_an_answer(server: Server, alsa_wav: Callable[[str], Path]) -> None:
-    result = await CallClient(server.url).run(utt(alsa_wav("Front_Center.wav")), timeout_s=40)
+    result = await CallClient(server.url, token=TOKEN).run(utt(alsa_wav("Front_Center.wav")), timeout_s=40)
     assert not result.timed_out
     [turn] = result.turns
     assert turn.transcript == "front center"
@@ -173,7 +173,7 @@ async def test_rest_stop_silences_a_voice_turn(server: Server, say: Callable[...
     voice session: the agent goes silent and the turn ends user_cancel."""
     import aiohttp
 
-    client = CallClient(server.url)
+    client = CallClient(server.url, token=TOKEN)
     call = asyncio.create_task(client.run(utt(say("tell me a story")), [], timeout_s=60))
     async with asyncio.timeout(30):
         while not any(e.get("phase") == "speaking" for e in client._events):

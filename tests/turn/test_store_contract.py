@@ -378,3 +378,18 @@ async def test_device_tokens_are_found_by_hash_until_revoked(any_store) -> None:
     assert not await any_store.device_revoke("dev_a", "tenant_a")  # once
     assert await any_store.device_by_token("h" * 64) is None
     assert await any_store.device_by_token("k" * 64) == ("dev_b", "tenant_b")
+
+
+async def test_client_tokens_are_claimed_once_and_expire(any_store) -> None:
+    """A grant is taken once (also by 20 concurrent claims: one wins), is
+    gone after its expiry, and a refused start may put it back."""
+    later = NOW + timedelta(seconds=60)
+    await any_store.client_token_put("a" * 64, '{"t":"tenant_a"}', later, NOW)
+    await any_store.client_token_put("b" * 64, '{"t":"tenant_b"}', NOW + timedelta(seconds=1), NOW)
+    claims = await asyncio.gather(*(any_store.client_token_claim("a" * 64, NOW) for _ in range(20)))
+    assert [c for c in claims if c is not None] == ['{"t":"tenant_a"}']
+    assert await any_store.client_token_claim("a" * 64, NOW) is None
+    await any_store.client_token_put("a" * 64, '{"t":"tenant_a"}', later, NOW)  # put back
+    assert await any_store.client_token_claim("a" * 64, NOW + timedelta(seconds=59)) == '{"t":"tenant_a"}'
+    assert await any_store.client_token_claim("b" * 64, NOW + timedelta(seconds=1)) is None  # expired
+    assert await any_store.client_token_claim("c" * 64, NOW) is None  # never issued

@@ -49,6 +49,7 @@ from turn.manager import TurnManager
 from turn.models import StopReasonKind, TurnKind
 from voice.session import AgentSession, Providers
 from voice.transport import Control, ControlKind
+from web.client_tokens import ClientGrant
 from web.devices import framing
 from web.devices.messages import Abort, AudioParams, DeviceMessageError, Hello, Ignored, Listen, alert, parse_device_message, server_hello
 from web.devices.transport import DeviceTransport
@@ -92,6 +93,8 @@ class DeviceCall:
         ws: the device's WebSocket (prepared).
         device_id: the registered device (its token's).
         tenant: its tenant (whose plan applies).
+        grant: the client token it connected with (its session id, plan
+            narrowed, instructions), or None for a device token.
         header_version: the ``Protocol-Version`` header (None: not sent).
         on_closed: called once with this call after it has been freed.
         client: the device's address.
@@ -107,8 +110,11 @@ class DeviceCall:
         self, *, settings: Settings, manager: TurnManager, providers: Providers, clock: Clock,
         ws: web.WebSocketResponse, device_id: str, tenant: str, header_version: int | None,
         on_closed: Callable[[DeviceCall], None], client: str = "?", mac: str = "",
+        grant: ClientGrant | None = None,
     ) -> None:
-        self.id = uuid.uuid4().hex
+        self.id = grant.session_id if grant is not None else uuid.uuid4().hex
+        #: the client token's grant it connected with (plan, instructions), or None
+        self.grant = grant
         self.client = client
         self.connected = True
         self.settings = settings
@@ -235,7 +241,8 @@ class DeviceCall:
         self.agent = AgentSession(
             session_id=self.id, manager=self.manager, providers=self.providers, transport=t, fence=self.fence,
             clock=self.clock, emit=self.log.emit_event, vad=self.settings.vad, config=self.settings.session,
-            plan=self.settings.plan_for(self.tenant),
+            plan=self.grant.plan(self.settings.plan_for(self.tenant)) if self.grant else self.settings.plan_for(self.tenant),
+            instructions=self.grant.options.instructions if self.grant else None,
         )
         log.info("device %s: %s (%s) v%d, uplink %s Hz, tenant %s", self.id, self.device_id, self.mac[:40],
                  hello.version, hello.audio_params.sample_rate, self.tenant)

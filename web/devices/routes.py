@@ -32,6 +32,8 @@ import uuid
 from aiohttp import WSCloseCode, web
 
 from turn.models import StopReasonKind
+from web.auth import VoiceCaller
+from web.client_tokens import PREFIX as CLIENT_TOKEN_PREFIX
 from web.devices.call import DeviceCall
 from web.devices.framing import VERSIONS
 from web.devices.messages import MAX_TEXT_BYTES
@@ -101,17 +103,25 @@ async def revoke(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
-async def _device_of(request: web.Request) -> tuple[str, str]:
-    """``(device_id, tenant)`` of the request's device token.
+async def _device_of(request: web.Request) -> tuple[str, str, VoiceCaller | None]:
+    """``(device_id, tenant, caller)`` of the request's device token, or
+    of a client token minted for the ``device`` transport (then ``caller``
+    carries its grant and the device id is ``client-<session id>``).
 
     Raises:
-        ApiError: 401 no bearer token, or an unknown or revoked one.
+        ApiError: 401 no bearer token, or an unknown or revoked one (or an
+            unknown, used or expired client token); 403 a client token not
+            for devices.
     """
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise ApiError(401, "unauthorized", "a device needs 'Authorization: Bearer <device token>'",
                        headers={"WWW-Authenticate": 'Bearer realm="turnkeeper-devices"'})
     app = request.app
+    if token.strip().startswith(CLIENT_TOKEN_PREFIX):
+        caller = await app[AUTH].voice_caller(request, "device")
+        assert caller.grant is not None
+        return f"client-{caller.grant.session_id}", caller.tenant_id, caller
     store = app[STORE]
     digest = token_hash(token.strip())
     found = await app[MANAGER].store_call(lambda: store.device_by_token(digest))
@@ -119,7 +129,7 @@ async def _device_of(request: web.Request) -> tuple[str, str]:
         log.warning("refused a device from %s: unknown or revoked token", request.remote)
         raise ApiError(401, "unauthorized", "unknown or revoked device token",
                        headers={"WWW-Authenticate": 'Bearer realm="turnkeeper-devices", error="invalid_token"'})
-    return found
+    return found[0], found[1], None
 
 
 async def device_socket(request: web.Request) -> web.StreamResponse:
@@ -131,18 +141,21 @@ async def device_socket(request: web.Request) -> web.StreamResponse:
     """
     app = request.app
     settings = app[SETTINGS]
-    device_id, tenant = await _device_of(request)
     raw_version = request.headers.get("Protocol-Version")
     version: int | None = None
     if raw_version is not None:
         if raw_version.strip() not in {str(v) for v in VERSIONS}:
             raise ApiError(400, "bad_protocol_version", f"Protocol-Version must be one of {VERSIONS}")
         version = int(raw_version)
+    device_id, tenant, caller = await _device_of(request)
+    grant = caller.grant if caller is not None else None
     peers = app[PEERS]
     mac = request.headers.get("Device-Id", "").strip()[:64] or device_id
     key = (tenant, mac.lower())
     older = app[DEVICE_CONNECTIONS].get(key)
-    if len(peers) - (older is not None) >= settings.max_sessions:
+    if len(peers) - (older is not None) >= settings.max_sessions or (grant is not None and grant.session_id in peers):
+        if caller is not None:
+            await app[AUTH].refused(caller)  # nothing started: the client token may be used again
         raise ApiError(503, "too_many_sessions", f"{settings.max_sessions} sessions are running; try later",
                        headers={"Retry-After": "5"})
     ws = web.WebSocketResponse(max_msg_size=max(settings.devices.max_frame_bytes, MAX_TEXT_BYTES) + 1024, heartbeat=None)
@@ -157,9 +170,10 @@ async def device_socket(request: web.Request) -> web.StreamResponse:
             del app[DEVICE_CONNECTIONS][key]
 
     call = DeviceCall(
-        settings=settings, manager=app[MANAGER], providers=app[PROVIDERS].for_session(), clock=app[CLOCK], ws=ws,
+        settings=settings, manager=app[MANAGER], clock=app[CLOCK], ws=ws,
+        providers=app[PROVIDERS].for_session(grant.options.voice if grant else None),
         device_id=device_id, tenant=tenant, header_version=version, on_closed=forget, client=request.remote or "?",
-        mac=mac,
+        mac=mac, grant=grant,
     )
     peers[call.id] = call
     app[DEVICE_CONNECTIONS][key] = call

@@ -315,14 +315,53 @@
     });
   }
 
+  // The client token this offer presents (single use: one per session),
+  // or null (a development server needs none). Where it comes from, first
+  // found wins:
+  //  1. window.turnkeeperClientToken: an async function of the embedding
+  //     page that asks the app's backend (which calls POST /v1/sessions);
+  //  2. <meta name="turnkeeper-token-url" content="/path">: a same-origin
+  //     URL of the app's backend, POSTed to; it answers {"client_token"};
+  //  3. #client_token=ck_... in the page's URL (a fragment never reaches a
+  //     server or its logs); used once, then removed from the address.
+  async function clientToken() {
+    if (typeof window.turnkeeperClientToken === "function") {
+      const t = await window.turnkeeperClientToken();
+      return t || null;
+    }
+    const meta = document.querySelector('meta[name="turnkeeper-token-url"]');
+    if (meta && meta.content) {
+      const url = new URL(meta.content, location.href);
+      if (url.origin !== location.origin) throw new Error("turnkeeper-token-url must be on this page's origin");
+      const resp = await fetch(url, { method: "POST", credentials: "same-origin" });
+      const body = await resp.json().catch(() => null);
+      if (!resp.ok || !body || typeof body.client_token !== "string") {
+        throw new Error(`Cannot get a client token from ${url.pathname} (HTTP ${resp.status})`);
+      }
+      return body.client_token;
+    }
+    const hash = new URLSearchParams(location.hash.slice(1));
+    const token = hash.get("client_token");
+    if (token) {
+      hash.delete("client_token");
+      const rest = hash.toString();
+      history.replaceState(null, "", location.pathname + location.search + (rest ? `#${rest}` : ""));
+      return token;
+    }
+    return null;
+  }
+
   // POST the offer; returns {type, sdp, session_id} or throws with the
   // server's error code and message.
   async function postOffer(desc) {
     let resp;
+    const headers = { "Content-Type": "application/json" };
+    const token = await clientToken();
+    if (token) headers.Authorization = `Bearer ${token}`;
     try {
       resp = await fetch("/v1/webrtc/offer", {
         method: "POST",
-        headers: { "Content-Type": "application/json" },
+        headers,
         body: JSON.stringify({ type: desc.type, sdp: desc.sdp }),
       });
     } catch (err) {
@@ -333,6 +372,9 @@
     if (!resp.ok) {
       const e = body && body.error;
       const detail = e ? `${e.code}: ${e.message}` : `HTTP ${resp.status}`;
+      if (resp.status === 401) {
+        throw new Error(`Not allowed to talk to this agent (${detail}). Open this page with a client token from the app's backend.`);
+      }
       throw new Error(`Offer rejected (${detail})`);
     }
     if (!body || body.type !== "answer" || typeof body.sdp !== "string") {
