@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from web.access_log import runner as app_runner
 from web.app import create_app
 from web.drain import DRAIN, drain_app
 from web.settings import Settings
@@ -42,7 +43,7 @@ async def serve(settings: Settings) -> int:
         OSError: the address cannot be listened on.
     """
     app = create_app(settings)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    runner = app_runner(app, handle_signals=False)  # its access log leaves secrets out, at DEBUG
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     try:
