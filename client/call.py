@@ -423,7 +423,7 @@ class CallClient:
         try:
             ev = json.loads(message)
         except (TypeError, ValueError):
-            log.warning("non-JSON event: %r", message)
+            log.warning("non-JSON event of %d characters", len(str(message)))  # its text may quote the user
             return
         self._events.append(ev)
         self._event_times.append((self.clock.monotonic(), ev))

@@ -59,6 +59,7 @@ from turn.intents import (
     compensation_key,
     effect_key,
 )
+from turn.log_content import error_text
 from turn.models import StopReasonKind
 from turn.stop_policy import effect_remains, policy_for
 from turn.store import TurnStore
@@ -360,7 +361,7 @@ class Ledger:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("lookup of %s failed: %s", intent.key, exc)
+                log.warning("lookup of %s failed: %s", intent.key, error_text(exc))
         await self._audit(intent.key, "lookup", answer.value)
         return answer
 

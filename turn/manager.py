@@ -22,6 +22,7 @@ from turn.event_catalogue import LedgerEvent, StopReasonView, TurnEvent
 from turn.events import EventLogs
 from turn.lease import Leases, default_owner
 from turn.ledger import Ledger
+from turn.log_content import content
 from turn.models import Budget, Plan, Session, StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
 from turn.reconciliation import ReconciliationWorker
 from turn.resume import Resumption
@@ -293,6 +294,8 @@ class TurnManager(Checkpoints, StopPath, Leases, Resumption):
             heartbeat_at=now if start else None,
         )
         await self.store_call(lambda: self.store.create(turn))
+        log.debug("turn %s opened in session %s (generation %d): %s", turn.id, session_id, generation,
+                  content(transcript) if transcript is not None else "no transcript yet")
         self._notify(turn)
         if not start:
             return turn
@@ -385,6 +388,7 @@ class TurnManager(Checkpoints, StopPath, Leases, Resumption):
         """
         given = (("transcript", transcript), ("reply", reply), ("reply_unheard", reply_unheard), ("merged_into", merged_into))
         fields = {k: v for k, v in given if v is not None}
+        log.debug("turn %s: recorded %s", turn_id, ", ".join(f"{k} {v if k == 'merged_into' else content(v)}" for k, v in fields.items()))
         fence = self.lease_fence(turn_id)
         return await self.store_call(lambda: self.store.update(turn_id, at=self.clock.now(), fence_owner=fence, **fields))
 

@@ -15,6 +15,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from clock import Clock
+from turn.log_content import content
 from turn.models import StopReason, StopReasonKind
 from voice.dtmf import DigitStream
 from voice.session_config import SessionConfig
@@ -89,7 +90,7 @@ class SessionControls:
         utterance is being listened to or the text is empty."""
         tt = self.turn_taking
         if not text.strip() or tt.listening or tt.ptt_active or self._tg is None:
-            log.info("wake word %r while listening (or empty): ignored", text[:40])
+            log.info("wake word %s while listening (or empty): ignored", content(text[:40]))
             return
         self._carry_out(tt.ptt_start(at, initiator="wake_word"))
         run = self._listening
@@ -134,7 +135,7 @@ class SessionControls:
         entry = self._keypad if tt.ptt_active else None  # held too long: let go by turn-taking
         if entry is None:
             if tt.listening or tt.ptt_active or self._tg is None:
-                log.info("key %r while an utterance is being listened to: recorded only", digit)
+                log.info("key %s while an utterance is being listened to: recorded only", content(digit))
                 return
             self._carry_out(tt.ptt_start(at, initiator="dtmf"))
             run = self._listening

@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Callable
 from clock import Clock
 from turn.event_catalogue import ErrorEvent
 from turn.events import EventSink
+from turn.log_content import error_text
 from turn.manager import TurnManager
 from turn.runtime import TurnRuntime
 from turn.scope import TurnScope
@@ -113,7 +114,7 @@ async def fail(manager: TurnManager, turn_id: str, generation: int, exc: BaseExc
     write. Returns whether the failure was recorded (False: the store
     refused it, logged; the caller's settle tries again)."""
     error = describe_error(exc)
-    log.error("turn %s failed: %s", turn_id, error, exc_info=exc)
+    log.error("turn %s failed: %s", turn_id, error_text(exc), exc_info=exc)  # the traceback without its message unless log_content
     recorded = True
     try:
         await manager.fail(turn_id, error)

@@ -65,7 +65,7 @@ class StartTurn(BaseModel):
 
     text: str = Field(min_length=1, max_length=4000, description="what the user typed (not only whitespace)")
     session_id: str | None = Field(
-        default=None, pattern=SESSION_ID.pattern, description="continue this conversation (new one if absent)"
+        default=None, pattern=SESSION_ID.pattern, description="continue this conversation (the tenant's; 404 if unknown; new if absent)"
     )
     deadline_ms: int | None = Field(default=None, ge=1, le=3_600_000, description="deadline from now, ms")
     budget_tokens: int | None = Field(
@@ -138,13 +138,18 @@ async def start_turn(request: web.Request) -> web.Response:
 
     Raises:
         ApiError: 401 no or unknown token; 400 bad JSON or fields; 413 body too
-            large; 404 another tenant's (or no such) session; 409 the session is
+            large; 404 another tenant's or no such session; 409 the session is
             a voice session; 503 shutting down.
     """
     app = request.app
     auth: Auth = app[AUTH]
     tenant = auth.require_tenant(request)
     body: StartTurn = await _body(request, StartTurn)
+    if body.session_id is not None:
+        # only one of the caller's sessions goes on: an unknown id is not
+        # created, so another tenant's answers the same 404 (no existence
+        # oracle, no squatting another tenant's next id)
+        await _own_session(app[MANAGER], body.session_id, tenant)
     try:
         turn = await app[TEXT_TURNS].start(
             tenant_id=tenant,
@@ -156,7 +161,7 @@ async def start_turn(request: web.Request) -> web.Response:
             else None,
         )
     except PermissionError as exc:
-        raise ApiError(404, "not_found", f"no session {body.session_id!r}") from exc
+        raise ApiError(404, "not_found", "no such session") from exc
     except WrongSessionKind as exc:
         raise ApiError(409, "wrong_session_kind", f"{exc}: a text turn starts a text session or continues one") from exc
     except RuntimeError as exc:

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from clock import Clock, SystemClock
 from turn.ledger import EffectHandler
+from turn.log_content import set_log_content
 from turn.manager import TurnManager
 from turn.models import StopReason, StopReasonKind
 from turn.redis_store import RedisStore
@@ -224,6 +225,7 @@ def create_app(
         ValueError: ``settings.store`` is not a supported URL.
     """
     settings = settings or Settings()
+    set_log_content(settings.log_content)  # per process: the last app built decides
     app = web.Application(client_max_size=settings.max_offer_bytes, middlewares=[_json_errors])
     app[SETTINGS] = settings
     app[CLOCK] = clock or SystemClock()

@@ -16,6 +16,7 @@ import logging
 import sys
 
 import aiohttp
+from pydantic import ValidationError
 
 from web.serve import serve
 from web.settings import Settings, load_settings
@@ -105,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(run_call(args, settings))
     except FileNotFoundError as exc:
         print(f"turnkeeper: file not found: {exc.filename or exc}", file=sys.stderr)
+        return 2
+    except ValidationError as exc:
+        # one line per problem, never the value given: it may be a token
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
+        print(f"turnkeeper: invalid settings: {problems}", file=sys.stderr)
         return 2
     except (ValueError, RuntimeError) as exc:  # CallError is a RuntimeError
         # ValueError covers pydantic's ValidationError: one line per problem.

@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from web.access_log import runner as app_runner
 from web.app import create_app
 from web.auth import check_exposure
 from web.drain import DRAIN, drain_app
@@ -46,7 +47,7 @@ async def serve(settings: Settings) -> int:
     """
     check_exposure(settings.host, bool(settings.tenants_by_token), settings.auth.insecure)
     app = create_app(settings)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    runner = app_runner(app, handle_signals=False)  # its access log leaves secrets out, at DEBUG
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     try:

@@ -213,6 +213,11 @@ class Settings(BaseSettings):
             (0: wait for audio; otherwise at least 100 ms; see
             ``media.inbound.InboundAudio``).
         log_level: Python logging level name.
+        log_content: put content in logs and logged errors (what users said
+            or typed, replies, prompts, tool arguments, exception texts;
+            see :mod:`turn.log_content`), for debugging. Off by default:
+            logs carry ids, states, codes and counts only. Secrets (tokens,
+            signatures) are never logged either way.
         redis_prefix: key prefix in Redis (several deployments can share a server).
         lease_ttl_s: a running turn whose worker has not heartbeated for this
             many seconds is taken to have lost its worker.
@@ -279,6 +284,7 @@ class Settings(BaseSettings):
             raise ValueError(f"must be 0 (off) or at least {MIN_STALL_MS} ms: ordinary packet jitter is not a stall")
         return v
     log_level: str = "INFO"
+    log_content: bool = False
     redis_prefix: str = Field("tk", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     lease_ttl_s: float = Field(10.0, ge=1, le=3600)
     stop_flag_staleness_ms: int = Field(100, ge=0, le=60_000)

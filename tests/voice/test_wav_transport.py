@@ -8,6 +8,7 @@ as controls."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from demo_shop.tools import weather_tools
 from testkit.wav_transport import WavTransport
 from turn.events import EventFollower, event_json
 from turn.generation import GenerationFence
+from turn.log_content import set_log_content
 from turn.manager import TurnManager
 from turn.models import StopReasonKind, TurnStatus
 from turn.sqlite_store import SqliteStore
@@ -177,3 +179,25 @@ async def test_push_to_talk_and_abort_arrive_as_controls(call: Call, say: Callab
     await call.hang_up()
     assert not t.press(ControlKind.PTT_START)  # the call is over: no session takes it
     assert t.refused[-1][1] == "session_not_ready"
+
+
+@pytest.mark.parametrize("on", [False, True])
+async def test_a_voice_turn_logs_what_was_said_only_with_log_content(
+    on: bool, call: Call, say: Callable[..., Path], store: SqliteStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 16: every logger at DEBUG, a spoken turn answered: neither the
+    transcript nor the reply is in any record, unless ``log_content``."""
+    caplog.set_level(logging.DEBUG)
+    set_log_content(on)
+    try:
+        call.transport.play(say("count to twenty"))
+        await call.wait_for(lambda: call.completed() == 1, timeout=30)
+        await call.hang_up()
+    finally:
+        set_log_content(False)
+    [turn] = await store.list_session("wav-1")
+    assert turn.transcript == "count to twenty" and turn.reply
+    logs = "\n".join(caplog.handler.format(r) + repr(r.args) for r in caplog.records)
+    assert any(r.name.startswith("turn.") and r.levelno == logging.DEBUG for r in caplog.records)
+    assert ("count to twenty" in logs) is on
+    assert (turn.reply[:20] in logs) is on

@@ -45,6 +45,14 @@ def test_call_missing_and_bad_files(tmp_path: Path, say) -> None:
     assert_clean_error(proc, "/nonexistent/dir")
 
 
+def test_a_bad_secret_setting_is_named_never_echoed(tmp_path: Path) -> None:
+    """Issue 16: a settings error names the setting and the problem, never
+    the value given (pydantic's own text quotes it: a token)."""
+    proc = run(["serve"], tmp_path, {"TURNKEEPER_API_TOKENS": "a:tok SECRET-91f", "TURNKEEPER_ADMIN_TOKEN": "ADM" * 100})
+    assert_clean_error(proc, "api_tokens", "whitespace", "admin_token", "at most 256")
+    assert "SECRET-91f" not in proc.stderr and "ADMADM" not in proc.stderr
+
+
 def test_serve_bad_settings(tmp_path: Path) -> None:
     assert_clean_error(run(["serve"], tmp_path, {"TURNKEEPER_PORT": "abc"}), "port")
     assert_clean_error(run(["serve"], tmp_path, {"TURNKEEPER_VAD__OFFSET_MS": "55"}), "offset_ms")
