@@ -7,6 +7,8 @@ one HTTP exchange) and starts a :class:`web.peer.PeerSession`.
 
 An offer that can never connect is refused (400 ``invalid_sdp``) before
 any limit is counted or any session is made (:mod:`web.offer_validation`).
+Then the limits (:mod:`web.admission`, :mod:`web.limits`), before anything
+is made.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from web.admission import admit
 from web.errors import ApiError
 from web.offer_validation import OfferRejected, validate_offer
 from web.peer import PeerSession
-from web.state import CLOCK, MANAGER, PEERS, PROVIDERS, SETTINGS
+from web.state import CLOCK, LIMITS, MANAGER, PEERS, PROVIDERS, SETTINGS
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,9 @@ async def offer(request: web.Request) -> web.Response:
 
     Raises:
         ApiError: 400 ``bad_json``, ``invalid_offer`` or ``invalid_sdp``;
-            413 ``body_too_large``; 429/503 from :func:`web.admission.admit`.
+            413 ``body_too_large``; 429/503 from :func:`web.admission.admit`
+            (429 ``rate_limited``: the tenant's or the address's session
+            starts a minute or concurrent sessions, :mod:`web.limits`).
     """
     app = request.app
     body = await read_json(request)
@@ -80,7 +84,9 @@ async def offer(request: web.Request) -> web.Response:
     settings = app[SETTINGS]
     peers = app[PEERS]
     client = request.remote or "?"
-    admit(app, client)
+    # every WebRTC peer is the default tenant's until offers carry a client token
+    tenant = "default"
+    admit(app, client, tenant, start=True)
     clock = app[CLOCK]
     peer = PeerSession(
         settings=settings,
@@ -88,7 +94,9 @@ async def offer(request: web.Request) -> web.Response:
         providers=app[PROVIDERS].for_session(),
         clock=clock,
         on_closed=lambda p: _forget(peers, p),
-        client=request.remote or "?",
+        client=client,
+        tenant=tenant,
+        limits=app[LIMITS],
     )
     peers[peer.id] = peer
     try:
