@@ -37,7 +37,7 @@ EffectName = Literal["none", "complete", "compensate"]
 #: every ``error`` code the server sends
 ErrorCode = Literal[
     "ptt_too_long", "store_error", "turn_failed",  # logged by the agent session
-    "session_failed", "bad_message", "message_too_large", "unknown_type",  # sent directly (web.peer) ...
+    "session_failed", "bad_message", "message_too_large", "unknown_type", "rate_limited",  # sent directly (web.peer) ...
     "ptt_already_active", "ptt_not_active", "session_not_ready",  # ... refusing a push-to-talk message
 ]
 

@@ -33,14 +33,15 @@ from turn.catalogue_schema import catalogue_schema
 from turn.event_catalogue import Snapshot, SnapshotTurn, StreamEnd, StreamStart, wire_of
 from turn.events import EventFollower, event_json
 from turn.manager import TurnManager, turn_fields
-from turn.models import Budget, Session, StopReason, StopReasonKind, Turn
+from turn.models import Budget, Session, StopReason, StopReasonKind, Turn, TurnStatus
 from turn.store import IdempotencyConflict, StopAnswer, UnknownSession, UnknownTurn, WrongSessionKind
 from web.auth import Auth
 from web.client_tokens import OPENAPI_PATHS as CLIENT_TOKEN_PATHS
 from web.client_tokens import OPENAPI_SCHEMAS as CLIENT_TOKEN_SCHEMAS
 from web.drain import DRAIN
 from web.errors import ApiError
-from web.state import AUTH, CLOCK, MANAGER, STREAMS, TEXT_TURNS
+from web.limits import rate_limited
+from web.state import AUTH, CLOCK, LIMITS, MANAGER, STREAMS, TEXT_TURNS
 from web.telephony.routes import OPENAPI_PATHS as TELEPHONY_PATHS
 
 log = logging.getLogger(__name__)
@@ -139,12 +140,14 @@ async def start_turn(request: web.Request) -> web.Response:
     Raises:
         ApiError: 401 no or unknown token; 400 bad JSON or fields; 413 body too
             large; 404 another tenant's or no such session; 409 the session is
-            a voice session; 503 shutting down.
+            a voice session; 429 ``rate_limited`` (the tenant's or the
+            address's turns a minute, :mod:`web.limits`); 503 shutting down.
     """
     app = request.app
     auth: Auth = app[AUTH]
     tenant = auth.require_tenant(request)
     body: StartTurn = await _body(request, StartTurn)
+    app[LIMITS].require("turn", tenant=tenant, client=request.remote or "?")  # before anything is made
     if body.session_id is not None:
         # only one of the caller's sessions goes on: an unknown id is not
         # created, so another tenant's answers the same 404 (no existence
@@ -199,7 +202,10 @@ async def stop_turn(request: web.Request) -> web.Response:
 
     Raises:
         ApiError: 401; 400 missing or bad Idempotency-Key or body; 404 another
-            tenant's or no such turn; 422 the key was used with other parameters.
+            tenant's or no such turn; 422 the key was used with other parameters;
+            429 ``rate_limited``: over the tenant's or the address's stops a
+            second, unless it is the first stop of the tenant's own open turn
+            (never refused: a stop must get through a flood).
     """
     app = request.app
     tenant = app[AUTH].require_tenant(request)
@@ -209,7 +215,18 @@ async def stop_turn(request: web.Request) -> web.Response:
     if not IDEMPOTENCY_KEY.match(key):
         raise ApiError(400, "invalid_idempotency_key", "Idempotency-Key must be 1-128 printable ASCII characters, no spaces")
     body: StopTurn = await _body(request, StopTurn, optional=True)
-    turn = await _own_turn(request, tenant)
+    limits, client = app[LIMITS], request.remote or "?"
+    if limits.allows("stop", tenant=tenant, client=client):
+        turn = await _own_turn(request, tenant)
+    else:  # over the rate: only the first stop of the tenant's own open turn goes on
+        wait = limits.wait_s("stop", tenant=tenant, client=client)
+        try:
+            turn = await _own_turn(request, tenant)
+        except ApiError:
+            raise rate_limited("too many stop requests", wait) from None
+        if turn.status not in (TurnStatus.QUEUED, TurnStatus.RUNNING):
+            raise rate_limited("too many stop requests", wait)
+        limits.spend("stop", tenant=tenant, client=client)  # it still counts towards the flood
     manager: TurnManager = app[MANAGER]
     request_id = f"{tenant}:{key}"
     fingerprint = hashlib.sha256(f"{turn.id}\0{body.reason}\0{body.detail or ''}".encode()).hexdigest()
@@ -410,6 +427,7 @@ OPENAPI: dict[str, Any] = {
                 "400": _err("bad JSON or invalid request"), "401": _err("no or unknown token"),
                 "404": _err("the session belongs to nobody you know"),
                 "409": _err("the session is a voice session (wrong_session_kind)"), "413": _err("body too large (body_too_large)"),
+                "429": _err("rate_limited: the tenant's or the address's turns a minute; see Retry-After (s)"),
                 "503": _err("shutting down")}}},
         "/v1/turns/{turn_id}": {"get": {
             "summary": "The turn record, with its stop reason, usage, stop report and side-effect ledger",
@@ -430,7 +448,9 @@ OPENAPI: dict[str, Any] = {
                 "409": {"description": "it ended in RECONCILE_REQUIRED", "content": {"application/json": {"schema": _STOP_RESULT}}},
                 "400": _err("missing or invalid Idempotency-Key, bad body"), "401": _err("no or unknown token"),
                 "404": _err("unknown turn"), "413": _err("body too large (body_too_large)"),
-                "422": _err("Idempotency-Key reused with other parameters")}}},
+                "422": _err("Idempotency-Key reused with other parameters"),
+                "429": _err("rate_limited: stops a second over the limit (never the first stop of your open turn); "
+                            "see Retry-After (s)")}}},
         "/v1/sessions/{session_id}/events": {"get": {
             "summary": "The session's events as Server-Sent Events, live and resumable",
             "security": [{"bearer": []}, {}],

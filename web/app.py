@@ -47,8 +47,9 @@ from web.auth import Auth
 from web.devices import routes as device_routes
 from web.drain import DRAIN, close_streams
 from web.errors import ApiError
+from web.limits import Limits
 from web.settings import Settings
-from web.state import AUTH, CLOCK, LEASES, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE, STREAMS, TEXT_TURNS, WORKERS
+from web.state import AUTH, CLOCK, LEASES, LIMITS, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE, STREAMS, TEXT_TURNS, WORKERS
 from web.telephony import routes as telephony_routes
 
 if TYPE_CHECKING:
@@ -239,6 +240,7 @@ def create_app(
         flag_staleness_s=settings.stop_flag_staleness_ms / 1000,
     )
     app[PEERS] = {}
+    app[LIMITS] = Limits(settings.limits, app[CLOCK])
     app[STREAMS] = set()
     app[PROVIDERS] = provs = providers or EmbeddedProviders(settings, app[CLOCK])
     provs.bind(store)

@@ -25,3 +25,4 @@ class ApiError(web.HTTPException):
             headers=headers,
         )
         self.code = code
+        self.message = message

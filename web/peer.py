@@ -30,7 +30,9 @@ from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import Plan, StopReasonKind, TurnKind
 from voice.session import AgentSession, Providers
+from web.limits import Limits
 from web.offer_validation import OfferRejected
+from web.rate_limit import TokenBucket
 from web.settings import Settings
 from web.webrtc_transport import WebRtcTransport
 
@@ -52,7 +54,9 @@ class PeerSession:
         clock: time source.
         on_closed: called once with this session after it has been freed.
         client: the client's address, for per-client limits.
-        tenant_id: whose session it is.
+        tenant: whose session it is (its plan and per-tenant limits).
+        limits: the server's per-tenant and per-address limits (None: only
+            ``limits.datachannel_messages_per_s`` of this session holds).
         session_id: its id (a client token's); None: a new random one.
         plan: the limits of its turns (None: the tenant's plan).
         instructions: the system message of its model requests (None: none).
@@ -68,18 +72,22 @@ class PeerSession:
         clock: Clock,
         on_closed: Callable[[PeerSession], None],
         client: str = "?",
-        tenant_id: str = "default",
+        tenant: str = "default",
+        limits: Limits | None = None,
         session_id: str | None = None,
         plan: Plan | None = None,
         instructions: str | None = None,
         user_id: str | None = None,
     ) -> None:
         self.id = session_id or uuid.uuid4().hex
-        #: whose session it is (its plan and limits)
-        self.tenant_id = tenant_id
         self.user_id = user_id
         #: the client's address (for per-client limits)
         self.client = client
+        #: its tenant (plan, per-tenant limits)
+        self.tenant = tenant
+        self._limits = limits
+        rate = settings.limits.datachannel_messages_per_s
+        self._messages = TokenBucket(rate, max(1.0, rate)) if rate > 0 else None  # a second's worth at once
         #: the peer connection reached "connected" at least once
         self.connected = False
         self.settings = settings
@@ -87,7 +95,8 @@ class PeerSession:
         self.pc = RTCPeerConnection()
         self.fence = GenerationFence(clock)
         #: the seam the agent runs on: audio in and out, controls, events
-        self.transport = WebRtcTransport(clock, self.fence.passes, on_sent=self._on_sent, name=self.id)
+        self.transport = WebRtcTransport(clock, self.fence.passes, on_sent=self._on_sent, name=self.id,
+                                         admit_message=self._admit_message)
         #: what this session plays, for the echo guard (None: guard off)
         self.echo = EchoReference(settings.bargein.echo_max_delay_ms) if settings.bargein.echo_guard else None
         self._segment: tuple[int, int] | None = None  # (generation, first sample) of the audio going out
@@ -106,7 +115,7 @@ class PeerSession:
             emit=self.log.emit_event,
             vad=settings.vad,
             config=settings.session,
-            plan=plan or settings.plan_for(tenant_id),
+            plan=plan or settings.plan_for(tenant),
             instructions=instructions,
         )
         self._track: MediaStreamTrack | None = None
@@ -135,6 +144,13 @@ class PeerSession:
                 self._start_agent()
             elif state in ("failed", "closed"):
                 self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
+
+    def _admit_message(self) -> bool:
+        """One data-channel message within this session's rate and its
+        tenant's and address's (:mod:`web.limits`)?"""
+        if self._messages is not None and not self._messages.take(self.clock.monotonic()):
+            return False
+        return self._limits is None or self._limits.allows("message", tenant=self.tenant, client=self.client)
 
     def _on_sent(self, frame: PlayoutFrame | None, at: float) -> None:
         """Per 20 ms tick: feed the echo guard what is played, and log where
@@ -204,7 +220,7 @@ class PeerSession:
 
     async def _run(self) -> None:
         try:
-            await self.manager.ensure_session(self.id, tenant_id=self.tenant_id, kind=TurnKind.VOICE)
+            await self.manager.ensure_session(self.id, tenant_id=self.tenant, kind=TurnKind.VOICE)
             self._follow_task = asyncio.get_running_loop().create_task(self._follow(), name=f"follow-{self.id}")
             await self.agent.run()
         except asyncio.CancelledError:

@@ -1,5 +1,5 @@
 """Rate limits: a token bucket per thing limited (a socket's messages, its
-bad messages).
+bad messages; per tenant and per client address in :mod:`web.limits`).
 
 A fixed one-second window lets twice the limit through across a window's
 edge and forgets a flood the moment the window turns; a token bucket
@@ -32,13 +32,30 @@ class TokenBucket:
         self._tokens = float(burst)
         self._at: float | None = None
 
+    def _refill(self, now: float) -> None:
+        if self._at is not None:
+            self._tokens = min(self.burst, self._tokens + max(0.0, now - self._at) * self.rate_per_s)
+            self._at = max(self._at, now)  # time going back adds nothing, later or now
+        else:
+            self._at = now
+
     def take(self, now: float) -> bool:
         """Spend one token at clock seconds ``now``; False (nothing spent)
         when none is left: the sender is over the limit."""
-        if self._at is not None:
-            self._tokens = min(self.burst, self._tokens + max(0.0, now - self._at) * self.rate_per_s)
-        self._at = now
+        self._refill(now)
         if self._tokens < 1:
             return False
         self._tokens -= 1
         return True
+
+    def wait_s(self, now: float) -> float:
+        """Seconds from clock seconds ``now`` until a token is there (0.0:
+        one is now); nothing is spent."""
+        self._refill(now)
+        return 0.0 if self._tokens >= 1 else (1 - self._tokens) / self.rate_per_s
+
+    def full(self, now: float) -> bool:
+        """All ``burst`` tokens are there at ``now``: forgetting this bucket
+        and starting a new one later loses nothing."""
+        self._refill(now)
+        return self._tokens >= self.burst

@@ -33,6 +33,7 @@ from voice.llm import LlmConfig
 from voice.session_config import SessionConfig
 from voice.stt import PocketsphinxConfig
 from voice.tts import EspeakConfig
+from web.limits import LimitSettings
 
 _CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("turnkeeper_config", default=None)
 
@@ -252,6 +253,8 @@ class Settings(BaseSettings):
         devices: push-to-talk devices (:class:`DeviceSettings`).
         shutdown: draining before exit (:class:`ShutdownSettings`).
         traces: OpenTelemetry export (:class:`TraceSettings`).
+        limits: rate limits and quotas per tenant and per client address
+            (:class:`web.limits.LimitSettings`).
         admin_token: bearer token of the admin endpoints (``/v1/admin/*``);
             empty: they answer loopback clients only (a preStop hook runs
             in the pod).
@@ -325,6 +328,7 @@ class Settings(BaseSettings):
     shutdown: ShutdownSettings = ShutdownSettings()
     traces: TraceSettings = TraceSettings()
     auth: AuthSettings = AuthSettings()
+    limits: LimitSettings = LimitSettings()
     admin_token: str = Field("", repr=False, max_length=256)
     advertise_url: str = Field("", max_length=512, pattern=r"^(https?://\S+)?$")
 

@@ -7,6 +7,8 @@ one HTTP exchange) and starts a :class:`web.peer.PeerSession`.
 
 An offer that can never connect is refused (400 ``invalid_sdp``) before
 any limit is counted or any session is made (:mod:`web.offer_validation`).
+Then the limits (:mod:`web.admission`, :mod:`web.limits`), before anything
+is made.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from web.admission import admit
 from web.errors import ApiError
 from web.offer_validation import OfferRejected, validate_offer
 from web.peer import PeerSession
-from web.state import AUTH, CLOCK, MANAGER, PEERS, PROVIDERS, SETTINGS
+from web.state import AUTH, CLOCK, LIMITS, MANAGER, PEERS, PROVIDERS, SETTINGS
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,10 @@ async def offer(request: web.Request) -> web.Response:
             (checked first: such an offer uses no token); 401 missing or
             invalid credentials; 403 a token not for WebRTC; 409 the
             token's session runs already; 413 ``body_too_large``; 429/503
-            from :func:`web.admission.admit` (the token stays usable).
+            from :func:`web.admission.admit` (429 ``rate_limited``: the
+            tenant's or the address's session starts a minute or concurrent
+            sessions, :mod:`web.limits`); the token stays usable after any
+            of these.
     """
     app = request.app
     body = await read_json(request)
@@ -92,10 +97,11 @@ async def offer(request: web.Request) -> web.Response:
     auth = app[AUTH]
     caller = await auth.voice_caller(request, "webrtc")
     grant = caller.grant
+    tenant = caller.tenant_id
     try:
         if grant is not None and grant.session_id in peers:
             raise ApiError(409, "session_exists", "this client token's session is running already")
-        admit(app, client)
+        admit(app, client, tenant, start=True)
     except ApiError:
         await auth.refused(caller)  # nothing was started: the token may be used again
         raise
@@ -106,9 +112,10 @@ async def offer(request: web.Request) -> web.Response:
         clock=app[CLOCK],
         on_closed=lambda p: _forget(peers, p),
         client=client,
-        tenant_id=caller.tenant_id,
+        tenant=tenant,
+        limits=app[LIMITS],
         session_id=grant.session_id if grant else None,
-        plan=grant.plan(settings.plan_for(caller.tenant_id)) if grant else None,
+        plan=grant.plan(settings.plan_for(tenant)) if grant else None,
         instructions=grant.options.instructions if grant else None,
         user_id=grant.options.user_id if grant else None,
     )

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from voice.text_turns import TextTurns
     from web.app import EmbeddedProviders
     from web.auth import Auth
+    from web.limits import Limits
     from web.settings import Settings
 
 
@@ -33,6 +34,11 @@ class ClientSession(Protocol):
     id: str
     #: the client's address (per-client limits)
     client: str
+    @property
+    def tenant(self) -> str | None:
+        """Its tenant (per-tenant limits); None: not known yet (a phone
+        stream before ``start``)."""
+        ...
     #: it is connected (a WebRTC offer may still be connecting)
     connected: bool
     #: its session's event log
@@ -46,6 +52,8 @@ class ClientSession(Protocol):
 
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
+#: the rate limits and quotas per tenant and per client address (web.limits)
+LIMITS: web.AppKey[Limits] = web.AppKey("limits")
 CLOCK: web.AppKey[Clock] = web.AppKey("clock")
 #: the turn store (turn.sqlite_store.SqliteStore or turn.redis_store.RedisStore)
 STORE: web.AppKey[TurnStore] = web.AppKey("store")
@@ -64,5 +72,6 @@ STREAMS: web.AppKey[set[asyncio.Task[Any]]] = web.AppKey("event_streams")
 WORKERS: web.AppKey[list[asyncio.Task[None]]] = web.AppKey("workers")
 
 __all__ = [
-    "ClientSession", "SETTINGS", "CLOCK", "STORE", "MANAGER", "PEERS", "PROVIDERS", "TEXT_TURNS", "AUTH", "LEASES", "STREAMS", "WORKERS",
+    "ClientSession", "SETTINGS", "LIMITS",
+    "CLOCK", "STORE", "MANAGER", "PEERS", "PROVIDERS", "TEXT_TURNS", "AUTH", "LEASES", "STREAMS", "WORKERS",
 ]

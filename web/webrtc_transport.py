@@ -8,7 +8,9 @@ over one aiortc peer's audio track, its paced outbound track and its
   :class:`media.outbound.PacedAudioTrack` through the delivery gate; the
   played position is what left that gate;
 - controls: the client's ``ptt.start`` / ``ptt.end`` data-channel messages
-  (``ping`` is answered here, anything else refused with an ``error``);
+  (``ping`` is answered here, anything else refused with an ``error``; a
+  message over the rate limits is dropped, the first of a run told an
+  ``error`` ``rate_limited``);
 - events: compact JSON on the data channel (:class:`EventChannel`).
 
 :class:`web.peer.PeerSession` owns the peer connection and wires this to the
@@ -135,6 +137,8 @@ class WebRtcTransport:
         on_sent: the outbound track's per-tick hook (echo reference, audio
             segment events), called with (frame or None, clock seconds).
         name: the session's id, for logs.
+        admit_message: asked for each client message; False drops it (over
+            a rate limit: :mod:`web.limits`). None: every message is taken.
 
     Attributes:
         output: the playout buffer (the seam's output sink).
@@ -145,8 +149,14 @@ class WebRtcTransport:
 
     kind = "webrtc"
 
-    def __init__(self, clock: Clock, passes: Passes, on_sent: SentHook | None = None, name: str = "?") -> None:
+    def __init__(
+        self, clock: Clock, passes: Passes, on_sent: SentHook | None = None, name: str = "?",
+        admit_message: Callable[[], bool] | None = None,
+    ) -> None:
         self.clock = clock
+        #: asked for each client message: False drops it (over a rate limit)
+        self.admit_message = admit_message
+        self._limited = False  # the last message was dropped over a limit
         self.name = name
         self.output = PlayoutBuffer()
         self.outbound = PacedAudioTrack(self.output, passes, clock, on_sent=on_sent)
@@ -236,6 +246,12 @@ class WebRtcTransport:
             self.tell("error", code="bad_message", message="message could not be handled")
 
     def _handle_client_message(self, message: Any) -> None:
+        if self.admit_message is not None and not self.admit_message():
+            if not self._limited:  # told once a run: a flood is not answered with a flood
+                self._limited = True
+                self.tell("error", code="rate_limited", message="too many messages: dropped; slow down")
+            return
+        self._limited = False
         if not isinstance(message, str):
             self.tell("error", code="bad_message", message="expected a text message (JSON)")
             return

@@ -130,7 +130,7 @@ async def test_a_client_token_starts_one_session_bound_to_its_grant(server: tupl
     assert status == 200, body
     assert body["session_id"] == minted["session_id"]
     peer = app[PEERS][body["session_id"]]
-    assert (peer.tenant_id, peer.user_id) == ("tenant_a", "u-7")
+    assert (peer.tenant, peer.user_id) == ("tenant_a", "u-7")
     assert peer.agent.instructions == "Answer in one sentence."
     base = Settings().plan_for("tenant_a")
     assert peer.agent.plan.deadline_s == 30 and peer.agent.plan.budget_cents == 2.5 and peer.agent.plan.max_steps == 3
@@ -187,7 +187,7 @@ async def test_a_tenant_api_token_starts_a_session_of_its_tenant(server: tuple[w
     app, url = server
     status, body = await offer(url, TOK_B)
     assert status == 200
-    assert app[PEERS][body["session_id"]].tenant_id == "tenant_b"
+    assert app[PEERS][body["session_id"]].tenant == "tenant_b"
 
 
 async def test_development_mode_needs_no_token(tmp_path: Path) -> None:
@@ -196,7 +196,7 @@ async def test_development_mode_needs_no_token(tmp_path: Path) -> None:
     try:
         status, body = await offer(url, None)
         assert status == 200
-        assert app[PEERS][body["session_id"]].tenant_id == "default"
+        assert app[PEERS][body["session_id"]].tenant == "default"
         status, body, _ = await call("POST", f"{url}/v1/sessions", None, json={})
         assert status == 401  # nothing to mint with: the REST API is off
     finally:

@@ -26,7 +26,9 @@ of a known type with bad fields: an ``alert`` to the device, and the
 socket closed for a ``hello`` we cannot serve (1003) or a broken one
 (1002); an unknown type: logged, ignored (newer firmware); a corrupt Opus
 packet or a version 2/3 header whose size lies: logged and dropped; more
-than ``devices.max_messages_per_s`` messages in a second, a binary message
+than ``devices.max_messages_per_s`` messages in a second (or the tenant's or
+address's connections together over ``limits.messages_per_s_per_*``: an
+``alert``, then closed 1008), a binary message
 over ``devices.max_frame_bytes``, too many bad messages, no ``hello`` in
 ``devices.hello_timeout_s``: the socket closed (1008 / 1009), the turns
 settled ``transport_disconnected``.
@@ -53,6 +55,7 @@ from web.client_tokens import ClientGrant
 from web.devices import framing
 from web.devices.messages import Abort, AudioParams, DeviceMessageError, Hello, Ignored, Listen, alert, parse_device_message, server_hello
 from web.devices.transport import DeviceTransport
+from web.limits import Limits
 from web.rate_limit import TokenBucket
 from web.settings import Settings
 
@@ -99,6 +102,8 @@ class DeviceCall:
         on_closed: called once with this call after it has been freed.
         client: the device's address.
         mac: the ``Device-Id`` header (the board's MAC), for logs.
+        limits: the per-tenant and per-address limits its messages count
+            towards (None: only its own rate holds).
 
     Attributes:
         errors: the code of every bad message, in order (the latest 1000).
@@ -109,7 +114,7 @@ class DeviceCall:
     def __init__(
         self, *, settings: Settings, manager: TurnManager, providers: Providers, clock: Clock,
         ws: web.WebSocketResponse, device_id: str, tenant: str, header_version: int | None,
-        on_closed: Callable[[DeviceCall], None], client: str = "?", mac: str = "",
+        on_closed: Callable[[DeviceCall], None], client: str = "?", mac: str = "", limits: Limits | None = None,
         grant: ClientGrant | None = None,
     ) -> None:
         self.id = grant.session_id if grant is not None else uuid.uuid4().hex
@@ -125,6 +130,7 @@ class DeviceCall:
         self.device_id = device_id
         self.mac = mac
         self.tenant = tenant
+        self._limits = limits
         self.header_version = header_version
         self._on_closed = on_closed
         self.fence = GenerationFence(clock)
@@ -139,6 +145,7 @@ class DeviceCall:
         self._tasks: list[asyncio.Task[None]] = []
         self._agent_task: asyncio.Task[None] | None = None
         self._closing: asyncio.Task[None] | None = None
+        self._farewell: str | None = None  # the alert of a fatal error, sent just before the close
         limit = settings.devices.max_messages_per_s
         self._messages = TokenBucket(limit, limit)  # a second's worth at once, the rate on average
         self._bad_budget = TokenBucket(BAD_MESSAGES_PER_S, MAX_BAD_MESSAGES)
@@ -173,6 +180,9 @@ class DeviceCall:
         try:
             if not self._messages.take(self.clock.monotonic()):
                 raise DeviceError("flood", f"more than {limit} messages a second (60 ms audio is 17)", fatal=True)
+            if self._limits is not None and not self._limits.allows("message", tenant=self.tenant, client=self.client):
+                raise DeviceError("rate_limited", "your tenant's or address's connections send too many messages "
+                                  "together", fatal=True, tell=True)
             handle(data)
         except DeviceError as exc:
             self._bad(exc)
@@ -278,7 +288,10 @@ class DeviceCall:
         fatal = exc.fatal or not self._bad_budget.take(self.clock.monotonic())
         log.warning("device %s: %s: %s%s", self.id, exc.code, exc, " (closing)" if fatal else "")
         if exc.tell:
-            self._alert(str(exc))
+            if fatal and self.transport is not None:  # its writer ends with the call: said last, before the close
+                self._farewell = str(exc)
+            else:
+                self._alert(str(exc))
         if fatal:
             self.close_code = exc.close_code if exc.fatal else int(WSCloseCode.POLICY_VIOLATION)
             self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
@@ -355,6 +368,8 @@ class DeviceCall:
             if not self.ws.closed:
                 code = self.close_code if self.close_code is not None else int(WSCloseCode.OK)
                 try:
+                    if self._farewell is not None:
+                        await self.ws.send_json(alert(self.id, self._farewell[:200]))
                     await self.ws.close(code=code, message=b"session ended")
                 except Exception:  # the peer is gone already
                     log.debug("device %s: close handshake failed", self.id, exc_info=True)

@@ -18,7 +18,9 @@ revoked one gets 401 and no audio is read. The device's turns run under
 its tenant's plan. The same ``Device-Id`` of one tenant connecting again
 ends the older connection (its turns settled ``transport_disconnected``,
 close 1001): the newer wins, as a rebooted board reconnects before the old
-socket times out. A device counts against ``max_sessions``.
+socket times out. A device counts against ``max_sessions`` and its tenant's
+and address's limits (:mod:`web.limits`: 429 ``rate_limited`` before the
+upgrade; its messages with the others' of its tenant and address).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from web.devices.call import DeviceCall
 from web.devices.framing import VERSIONS
 from web.devices.messages import MAX_TEXT_BYTES
 from web.errors import ApiError
-from web.state import AUTH, CLOCK, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE
+from web.state import AUTH, CLOCK, LIMITS, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +139,9 @@ async def device_socket(request: web.Request) -> web.StreamResponse:
 
     Raises:
         ApiError: 401 bad token (before the upgrade); 400 a
-            ``Protocol-Version`` other than 1, 2, 3; 503 too many sessions.
+            ``Protocol-Version`` other than 1, 2, 3; 503 too many sessions;
+            429 ``rate_limited``: the tenant's or the address's session
+            starts a minute or concurrent sessions (:mod:`web.limits`).
     """
     app = request.app
     settings = app[SETTINGS]
@@ -153,11 +157,19 @@ async def device_socket(request: web.Request) -> web.StreamResponse:
     mac = request.headers.get("Device-Id", "").strip()[:64] or device_id
     key = (tenant, mac.lower())
     older = app[DEVICE_CONNECTIONS].get(key)
-    if len(peers) - (older is not None) >= settings.max_sessions or (grant is not None and grant.session_id in peers):
+    client = request.remote or "?"
+    limits = app[LIMITS]
+    try:
+        if len(peers) - (older is not None) >= settings.max_sessions or (grant is not None and grant.session_id in peers):
+            raise ApiError(503, "too_many_sessions", f"{settings.max_sessions} sessions are running; try later",
+                           headers={"Retry-After": "5"})
+        # the connection it replaces does not count; nothing is made yet
+        limits.check_sessions((p for p in peers.values() if p is not older), tenant, client)
+        limits.require("session_start", tenant=tenant, client=client)
+    except ApiError:
         if caller is not None:
             await app[AUTH].refused(caller)  # nothing started: the client token may be used again
-        raise ApiError(503, "too_many_sessions", f"{settings.max_sessions} sessions are running; try later",
-                       headers={"Retry-After": "5"})
+        raise
     ws = web.WebSocketResponse(max_msg_size=max(settings.devices.max_frame_bytes, MAX_TEXT_BYTES) + 1024, heartbeat=None)
     await ws.prepare(request)
     if older is not None:
@@ -172,8 +184,8 @@ async def device_socket(request: web.Request) -> web.StreamResponse:
     call = DeviceCall(
         settings=settings, manager=app[MANAGER], clock=app[CLOCK], ws=ws,
         providers=app[PROVIDERS].for_session(grant.options.voice if grant else None),
-        device_id=device_id, tenant=tenant, header_version=version, on_closed=forget, client=request.remote or "?",
-        mac=mac, grant=grant,
+        device_id=device_id, tenant=tenant, header_version=version, on_closed=forget, client=client,
+        mac=mac, limits=limits, grant=grant,
     )
     peers[call.id] = call
     app[DEVICE_CONNECTIONS][key] = call

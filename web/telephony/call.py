@@ -14,7 +14,9 @@ bytes, a message for another stream, media before ``start``: logged and
 dropped, the call goes on. A ``start`` we cannot serve (another format, a
 forged tenant), more than ``max_messages_per_s`` messages in a second, a
 frame over ``max_message_bytes``, too many bad messages, no ``start`` within
-``connect_timeout_s``: logged, the socket closed (1008 policy violation /
+``connect_timeout_s``, a tenant over its limits (:mod:`web.limits`:
+concurrent sessions, starts a minute at ``start``; its streams' messages a
+second together): logged, the socket closed (1008 policy violation /
 1009 too big), the call's turns settled; a stream silent for
 ``media_timeout_s`` is closed too (a provider sends silence as audio).
 """
@@ -36,6 +38,8 @@ from turn.manager import TurnManager
 from turn.models import StopReasonKind, TurnKind
 from voice.narrowband import NarrowbandSpeech
 from voice.session import AgentSession, Providers
+from web.errors import ApiError
+from web.limits import Limits
 from web.rate_limit import TokenBucket
 from web.settings import Settings
 from web.telephony.dialect import Connected, Dialect, Dtmf, Mark, Media, ProtocolError, Start, Stop, loads
@@ -68,6 +72,12 @@ class PhoneCall:
         signer: checks the tenant our webhook signed into the stream's parameters.
         on_closed: called once with this call after it has been freed.
         client: the provider's address.
+        limits: the per-tenant limits; once ``start`` names the tenant its
+            messages count towards ``limits.messages_per_s_per_tenant``
+            (None: only this call's own rate holds).
+        admit_tenant: called with the tenant ``start`` names, before the
+            agent is made; its :class:`web.errors.ApiError` (the tenant's
+            quota or start rate) closes the stream 1008 ``rate_limited``.
 
     Attributes:
         errors: the code of every bad message, in order (the latest 1000).
@@ -77,10 +87,12 @@ class PhoneCall:
     def __init__(
         self, *, settings: Settings, manager: TurnManager, providers: Providers, clock: Clock,
         ws: web.WebSocketResponse, dialect: Dialect, signer: TenantSigner, on_closed: Callable[[PhoneCall], None],
-        client: str = "?",
+        client: str = "?", limits: Limits | None = None, admit_tenant: Callable[[str], None] | None = None,
     ) -> None:
         self.id = uuid.uuid4().hex
         self.client = client
+        self._limits = limits
+        self._admit_tenant = admit_tenant
         #: False until ``start`` names the stream: until then the call counts
         #: as connecting (``max_pending_sessions``, ``max_pending_per_client``)
         self.connected = False
@@ -169,6 +181,12 @@ class PhoneCall:
                 "(20 ms media is 50 a second)", fatal=True,
             ))
             return
+        if self.tenant is not None and self._limits is not None and not self._limits.allows("message", tenant=self.tenant):
+            self._bad(ProtocolError(
+                "rate_limited", f"the tenant's streams send more than {self._limits.settings.messages_per_s_per_tenant:g} "
+                "messages a second together", fatal=True,
+            ))
+            return
         try:
             self._handle(self.dialect.parse(loads(data)))
         except ProtocolError as exc:
@@ -217,6 +235,11 @@ class PhoneCall:
                 "bad_tenant", "the stream names a tenant without our valid signature for this call "
                 "(missing, wrong, expired, or used by another stream)", fatal=True,
             )
+        if self._admit_tenant is not None:
+            try:
+                self._admit_tenant(tenant)  # before anything of the session is made
+            except ApiError as exc:
+                raise ProtocolError("rate_limited", f"tenant {tenant!r} is over a limit ({exc.message})", fatal=True) from None
         self.tenant = tenant
         self.connected = True
         self.transport.started(start.stream_id)

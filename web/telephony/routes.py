@@ -9,7 +9,10 @@ Routes:
 With ``telephony.twilio_auth_token`` set, the webhook and the Twilio
 WebSocket upgrade need a valid ``X-Twilio-Signature``; without it they are
 refused with 403 (``bad_signature``). A call counts against
-``max_sessions`` like a WebRTC session and ends with the server.
+``max_sessions`` like a WebRTC session and ends with the server. Its
+upgrade counts as a session start of the provider's address (429
+``rate_limited`` over :mod:`web.limits`); its tenant's quota and start rate
+are checked at ``start`` (closed 1008 ``rate_limited`` over them).
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from typing import Any
 
 from aiohttp import web
 
-from web.admission import admit
+from web.admission import admit, admit_tenant
 from web.errors import ApiError
-from web.state import CLOCK, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE
+from web.state import CLOCK, LIMITS, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE
 from web.telephony.call import PhoneCall
 from web.telephony.dialect import Dialect
 from web.telephony.signature import TenantSigner, request_url, twilio_signature_valid
@@ -59,10 +62,12 @@ OPENAPI_PATHS: dict[str, Any] = {
     TWILIO_STREAM_PATH: {"get": {
         "summary": "WebSocket: Twilio Media Streams (bidirectional)", "security": [],
         "responses": {"101": _UPGRADED, "403": {"description": "bad or missing X-Twilio-Signature"},
+                      "429": {"description": "rate_limited: the address's session starts or sessions"},
                       "503": {"description": "too many sessions"}}}},
     TELNYX_STREAM_PATH: {"get": {
         "summary": "WebSocket: Telnyx media streaming (bidirectional RTP, PCMU)", "security": [],
-        "responses": {"101": _UPGRADED, "503": {"description": "too many sessions"}}}},
+        "responses": {"101": _UPGRADED, "429": {"description": "rate_limited: the address's session starts or sessions"},
+                      "503": {"description": "too many sessions"}}}},
 }
 
 
@@ -155,7 +160,8 @@ async def twilio_stream(request: web.Request) -> web.StreamResponse:
     """The Twilio Media Streams WebSocket.
 
     Raises:
-        ApiError: 403 bad signature; 503 too many sessions.
+        ApiError: 403 bad signature; 503 too many sessions; 429 the
+            address's session starts a minute or sessions (``rate_limited``).
     """
     _check_twilio(request, {}, stream=True)
     return await _stream(request, TwilioDialect())
@@ -170,7 +176,8 @@ async def telnyx_stream(request: web.Request) -> web.StreamResponse:
     ``telephony.twilio_auth_token`` either), and refused otherwise.
 
     Raises:
-        ApiError: 403 ``bad_token``; 503 too many sessions.
+        ApiError: 403 ``bad_token``; 503 too many sessions; 429 the
+            address's session starts a minute or sessions (``rate_limited``).
     """
     t = request.app[SETTINGS].telephony
     given = request.query.get("token", "")
@@ -197,11 +204,13 @@ async def _stream(request: web.Request, dialect: Dialect) -> web.StreamResponse:
         peers.pop(call.id, None)
 
     # checked again and the call registered with no await between: concurrent
-    # upgrades cannot all pass (web.admission)
-    admit(app, client)
+    # upgrades cannot all pass (web.admission); the address's start counted
+    # here, the tenant's once ``start`` names it
+    admit(app, client, start=True)
     call = PhoneCall(
         settings=settings, manager=app[MANAGER], providers=app[PROVIDERS].for_session(), clock=app[CLOCK], ws=ws,
-        dialect=dialect, signer=signer, on_closed=forget, client=client,
+        dialect=dialect, signer=signer, on_closed=forget, client=client, limits=app[LIMITS],
+        admit_tenant=lambda tenant: admit_tenant(app, call, tenant),
     )
     peers[call.id] = call
     # the call's session id, for operators' tooling (``turnkeeper call --phone``
