@@ -25,6 +25,7 @@ Key layout (``P`` is the configurable prefix, default ``tk``)::
     P:devtoken:HASH          string: the device id of a token's hash (deleted on revoke)
     P:clienttoken:HASH       string: a client token's grant (JSON), expiring with it;
                              claimed with GETDEL (single use)
+    P:claim:KEY              string: a credential used once (SET NX), expiring with it
     P:{turn:ID}:ledger       sorted set: the turn's intent keys, by order written
     P:{turn:ID}:intent:KEY   hash: data (the intent as JSON), status, version
     P:{turn:ID}:audit:KEY    list: audit rows (JSON)
@@ -154,4 +155,8 @@ class RedisStore(RedisTurnRows, RedisEventRows, RedisLedgerRows, RedisWorkQueue)
         if not at_ms.isdigit() or int(at_ms) <= now.timestamp() * 1000:
             return None
         return grant
+
+    async def claim_once(self, key: str, expires_at: datetime, now: datetime) -> bool:
+        ttl_ms = max(1, int((expires_at - now).total_seconds() * 1000))
+        return bool(await self._call(self._c().set(f"{self.prefix}:claim:{key}", "1", nx=True, px=ttl_ms)))
 

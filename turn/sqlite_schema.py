@@ -4,8 +4,8 @@ One file holds every table: ``turns``, ``sessions`` (with the generation
 and event-sequence counters), ``events``, ``stop_requests``, ``ledger``,
 ``ledger_audit``, ``work_queue``, ``secrets``, ``devices`` (schema 6:
 device tokens, hashed), ``instances`` (schema 7: the instances'
-registrations) and ``client_tokens`` (schema 8: single-use session-start
-grants, by token hash). :func:`migrate` brings a
+registrations), ``client_tokens`` (schema 8: single-use session-start
+grants, by token hash) and ``claims`` (schema 8: credentials used once). :func:`migrate` brings a
 file of any earlier schema (1 to 7) up to ``SCHEMA_VERSION`` in place: the
 tables are created if missing, the turn columns added since schema 1 are
 added, and ``PRAGMA user_version`` is set.
@@ -108,6 +108,10 @@ CREATE TABLE IF NOT EXISTS client_tokens (
     expires_at TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS client_tokens_expiry ON client_tokens (expires_at);
+CREATE TABLE IF NOT EXISTS claims (
+    key TEXT PRIMARY KEY,
+    expires_at TEXT NOT NULL
+);
 """
 
 # Columns added after the first release (schema 1), in schemas 2, 3 and 5:

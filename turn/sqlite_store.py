@@ -127,3 +127,11 @@ class SqliteStore(SqliteTurnRows, SqliteEventRows, SqliteLedgerRows, SqliteWorkQ
 
         return await self._run(self._tx, claim)
 
+    async def claim_once(self, key: str, expires_at: datetime, now: datetime) -> bool:
+        def claim(conn: sqlite3.Connection) -> bool:
+            conn.execute("DELETE FROM claims WHERE expires_at <= ?", (now.isoformat(),))
+            cur = conn.execute("INSERT OR IGNORE INTO claims (key, expires_at) VALUES (?, ?)", (key, expires_at.isoformat()))
+            return cur.rowcount == 1
+
+        return await self._run(self._tx, claim)
+

@@ -431,3 +431,10 @@ class TurnStore(Protocol):
         gets it. None if there is none or it expired before ``now``."""
         ...
 
+    async def claim_once(self, key: str, expires_at: datetime, now: datetime) -> bool:
+        """True for the first claim of ``key`` (on any instance sharing the
+        store) until ``expires_at`` (UTC), False for every later one: a
+        credential that may be used once (a phone call's signed tenant).
+        ``key`` should not itself be secret (store a hash of one)."""
+        ...
+

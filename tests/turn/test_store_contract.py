@@ -393,3 +393,12 @@ async def test_client_tokens_are_claimed_once_and_expire(any_store) -> None:
     assert await any_store.client_token_claim("a" * 64, NOW + timedelta(seconds=59)) == '{"t":"tenant_a"}'
     assert await any_store.client_token_claim("b" * 64, NOW + timedelta(seconds=1)) is None  # expired
     assert await any_store.client_token_claim("c" * 64, NOW) is None  # never issued
+
+
+async def test_a_claim_succeeds_once_until_it_expires(any_store) -> None:
+    until = NOW + timedelta(seconds=300)
+    results = await asyncio.gather(*(any_store.claim_once("call:CA1", until, NOW) for _ in range(20)))
+    assert results.count(True) == 1
+    assert not await any_store.claim_once("call:CA1", until, NOW + timedelta(seconds=299))
+    assert await any_store.claim_once("call:CA2", until, NOW)
+

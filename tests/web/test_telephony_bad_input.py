@@ -12,6 +12,7 @@ import base64
 import json
 import os
 import struct
+import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -227,6 +228,39 @@ async def test_a_replayed_tenant_signature_opens_no_second_call(server: tuple[we
         await keys_answered(app, first, call)
         await first.aclose()
         await second.aclose()
+
+
+async def test_a_replay_on_another_instance_opens_no_second_call(tmp_path: Path, redis_url: str) -> None:
+    """Two instances on one Redis: the parameters one instance's webhook
+    signed, replayed to the other (whose signer never saw them), open no
+    second call there: the signed tenant is claimed in the store."""
+    prefix = f"tk-replay-{uuid.uuid4().hex[:8]}"
+    apps = []
+    for n in (1, 2):
+        app = create_app(Settings(store=redis_url, redis_prefix=prefix, telephony={"tenant_secret": "s" * 32},
+                                  demo_service_db=str(tmp_path / f"demo{n}.db")))
+        apps.append((app, *await start_app(app)))
+    (a, runner_a, url_a), (b, runner_b, url_b) = apps
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url_a}/v1/telephony/twilio/voice", data={"CallSid": "CA-fleet"}) as r:
+                twiml = await r.text()
+            params = {p.get("name") or "": p.get("value") or "" for p in ET.fromstring(twiml).iter("Parameter")}
+            first = FakeProvider(await http.ws_connect(url_a.replace("http://", "ws://") + "/v1/telephony/twilio"),
+                                 stream_id="MZ-a", call_id="CA-fleet")
+            await first.start(params)
+            await wait_until(lambda: any(c.agent for c in calls(a)), 10, "the call starts on A")
+            second = FakeProvider(await http.ws_connect(url_b.replace("http://", "ws://") + "/v1/telephony/twilio"),
+                                  stream_id="MZ-b", call_id="CA-fleet")
+            await second.start(params, lines=False)
+            assert await second.closed() == 1008
+            await wait_until(lambda: not calls(b), 10, "nothing is left of it on B")
+            assert len(calls(a)) == 1  # the first call goes on
+            await first.aclose()
+            await second.aclose()
+    finally:
+        await runner_b.cleanup()
+        await runner_a.cleanup()
 
 
 async def test_a_forged_tenant_is_refused(server: tuple[web.Application, str]) -> None:

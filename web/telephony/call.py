@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
@@ -43,7 +45,7 @@ from web.limits import Limits
 from web.rate_limit import TokenBucket
 from web.settings import Settings
 from web.telephony.dialect import Connected, Dialect, Dtmf, Mark, Media, ProtocolError, Start, Stop, loads
-from web.telephony.signature import TenantSigner
+from web.telephony.signature import TENANT_PARAM, TENANT_SIG_TTL_S, TENANT_TS_PARAM, TenantSigner
 from web.telephony.transport import PhoneTransport
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,8 @@ class PhoneCall:
         self.log = manager.events.log(self.id, gate=self.fence)
         self.agent: AgentSession | None = None
         self.tenant: str | None = None
+        #: (call id, Unix s) of the signed tenant it started with: claimed in the store until then
+        self._signed_until: tuple[str, int] | None = None
         self.errors: list[str] = []
         self.close_code: int | None = None
         #: the close frame's reason: the error's code when a bad message closed it
@@ -241,6 +245,9 @@ class PhoneCall:
             except ApiError as exc:
                 raise ProtocolError("rate_limited", f"tenant {tenant!r} is over a limit ({exc.message})", fatal=True) from None
         self.tenant = tenant
+        issued = start.parameters.get(TENANT_TS_PARAM, "")
+        if TENANT_PARAM in start.parameters and issued.isdigit():
+            self._signed_until = (start.call_id, int(issued) + TENANT_SIG_TTL_S + 1)
         self.connected = True
         self.transport.started(start.stream_id)
         self.agent = AgentSession(
@@ -277,6 +284,10 @@ class PhoneCall:
     async def _run_agent(self) -> None:
         assert self.agent is not None and self.tenant is not None
         try:
+            if not await self._claimed():
+                self._bad(ProtocolError("bad_tenant", "this call's signed tenant opened a stream already "
+                                        "(on this or another instance)", fatal=True))
+                return
             await self.manager.ensure_session(self.id, tenant_id=self.tenant, kind=TurnKind.VOICE)
             await self.agent.run()
         except asyncio.CancelledError:
@@ -285,6 +296,17 @@ class PhoneCall:
             log.exception("call %s: agent failed", self.id)
         finally:
             self.close(StopReasonKind.TRANSPORT_DISCONNECTED)
+
+    async def _claimed(self) -> bool:
+        """Claim the call's signed tenant in the store, once for every
+        instance sharing it (the signer's own memory holds per instance):
+        True for a stream naming no signed tenant."""
+        if self._signed_until is None:
+            return True
+        key = "twilio-tenant:" + hashlib.sha256(self._signed_until[0].encode()).hexdigest()
+        now = self.clock.now()
+        until = datetime.fromtimestamp(self._signed_until[1], UTC)
+        return await self.manager.store_call(lambda: self.manager.store.claim_once(key, max(until, now), now))
 
     # -- the end --------------------------------------------------------------------------
 

@@ -13,9 +13,11 @@ an HMAC-SHA256 over the tenant, the call's ``CallSid`` and the time it was
 issued (keyed with the ``telephony.tenant_secret`` setting, or a secret kept
 in the store), and the stream's ``start`` must carry them back for the same
 call, within ``TENANT_SIG_TTL_S`` of issue, and only once: a second stream
-presenting the same call's signature is refused on this instance (a stream
-URL and its parameters seen in a log cannot be replayed to open another
-call on the tenant's budget). A stream with a tenant and no valid signature
+presenting the same call's signature is refused, on this instance by the
+signer's memory and on every instance sharing the store by a claim there
+(``TurnStore.claim_once``, made by :mod:`web.telephony.call` before the
+session exists), so a stream URL and its parameters seen in a log cannot be
+replayed to open another call on the tenant's budget. A stream with a tenant and no valid signature
 is refused; so is one naming no tenant once Twilio requests are
 authenticated (``telephony.twilio_auth_token``); without that setting
 (development) such a stream is the ``default`` tenant's.
