@@ -228,7 +228,7 @@ class TurnManager(Checkpoints, StopPath, Leases, Resumption):
         generation: int | None = None,
         *,
         kind: TurnKind = TurnKind.VOICE,
-        tenant_id: str = "default",
+        tenant_id: str | None = None,
         transcript: str | None = None,
         turn_id: str | None = None,
         deadline_s: float | None = None,
@@ -246,6 +246,9 @@ class TurnManager(Checkpoints, StopPath, Leases, Resumption):
                 session's next one from the store (INCR); a voice session
                 passes the value its in-memory fence already advanced to,
                 and the store's counter is advanced to match.
+            tenant_id: whose turn it is; None: the session's tenant (read
+                from the store: a turn always belongs to its session's tenant,
+                so a voice session's turns are its tenant's).
             turn_id: the id to use (a uuid4 hex is made if None); callers that
                 must refer to the turn before it is written choose it first.
             deadline_s: seconds from now until its absolute deadline
@@ -263,6 +266,8 @@ class TurnManager(Checkpoints, StopPath, Leases, Resumption):
             turn.store.DuplicateTurn: ``turn_id`` exists already.
             turn.store.UnknownSession: no such session.
         """
+        if tenant_id is None:
+            tenant_id = (await self.store_call(lambda: self.store.get_session(session_id))).tenant_id
         stored_gen = await self.store_call(lambda: self.store.next_generation(session_id))
         if generation is None:
             generation = stored_gen
