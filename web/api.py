@@ -76,6 +76,15 @@ class StartTurn(BaseModel):
         default=None, ge=0, le=1_000_000, allow_inf_nan=False, description="money budget, US cents (a finite number)"
     )
 
+    @field_validator("deadline_ms", "budget_tokens", mode="before")
+    @classmethod
+    def _whole(cls, value: Any) -> Any:
+        # JSON has one number type: 2.0 is the integer 2 (JSON Schema's
+        # "integer", RFC 8259 section 6), 2.5 and "2" stay refused
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
+
     @field_validator("text")
     @classmethod
     def _has_words(cls, text: str) -> str:
@@ -405,6 +414,14 @@ def _json(ref: str, desc: str) -> dict[str, Any]:
     return {"description": desc, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}}
 
 
+def _links(turn_id: str) -> dict[str, Any]:
+    """OpenAPI links from a response that names a turn (``turn_id``, a JSON
+    pointer into its body) to reading and stopping that turn."""
+    to = f"$response.body#{turn_id}"
+    return {"GetTurn": {"operationId": "getTurn", "parameters": {"turn_id": to}},
+            "StopTurn": {"operationId": "stopTurn", "parameters": {"turn_id": to}}}
+
+
 _STOP_RESULT = {"type": "object", "properties": {"answer": {"enum": [a.value for a in StopAnswer]},
                                                  "turn": {"$ref": "#/components/schemas/TurnView"}}}
 
@@ -418,23 +435,26 @@ OPENAPI: dict[str, Any] = {
     "security": [{"bearer": []}],
     "paths": {
         "/v1/turns": {"post": {
-            "summary": "Start a text turn",
+            "summary": "Start a text turn", "operationId": "startTurn",
             "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/StartTurn"}}}},
             "responses": {
                 "202": {"description": "accepted and running", "content": {"application/json": {"schema": {"type": "object", "properties": {
                     "turn": {"$ref": "#/components/schemas/TurnView"}, "session_id": {"type": "string"},
-                    "events_url": {"type": "string"}, "resume_token": {"type": "string"}}}}}},
+                    "events_url": {"type": "string"}, "resume_token": {"type": "string"}}}}},
+                    "links": {**_links("/turn/id"), "SessionEvents": {"operationId": "sessionEvents", "parameters": {
+                        "session_id": "$response.body#/session_id", "resume_token": "$response.body#/resume_token"}}}},
                 "400": _err("bad JSON or invalid request"), "401": _err("no or unknown token"),
                 "404": _err("the session belongs to nobody you know"),
                 "409": _err("the session is a voice session (wrong_session_kind)"), "413": _err("body too large (body_too_large)"),
                 "429": _err("rate_limited: the tenant's or the address's turns a minute; see Retry-After (s)"),
                 "503": _err("shutting down")}}},
         "/v1/turns/{turn_id}": {"get": {
-            "summary": "The turn record, with its stop reason, usage, stop report and side-effect ledger",
+            "summary": "The turn record, with its stop reason, usage, stop report and side-effect ledger", "operationId": "getTurn",
             "parameters": [{"name": "turn_id", "in": "path", "required": True, "schema": {"type": "string"}}],
-            "responses": {"200": _json("TurnView", "the turn"), "401": _err("no or unknown token"), "404": _err("unknown turn")}}},
+            "responses": {"200": {**_json("TurnView", "the turn"), "links": _links("/id")},
+                          "401": _err("no or unknown token"), "404": _err("unknown turn")}}},
         "/v1/turns/{turn_id}/stop": {"post": {
-            "summary": "Stop a turn, idempotently",
+            "summary": "Stop a turn, idempotently", "operationId": "stopTurn",
             "parameters": [
                 {"name": "turn_id", "in": "path", "required": True, "schema": {"type": "string"}},
                 {"name": "Idempotency-Key", "in": "header", "required": True,
@@ -443,8 +463,9 @@ OPENAPI: dict[str, Any] = {
             "requestBody": {"required": False, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/StopTurn"}}}},
             "responses": {
                 "202": {"description": "accepted (or already stopping); the turn shows 'stopping' until its worker confirms",
-                        "content": {"application/json": {"schema": _STOP_RESULT}}},
-                "200": {"description": "it had already ended", "content": {"application/json": {"schema": _STOP_RESULT}}},
+                        "content": {"application/json": {"schema": _STOP_RESULT}}, "links": _links("/turn/id")},
+                "200": {"description": "it had already ended", "content": {"application/json": {"schema": _STOP_RESULT}},
+                        "links": _links("/turn/id")},
                 "409": {"description": "it ended in RECONCILE_REQUIRED", "content": {"application/json": {"schema": _STOP_RESULT}}},
                 "400": _err("missing or invalid Idempotency-Key, bad body"), "401": _err("no or unknown token"),
                 "404": _err("unknown turn"), "413": _err("body too large (body_too_large)"),
@@ -452,7 +473,7 @@ OPENAPI: dict[str, Any] = {
                 "429": _err("rate_limited: stops a second over the limit (never the first stop of your open turn); "
                             "see Retry-After (s)")}}},
         "/v1/sessions/{session_id}/events": {"get": {
-            "summary": "The session's events as Server-Sent Events, live and resumable",
+            "summary": "The session's events as Server-Sent Events, live and resumable", "operationId": "sessionEvents",
             "security": [{"bearer": []}, {}],
             "parameters": [
                 {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}},

@@ -45,6 +45,16 @@ SESSION_HEADER = "X-Turnkeeper-Session"
 _UPGRADED = {"description": "switching protocols", "headers": {SESSION_HEADER: {
     "description": "the call's session id (its events: GET /v1/sessions/{id}/events)", "schema": {"type": "string"}}}}
 
+
+def _err(desc: str) -> dict[str, Any]:
+    """A documented error response: the JSON ``Error`` of web.api's document."""
+    return {"description": desc, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+#: answered to a plain GET (RFC 6455 section 4.2.1: a request that is not a
+#: valid WebSocket handshake gets an HTTP error such as 400)
+_NOT_UPGRADE = _err("not a WebSocket handshake (no Upgrade: websocket, or a bad Sec-WebSocket-* header)")
+
 #: the routes in the OpenAPI document (web.api.OPENAPI)
 OPENAPI_PATHS: dict[str, Any] = {
     TWILIO_VOICE_PATH: {"post": {
@@ -58,16 +68,19 @@ OPENAPI_PATHS: dict[str, Any] = {
         "responses": {
             "200": {"description": "TwiML: <Response><Connect><Stream url=...> with the signed tenant",
                     "content": {"text/xml": {"schema": {"type": "string"}}}},
-            "400": {"description": "no CallSid"}, "403": {"description": "bad or missing X-Twilio-Signature"}}}},
+            "400": _err("no CallSid"), "403": _err("bad or missing X-Twilio-Signature")}}},
     TWILIO_STREAM_PATH: {"get": {
         "summary": "WebSocket: Twilio Media Streams (bidirectional)", "security": [],
-        "responses": {"101": _UPGRADED, "403": {"description": "bad or missing X-Twilio-Signature"},
-                      "429": {"description": "rate_limited: the address's session starts or sessions"},
-                      "503": {"description": "too many sessions"}}}},
+        "responses": {"101": _UPGRADED, "400": _NOT_UPGRADE, "403": _err("bad or missing X-Twilio-Signature"),
+                      "429": _err("rate_limited: the address's session starts or sessions"),
+                      "503": _err("too many sessions")}}},
     TELNYX_STREAM_PATH: {"get": {
         "summary": "WebSocket: Telnyx media streaming (bidirectional RTP, PCMU)", "security": [],
-        "responses": {"101": _UPGRADED, "429": {"description": "rate_limited: the address's session starts or sessions"},
-                      "503": {"description": "too many sessions"}}}},
+        "parameters": [{"name": "token", "in": "query", "schema": {"type": "string"},
+                        "description": "telephony.telnyx_stream_token, when set"}],
+        "responses": {"101": _UPGRADED, "400": _NOT_UPGRADE, "403": _err("bad or missing ?token= (bad_token)"),
+                      "429": _err("rate_limited: the address's session starts or sessions"),
+                      "503": _err("too many sessions")}}},
 }
 
 
