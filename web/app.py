@@ -42,7 +42,7 @@ from voice.stt import PocketsphinxSTT
 from voice.text_turns import TextTurns
 from voice.tools import Toolbox
 from voice.tts import EspeakTTS
-from web import api, client_tokens, drain, instances, metrics, signaling, tracing
+from web import api, client_tokens, drain, instances, metrics, openapi, signaling, tracing
 from web.auth import Auth
 from web.devices import routes as device_routes
 from web.drain import DRAIN, close_streams
@@ -263,6 +263,7 @@ def create_app(
     signaling.add_routes(app)
     client_tokens.add_routes(app)
     api.add_routes(app)
+    openapi.add_routes(app)
     drain.add_routes(app, drain.Drain(app[CLOCK], settings.shutdown))
     metrics.add_routes(app, metrics.Metrics())
     tracing.add_tracing(app, tracing.Tracing(settings, app[CLOCK], app[MANAGER]))

@@ -258,7 +258,7 @@ def _schema(model: type[BaseModel]) -> dict[str, Any]:
     return schema
 
 
-#: the OpenAPI paths of this module (merged into web.api's document)
+#: the OpenAPI paths of this module (merged into web.openapi's document)
 OPENAPI_PATHS: dict[str, Any] = {
     "/v1/sessions": {"post": {
         "summary": "Mint a short-lived, single-use client token for one voice session",

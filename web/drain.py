@@ -34,6 +34,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
+from typing import Any
 
 from aiohttp import web
 
@@ -43,7 +44,7 @@ from turn.models import StopReasonKind
 from voice.text_turns import TextTurns
 from web.auth import require_admin
 from web.devices.routes import DEVICE_WS_PATH, XIAOZHI_WS_PATH
-from web.errors import ApiError
+from web.errors import ApiError, openapi_error
 from web.settings import ShutdownSettings
 from web.state import MANAGER, PEERS, STREAMS, TEXT_TURNS, ClientSession
 from web.telephony.routes import TELNYX_STREAM_PATH, TWILIO_STREAM_PATH, TWILIO_VOICE_PATH
@@ -252,6 +253,25 @@ async def admin_drain(request: web.Request) -> web.Response:
     started = drain.begin("admin", lambda d: drain_app(d, app))
     return web.json_response({"state": drain.state.value, "already": not started, "draining_s": round(drain.elapsed_s(), 1)},
                              status=202)
+
+
+#: security of the admin operations: the admin token, or (``admin_token``
+#: unset) nothing from a loopback client
+ADMIN_SECURITY: list[dict[str, list[str]]] = [{"admin": []}, {}]
+#: the OpenAPI paths of this module (merged into web.openapi's document)
+OPENAPI_PATHS: dict[str, Any] = {
+    "/v1/admin/drain": {"post": {
+        "summary": "Start draining this instance (a preStop hook); idempotent", "operationId": "adminDrain",
+        "description": "Needs Authorization: Bearer <admin_token>; without admin_token set, loopback clients only "
+                       "(no credentials).",
+        "security": ADMIN_SECURITY,
+        "responses": {
+            "202": {"description": "draining (already: it was before this request)", "content": {"application/json": {
+                "schema": {"type": "object", "required": ["state", "already", "draining_s"], "properties": {
+                    "state": {"enum": [s.value for s in DrainState]}, "already": {"type": "boolean"},
+                    "draining_s": {"type": "number", "minimum": 0}}}}}},
+            "401": openapi_error("not the admin token (or, admin_token unset, not a loopback client)")}}},
+}
 
 
 @web.middleware

@@ -26,3 +26,15 @@ class ApiError(web.HTTPException):
         )
         self.code = code
         self.message = message
+
+
+def openapi_error(description: str, retry_after: bool = False) -> dict[str, object]:
+    """An error response of the OpenAPI document (``web.openapi.OPENAPI``): the
+    JSON ``Error`` body; with ``retry_after``, a required ``Retry-After``
+    header (whole seconds: 429 ``rate_limited``, 503)."""
+    out: dict[str, object] = {"description": description,
+                              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    if retry_after:
+        out["headers"] = {"Retry-After": {"required": True, "description": "seconds to wait before trying again",
+                                          "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
+    return out

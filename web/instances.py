@@ -19,13 +19,15 @@ import logging
 import socket
 from collections.abc import AsyncIterator
 from datetime import datetime
+from typing import Any
 
 from aiohttp import web
 
 from clock import timeout_after
 from turn.models import InstanceInfo
 from web.auth import require_admin
-from web.drain import DRAIN
+from web.drain import ADMIN_SECURITY, DRAIN
+from web.errors import openapi_error
 from web.state import CLOCK, MANAGER, PEERS, SETTINGS, STORE, TEXT_TURNS
 
 log = logging.getLogger(__name__)
@@ -117,6 +119,24 @@ async def list_instances(request: web.Request) -> web.Response:
     app = request.app
     found = await app[MANAGER].store_call(lambda: app[STORE].instance_list(app[CLOCK].now()))
     return web.json_response({"instances": [i.model_dump(mode="json") for i in found]})
+
+
+#: the OpenAPI paths of this module (merged into web.openapi's document)
+OPENAPI_PATHS: dict[str, Any] = {
+    "/v1/admin/instances": {"get": {
+        "summary": "The fleet: the instances registered in the store with a current heartbeat",
+        "operationId": "adminInstances",
+        "description": "Needs Authorization: Bearer <admin_token>; without admin_token set, loopback clients only.",
+        "security": ADMIN_SECURITY,
+        "responses": {
+            "200": {"description": "the current registrations", "content": {"application/json": {"schema": {
+                "type": "object", "required": ["instances"], "properties": {"instances": {
+                    "type": "array", "items": {"$ref": "#/components/schemas/InstanceInfo"}}}}}}},
+            "401": openapi_error("not the admin token (or, admin_token unset, not a loopback client)"),
+            "503": openapi_error("the store is unavailable (store_unavailable)", retry_after=True)}}},
+}
+#: the component schemas :data:`OPENAPI_PATHS` refers to
+OPENAPI_SCHEMAS: dict[str, Any] = {"InstanceInfo": InstanceInfo.model_json_schema(mode="serialization")}
 
 
 def add_routes(app: web.Application) -> None:

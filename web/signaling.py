@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from turn.models import StopReasonKind
 from web.admission import admit
-from web.errors import ApiError
+from web.errors import ApiError, openapi_error
 from web.offer_validation import OfferRejected, validate_offer
 from web.peer import PeerSession
 from web.state import AUTH, CLOCK, LIMITS, MANAGER, PEERS, PROVIDERS, SETTINGS
@@ -136,6 +136,35 @@ async def offer(request: web.Request) -> web.Response:
 def _forget(peers: dict[str, Any], peer: PeerSession) -> None:
     """A closed peer leaves the table (if still there)."""
     peers.pop(peer.id, None)
+
+
+#: the OpenAPI paths of this module (merged into web.openapi's document)
+OPENAPI_PATHS: dict[str, Any] = {
+    "/v1/webrtc/offer": {"post": {
+        "summary": "Answer a WebRTC offer and start its voice session", "operationId": "webrtcOffer",
+        "description": "Credentials: a client token (Bearer ck_..., from POST /v1/sessions, single use), a tenant API "
+                       "token, or none in development mode (no API tokens configured). A session not connected "
+                       "within connect_timeout_s is closed.",
+        "security": [{"bearer": []}, {}],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": ["type", "sdp"],
+            "properties": {"type": {"const": "offer"}, "sdp": {"type": "string", "minLength": 1}}}}}},
+        "responses": {
+            "200": {"description": "the SDP answer and the session's id", "content": {"application/json": {"schema": {
+                "type": "object", "required": ["type", "sdp", "session_id"],
+                "properties": {"type": {"const": "answer"}, "sdp": {"type": "string"},
+                               "session_id": {"type": "string"}}}}}},
+            "400": openapi_error("bad_json, invalid_offer, or an offer that can never connect (invalid_sdp, ...)"),
+            "401": openapi_error("no credentials while API tokens are set; a malformed header; an unknown, used or "
+                                 "expired token"),
+            "403": openapi_error("a client token not for WebRTC (transport_not_allowed)"),
+            "409": openapi_error("the client token's session runs already (session_exists)"),
+            "413": openapi_error("body larger than max_offer_bytes (body_too_large)"),
+            "429": openapi_error("rate_limited: the tenant's or the address's session starts a minute or concurrent "
+                                 "sessions; too_many_pending: your sessions still connecting", retry_after=True),
+            "503": openapi_error("too_many_sessions, too_many_pending, shutting_down (draining) or "
+                                 "store_unavailable", retry_after=True)}}},
+}
 
 
 def add_routes(app: web.Application) -> None:

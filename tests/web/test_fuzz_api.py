@@ -4,9 +4,19 @@ bad or missing credentials, and along the document's links (a turn started,
 then read, stopped, its events streamed).
 
 Checks on every response: no 5xx, status code, content type, headers and
-body as the document says, and nothing of tenant_b: turns are started as
-tenant_b first, and no response to tenant_a carries a tenant_b turn id,
-session id or the name ``tenant_b``.
+body as the document says, and nothing of tenant_b: turns are started and a
+device issued as tenant_b first, and no response to tenant_a carries a
+tenant_b turn id, session id, device id or the name ``tenant_b``; tenant_b's
+device id as tenant_a is 404 like an unknown one, and nothing of it is
+revoked.
+
+WebRTC offers: generated bodies, and some with a valid offer; each session
+an answered offer opens is closed at once, and none is left at the end
+(``/healthz``). The admin endpoints run with ``admin_token`` set, so
+loopback grants nothing: ``GET /v1/admin/instances`` is fuzzed with the
+admin token too; ``POST /v1/admin/drain`` only with credentials that are
+not the admin token (tenant_a's, the bad ones): with it, it would drain the
+server under test. That it never began draining is checked at the end.
 
 A live event stream never ends: :class:`fuzz_support.StreamHeadSession`
 reads its first messages and hangs up, and those stand for its body.
@@ -14,6 +24,7 @@ reads its first messages and hangs up, and those stand for its body.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,12 +48,21 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from web.app import create_app
+from turn.models import StopReasonKind
+from web.app import PEERS, STORE, create_app
+from web.devices.routes import token_hash
+from web.drain import DRAIN
 from web.settings import Settings
+from web.signaling import OPENAPI_PATHS as SIGNALING_PATHS
+
+VALID_OFFER = re.sub(r"[0-9a-f-]{36}\.local", "192.0.2.1",
+                     (Path(__file__).parent / "data" / "chromium_offer.sdp").read_text())
 
 TOKENS = "tenant_a:tokA,tenant_b:tokB"
 A = {"Authorization": "Bearer tokA"}
 B = {"Authorization": "Bearer tokB"}
+ADMIN = {"Authorization": "Bearer admintok"}
+OFFER = next(iter(SIGNALING_PATHS))
 #: credentials that are no tenant's: none, unknown, another scheme, empty, near misses
 BAD_AUTH: list[dict[str, str]] = [
     {},
@@ -69,6 +89,22 @@ class Fuzzed:
     def __init__(self, live: LiveApp, schema: Any, b_ids: set[str]) -> None:
         self.live, self.schema, self.b_ids = live, schema, b_ids
         self.http = StreamHeadSession()
+        #: sessions answered offers opened (each closed at once)
+        self.offers_answered = 0
+
+    def close_session(self, session_id: str) -> None:
+        """Close the voice session an answered offer opened."""
+        assert self.live.app is not None
+        peers = self.live.app[PEERS]
+
+        async def close() -> None:  # on the app's loop: close() makes a task there
+            peer = peers.get(session_id)
+            if peer is not None:
+                await peer.close(StopReasonKind.TRANSPORT_DISCONNECTED)
+
+        self.live.run(close())
+        assert session_id not in peers
+        self.offers_answered += 1
 
     def no_tenant_b(self, response: Any, case: Case) -> None:
         """Nothing of tenant_b in a response to anyone else (an id the
@@ -83,7 +119,7 @@ class Fuzzed:
 def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
     tmp: Path = tmp_path_factory.mktemp("fuzz-api")
     settings = Settings(store=f"sqlite:///{tmp}/t.db", api_tokens=TOKENS, llm={"tokens_per_second": 400},
-                        stt={"max_decoders": 1})
+                        stt={"max_decoders": 1}, admin_token="admintok")
     with live_app(lambda: create_app(settings)) as live:
         b_ids: set[str] = set()
         with requests.Session() as http:
@@ -91,6 +127,10 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
                 r = http.post(live.url + "/v1/turns", json={"text": text}, headers=B, timeout=10)
                 assert r.status_code == 202, r.text
                 b_ids |= {r.json()["turn"]["id"], r.json()["session_id"]}
+            r = http.post(live.url + "/v1/devices", headers=B, timeout=10)
+            assert r.status_code == 201, r.text
+            b_device, b_device_token = r.json()["device_id"], r.json()["token"]
+            b_ids.add(b_device)
         # credentials are the test's to choose (good ones, or the bad ones
         # below), not schemathesis's to generate
         config = schemathesis.Config.from_dict({"generation": {"with-security-parameters": False}})
@@ -98,13 +138,21 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
         fz = Fuzzed(live, schema, b_ids)
         yield fz
         fz.http.close()
+        # after everything this process ran here: tenant_b's device still
+        # works, no session is left, the server never began draining
+        assert live.app is not None
+        store = live.app[STORE]
+        assert live.run(store.device_by_token(token_hash(b_device_token)))[0] == b_device
+        assert requests.get(live.url + "/healthz", timeout=10).json()["sessions"] == 0
+        assert not live.app[DRAIN].draining
     print("\nfuzz cases tried:", dict(sorted(CASES.items())))
 
 
 def operations(fuzzed: Fuzzed) -> list[Any]:
     ops = [result.ok() for result in fuzzed.schema.get_all_operations()]
     assert {op.path for op in ops} >= {"/v1/turns", "/v1/turns/{turn_id}", "/v1/turns/{turn_id}/stop",
-                                       "/v1/sessions/{session_id}/events"}
+                                       "/v1/sessions/{session_id}/events", OFFER, "/v1/devices",
+                                       "/v1/devices/{device_id}", "/v1/admin/instances", "/v1/admin/drain"}
     return ops
 
 
@@ -114,8 +162,11 @@ def run_case(fuzzed: Fuzzed, case: Case, headers: dict[str, str], *, checks: lis
     if case.headers:
         case.headers.pop("Authorization", None)
         case.headers.pop("authorization", None)
+    assert headers != ADMIN or case.operation.path != "/v1/admin/drain", "never drain the server under test"
     response = case.call(session=fuzzed.http, headers=headers)
     record(target)
+    if case.operation.path == OFFER and response.status_code == 200:
+        fuzzed.close_session(response.json()["session_id"])
     case.validate_response(response, checks=checks, headers=headers)
     fuzzed.no_tenant_b(response, case)
     return response
@@ -127,18 +178,28 @@ def test_the_document_has_links_and_operation_ids(fuzzed: Fuzzed) -> None:
     assert {link["operationId"] for link in links.values()} == {"getTurn", "stopTurn", "sessionEvents"}
 
 
-def fuzz_as_tenant_a(fuzzed: Fuzzed, op: Any, mode: GenerationMode, checks: list[Any], target: str) -> None:
-    """``op``'s generated requests in ``mode``, some aimed at tenant_b's ids."""
+def fuzz_as(fuzzed: Fuzzed, op: Any, mode: GenerationMode, checks: list[Any], target: str,
+            auth: dict[str, str] = A) -> None:
+    """``op``'s generated requests in ``mode`` with ``auth`` (tenant_a's),
+    some aimed at tenant_b's ids; offers in positive mode some with a
+    valid SDP offer (its session closed at once)."""
 
     @fuzz_settings(CASES_PER_OPERATION)
-    @given(case=op.as_strategy(generation_mode=mode), aim=st.sampled_from([None, *sorted(fuzzed.b_ids)]))
-    def fuzz(case: Case, aim: str | None) -> None:
+    @given(case=op.as_strategy(generation_mode=mode), aim=st.sampled_from([None, *sorted(fuzzed.b_ids)]),
+           real_offer=st.booleans())
+    def fuzz(case: Case, aim: str | None, real_offer: bool) -> None:
         if aim is not None and case.path_parameters:
             for name in case.path_parameters:
                 case.path_parameters[name] = aim
-        response = run_case(fuzzed, case, A, checks=checks, target=target)
+        if op.path == OFFER and mode is GenerationMode.POSITIVE and real_offer:
+            case.body = {"type": "offer", "sdp": VALID_OFFER}
+        response = run_case(fuzzed, case, auth, checks=checks, target=target)
         if aim is not None and case.path_parameters and op.path.startswith("/v1/"):
             assert response.status_code in (400, 401, 403, 404), (target, aim, response.status_code)
+        if op.path == "/v1/devices/{device_id}":  # tenant_b's device is unknown to tenant_a, as any other
+            assert response.status_code == 404, (target, aim, response.status_code)
+        if op.path == "/v1/admin/drain":  # tenant_a's token is no admin token
+            assert response.status_code == 401, (target, response.text[:200])
 
     fuzz()
 
@@ -152,12 +213,23 @@ def test_every_operation_as_tenant_a(fuzzed: Fuzzed, mode: GenerationMode) -> No
     for op in operations(fuzzed):
         target = f"api {mode.value} {op.method.upper()} {op.path}"
         try:
-            fuzz_as_tenant_a(fuzzed, op, mode, checks, target)
+            fuzz_as(fuzzed, op, mode, checks, target)
         except Unsatisfiable:
             # the document forbids nothing here (no body, parameters that are any string)
             assert mode is GenerationMode.NEGATIVE and not op.definition.raw.get("requestBody"), target
             continue
         assert CASES[target] > 0, target
+    if mode is GenerationMode.POSITIVE:
+        assert fuzzed.offers_answered > 0, "no valid offer was answered"
+
+
+def test_admin_instances_with_the_admin_token(fuzzed: Fuzzed) -> None:
+    """The fleet listing, with the admin token: 200 as documented, this
+    instance in it (tenant_a's token and bad ones get 401: above)."""
+    op = fuzzed.schema["/v1/admin/instances"]["GET"]
+    fuzz_as(fuzzed, op, GenerationMode.POSITIVE, CHECKS, "api admin GET /v1/admin/instances", auth=ADMIN)
+    r = fuzzed.http.get(fuzzed.live.url + "/v1/admin/instances", headers=ADMIN)
+    assert r.status_code == 200 and len(r.json()["instances"]) == 1, r.text[:300]
 
 
 def fuzz_bad_credentials(fuzzed: Fuzzed, op: Any, target: str) -> None:

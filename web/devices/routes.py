@@ -2,8 +2,8 @@
 
 Routes:
     POST   /v1/devices         issue a device token (tenant bearer token):
-                               ``{"device_id", "token"}``; body optional:
-                               ``{"name": "kitchen"}`` (logged only)
+                               ``{"device_id", "token", "tenant_id"}``; no
+                               body is read
     DELETE /v1/devices/{id}    revoke it (tenant bearer token): 204, 404
     GET    /v1/devices/ws      WebSocket: a device (``Authorization: Bearer
                                <device token>``, ``Protocol-Version``,
@@ -30,6 +30,7 @@ import hashlib
 import logging
 import os
 import uuid
+from typing import Any
 
 from aiohttp import WSCloseCode, web
 
@@ -39,7 +40,7 @@ from web.client_tokens import PREFIX as CLIENT_TOKEN_PREFIX
 from web.devices.call import DeviceCall
 from web.devices.framing import VERSIONS
 from web.devices.messages import MAX_TEXT_BYTES
-from web.errors import ApiError
+from web.errors import ApiError, openapi_error
 from web.state import AUTH, CLOCK, LIMITS, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,52 @@ DEVICE_WS_PATH = "/v1/devices/ws"
 XIAOZHI_WS_PATH = "/xiaozhi/v1/"
 #: the connection of each (tenant, Device-Id), for "the newer wins"
 DEVICE_CONNECTIONS: web.AppKey[dict[tuple[str, str], DeviceCall]] = web.AppKey("device_connections")
+
+
+#: the OpenAPI paths of this module (merged into web.openapi's document)
+OPENAPI_PATHS: dict[str, Any] = {
+    DEVICES_PATH: {"post": {
+        "summary": "Issue a device token for the caller's tenant (shown once)", "operationId": "issueDevice",
+        "responses": {
+            "201": {"description": "the device's id and token", "content": {"application/json": {"schema": {
+                "type": "object", "required": ["device_id", "token", "tenant_id"], "properties": {
+                    "device_id": {"type": "string", "pattern": "^dev_[0-9a-f]{32}$"}, "token": {"type": "string"},
+                    "tenant_id": {"type": "string"}}}}},
+                    "links": {"RevokeDevice": {"operationId": "revokeDevice",
+                                               "parameters": {"device_id": "$response.body#/device_id"}}}},
+            "401": openapi_error("no or unknown tenant API token"),
+            "503": openapi_error("the store is unavailable (store_unavailable)", retry_after=True)}}},
+    DEVICES_PATH + "/{device_id}": {"delete": {
+        "summary": "Revoke one of the caller's devices (an open connection of it is closed 1008)",
+        "operationId": "revokeDevice",
+        "parameters": [{"name": "device_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+        "responses": {
+            "204": {"description": "revoked"},
+            "401": openapi_error("no or unknown tenant API token"),
+            "404": openapi_error("no such device of this tenant, or revoked already (unknown_device)"),
+            "503": openapi_error("the store is unavailable (store_unavailable)", retry_after=True)}}},
+    DEVICE_WS_PATH: {"get": {
+        "summary": "WebSocket: a push-to-talk device (xiaozhi-esp32 protocol; also at /xiaozhi/v1/)",
+        "operationId": "deviceSocket",
+        "description": "Authorization: Bearer <device token> (from POST /v1/devices) or a client token minted "
+                       "for the device transport.",
+        "parameters": [
+            {"name": "Protocol-Version", "in": "header", "schema": {"enum": [str(v) for v in VERSIONS]}},
+            {"name": "Device-Id", "in": "header", "schema": {"type": "string"},
+             "description": "the board's MAC: one connection per (tenant, Device-Id), the newer wins"},
+            {"name": "Client-Id", "in": "header", "schema": {"type": "string"}}],
+        "responses": {
+            "101": {"description": "switching protocols"},
+            "400": openapi_error("a Protocol-Version other than 1, 2, 3 (bad_protocol_version), or not a WebSocket "
+                                 "handshake"),
+            "401": openapi_error("no bearer token, or an unknown or revoked one (or an unknown, used or expired "
+                                 "client token)"),
+            "403": openapi_error("a client token not for devices (transport_not_allowed)"),
+            "429": openapi_error("rate_limited: the tenant's or the address's session starts a minute or concurrent "
+                                 "sessions", retry_after=True),
+            "503": openapi_error("too_many_sessions, shutting_down (draining) or store_unavailable",
+                                 retry_after=True)}}},
+}
 
 
 def add_routes(app: web.Application) -> None:

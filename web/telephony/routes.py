@@ -47,7 +47,7 @@ _UPGRADED = {"description": "switching protocols", "headers": {SESSION_HEADER: {
 
 
 def _err(desc: str) -> dict[str, Any]:
-    """A documented error response: the JSON ``Error`` of web.api's document."""
+    """A documented error response: the JSON ``Error`` of web.openapi's document."""
     return {"description": desc, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 
 
@@ -55,7 +55,7 @@ def _err(desc: str) -> dict[str, Any]:
 #: valid WebSocket handshake gets an HTTP error such as 400)
 _NOT_UPGRADE = _err("not a WebSocket handshake (no Upgrade: websocket, or a bad Sec-WebSocket-* header)")
 
-#: the routes in the OpenAPI document (web.api.OPENAPI)
+#: the routes in the OpenAPI document (web.openapi.OPENAPI)
 OPENAPI_PATHS: dict[str, Any] = {
     TWILIO_VOICE_PATH: {"post": {
         "summary": "Twilio's voice webhook: TwiML connecting the call to the media stream",
