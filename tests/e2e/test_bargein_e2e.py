@@ -8,7 +8,7 @@ from __future__ import annotations
 import corpus as C
 import pytest
 from conftest import requires_espeak
-from test_call_e2e import Server, server  # noqa: F401  (fixture)
+from test_call_e2e import TOKEN, Server, server  # noqa: F401  (fixture)
 
 from client.call import CallClient
 from client.results import Utterance
@@ -35,7 +35,7 @@ async def test_noise_and_backchannels_cancel_nothing_and_speech_barges_in(server
         clip("knock-5", "noise", 0.5),
         spoken("what is the weather like today", 0.5),
     ]
-    result = await CallClient(server.url).run(spoken("tell me a story"), script, timeout_s=90, settle_s=0.3)
+    result = await CallClient(server.url, token=TOKEN).run(spoken("tell me a story"), script, timeout_s=90, settle_s=0.3)
     assert result.ok, result.as_dict()
     by_label = {m.label: m for m in result.barge_ins}
     for m in result.barge_ins[:-1]:
@@ -54,7 +54,7 @@ async def test_noise_and_backchannels_cancel_nothing_and_speech_barges_in(server
 
 @pytest.mark.serial  # the echo path is aligned in real time: a loaded CPU skews it
 async def test_a_speakerphone_does_not_interrupt_the_agent(server: Server) -> None:  # noqa: F811
-    client = CallClient(server.url, echo_gain_db=-6, echo_delay_ms=60)
+    client = CallClient(server.url, echo_gain_db=-6, echo_delay_ms=60, token=TOKEN)
     result = await client.run(
         spoken("tell me a story"), [spoken("what is the weather like today", 6.0)], timeout_s=60, settle_s=0.3
     )
