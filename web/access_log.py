@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
+from aiohttp.http_exceptions import HttpProcessingError
 from multidict import MultiDict
 from yarl import URL
 
@@ -51,6 +52,30 @@ class AccessLog(AbstractAccessLogger):
     @property
     def enabled(self) -> bool:
         return self.logger.isEnabledFor(logging.DEBUG)
+
+
+class ParseErrorRedaction(logging.Filter):
+    """aiohttp logs a request it cannot parse at ERROR with the exception,
+    whose message quotes the offending bytes (``Got more than 8190 bytes
+    when reading: b'Bearer <token>...'``): such a record keeps only the
+    client, the error's type and status. :func:`redact_parse_errors`
+    installs it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            record.msg, record.args = "unparsable HTTP request from %s: %s (%s)", (remote, type(exc).__name__, exc.code)
+            record.exc_info, record.exc_text, record.levelno, record.levelname = None, None, logging.WARNING, "WARNING"
+        return True
+
+
+def redact_parse_errors() -> None:
+    """Install :class:`ParseErrorRedaction` on aiohttp's server logger
+    (once per process)."""
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, ParseErrorRedaction) for f in server_log.filters):
+        server_log.addFilter(ParseErrorRedaction())
 
 
 def runner(app: web.Application, **kwargs: Any) -> web.AppRunner:

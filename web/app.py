@@ -42,7 +42,7 @@ from voice.stt import PocketsphinxSTT
 from voice.text_turns import TextTurns
 from voice.tools import Toolbox
 from voice.tts import EspeakTTS
-from web import api, client_tokens, drain, instances, metrics, openapi, signaling, tracing
+from web import access_log, api, client_tokens, drain, instances, metrics, openapi, signaling, tracing
 from web.auth import Auth
 from web.devices import routes as device_routes
 from web.drain import DRAIN, close_streams
@@ -227,6 +227,7 @@ def create_app(
     """
     settings = settings or Settings()
     set_log_content(settings.log_content)  # per process: the last app built decides
+    access_log.redact_parse_errors()
     app = web.Application(client_max_size=settings.max_offer_bytes, middlewares=[_json_errors])
     app[SETTINGS] = settings
     app[CLOCK] = clock or SystemClock()

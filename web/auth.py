@@ -40,6 +40,7 @@ from clock import Clock
 from turn.store import TurnStore
 from web.client_tokens import PREFIX as CLIENT_TOKEN_PREFIX
 from web.client_tokens import ClientGrant, ClientTokens, Transport
+from web.credentials import credential_bytes
 from web.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ class Auth:
             raise _unauthorized("expected 'Authorization: Bearer <token>'", "invalid_request")
         if not self.enabled:
             raise _unauthorized("the REST API is off: set TURNKEEPER_API_TOKENS", "invalid_token")
-        given = hashlib.sha256(token.strip().encode()).digest()
+        given = hashlib.sha256(credential_bytes(token.strip())).digest()
         found = None
         for known, tenant in self._tokens:  # check every one: no early exit to time
             if hmac.compare_digest(given, known):
@@ -148,6 +149,27 @@ class Auth:
             raise _unauthorized("this endpoint needs 'Authorization: Bearer <token>'", None)
         return tenant
 
+    def voice_credentials(self, request: web.Request) -> str | None:
+        """The bearer token a voice start presents, checked for form only
+        (cheap, before its body is read): None in development mode without
+        one.
+
+        Raises:
+            ApiError: 401 none while API tokens are configured, or a
+                malformed ``Authorization`` header.
+        """
+        header = request.headers.get("Authorization")
+        if header is None:
+            if self.enabled:
+                raise _unauthorized("send 'Authorization: Bearer <client token>' (your backend gets one from "
+                                    "POST /v1/sessions)", None)
+            return None
+        scheme, _, token = header.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise _unauthorized("expected 'Authorization: Bearer <token>'", "invalid_request")
+        return token
+
     async def voice_caller(self, request: web.Request, transport: Transport) -> VoiceCaller:
         """Who starts a voice session on ``transport`` with ``request``: a
         client token (claimed: it starts nothing else afterwards), a tenant
@@ -160,19 +182,12 @@ class Auth:
                 client token not valid for ``transport`` (it stays usable).
             turn.store.StoreUnavailable: the store cannot be reached.
         """
-        header = request.headers.get("Authorization")
-        if header is None:
-            if self.enabled:
-                raise _unauthorized("send 'Authorization: Bearer <client token>' (your backend gets one from "
-                                    "POST /v1/sessions)", None)
+        token = self.voice_credentials(request)
+        if token is None:
             if not self._dev_logged:
                 self._dev_logged = True
                 log.info("development mode: voice sessions start without credentials (no API tokens are set)")
             return VoiceCaller(DEV_TENANT)
-        scheme, _, token = header.partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            raise _unauthorized("expected 'Authorization: Bearer <token>'", "invalid_request")
         if not token.startswith(CLIENT_TOKEN_PREFIX):
             return VoiceCaller(self.require_tenant(request))
         if self.client_tokens is None:
@@ -270,7 +285,7 @@ def require_admin(request: web.Request) -> None:
     token = request.app[SETTINGS].admin_token
     if token:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(credential_bytes(given.strip()), credential_bytes(token)):
             raise ApiError(401, "unauthorized", "send 'Authorization: Bearer <admin_token>'",
                            headers={"WWW-Authenticate": 'Bearer realm="turnkeeper-admin"'})
     elif request.remote not in LOOPBACK:

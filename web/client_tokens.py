@@ -34,7 +34,6 @@ the backend's prompt.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import logging
 import os
@@ -45,8 +44,9 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from clock import Clock
-from turn.models import Plan
+from turn.models import Plan, TurnKind
 from turn.store import TurnStore
+from web.credentials import token_hash
 from web.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ class PlanLimits(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    deadline_s: float | None = Field(default=None, gt=0, le=24 * 3600, description="each turn's deadline, s")
+    deadline_s: float | None = Field(default=None, gt=0, le=24 * 3600, allow_inf_nan=False,
+                                     description="each turn's deadline, s")
     budget_cents: float | None = Field(default=None, ge=0, le=1_000_000, allow_inf_nan=False,
                                        description="money per turn, US cents")
     budget_tokens: int | None = Field(default=None, ge=0, le=10_000_000, description="model tokens per turn")
@@ -126,11 +127,6 @@ class ClientGrant(BaseModel):
             # the wind-down reserve must stay shorter than the deadline
             "shutdown_reserve_ms": min(base.shutdown_reserve_ms, int(deadline * 1000) // 2),
         })
-
-
-def token_hash(token: str) -> str:
-    """What the store keeps of a client token: hex SHA-256 of its UTF-8."""
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 class ClientTokens:
@@ -196,11 +192,14 @@ def invalid_client_token() -> ApiError:
                     headers={"WWW-Authenticate": 'Bearer realm="turnkeeper", error="invalid_token"'})
 
 
-def grant_view(token: str, grant: ClientGrant, now: datetime) -> dict[str, Any]:
+def grant_view(token: str, grant: ClientGrant, now: datetime, plan: Plan) -> dict[str, Any]:
     """The answer of ``POST /v1/sessions`` (the token is shown once; the
-    instructions are not echoed back)."""
+    instructions are not echoed back). ``plan`` is the tenant's: the
+    answer's ``plan`` is what the session's turns will get (the token's
+    limits narrow it, never widen it)."""
     options = grant.options.model_dump(mode="json", exclude={"instructions"})
     options["instructions"] = grant.options.instructions is not None
+    effective = grant.plan(plan)
     return {
         "client_token": token,
         "session_id": grant.session_id,
@@ -210,6 +209,8 @@ def grant_view(token: str, grant: ClientGrant, now: datetime) -> dict[str, Any]:
         "expires_in_s": max(0, round((grant.expires_at - now).total_seconds())),
         "events_url": f"/v1/sessions/{grant.session_id}/events",
         "options": options,
+        "plan": {"deadline_s": effective.deadline_s, "budget_cents": effective.budget_cents,
+                 "budget_tokens": effective.budget_tokens, "max_steps": effective.max_steps},
     }
 
 
@@ -223,9 +224,13 @@ async def create_session(request: web.Request) -> web.Response:
             another); 400 bad JSON or options (``invalid_request``), a voice
             the TTS does not have (``unknown_voice``); 413 body too large.
     """
-    from web.state import AUTH, CLOCK, PROVIDERS  # web.state names this module's classes
+    from web.state import AUTH, CLOCK, MANAGER, PROVIDERS, SETTINGS  # web.state names this module's classes
 
     app = request.app
+    if not app[AUTH].enabled:
+        raise ApiError(401, "unauthorized", "no API tokens are configured (development mode): voice sessions "
+                       "start without a client token; set TURNKEEPER_API_TOKENS to mint them",
+                       headers={"WWW-Authenticate": 'Bearer realm="turnkeeper"'})
     tenant = app[AUTH].require_tenant(request)
     raw = await request.read()
     try:
@@ -243,8 +248,11 @@ async def create_session(request: web.Request) -> web.Response:
     if tokens is None:
         raise ApiError(503, "client_tokens_unavailable", "this server keeps no client tokens")
     token, grant = await tokens.mint(tenant, options)
+    # the session exists from now on: the backend can follow its events before the browser connects
+    await app[MANAGER].ensure_session(grant.session_id, tenant_id=tenant, kind=TurnKind.VOICE)
     log.info("client token for session %s of tenant %s (expires in %.0f s)", grant.session_id, tenant, tokens.ttl_s)
-    return web.json_response(grant_view(token, grant, app[CLOCK].now()), status=201)
+    view = grant_view(token, grant, app[CLOCK].now(), app[SETTINGS].plan_for(tenant))
+    return web.json_response(view, status=201)
 
 
 def add_routes(app: web.Application) -> None:
@@ -273,7 +281,11 @@ OPENAPI_PATHS: dict[str, Any] = {
                     "tenant_id": {"type": "string"}, "user_id": {"type": ["string", "null"]},
                     "expires_at": {"type": "string", "format": "date-time"},
                     "expires_in_s": {"type": "integer", "minimum": 0}, "events_url": {"type": "string"},
-                    "options": {"type": "object"}}}}}},
+                    "options": {"type": "object", "description": "what was asked (instructions: only whether given)"},
+                    "plan": {"type": "object", "description": "the limits the session's turns get: the tenant's "
+                             "plan narrowed by the token's", "properties": {
+                                 "deadline_s": {"type": "number"}, "budget_cents": {"type": ["number", "null"]},
+                                 "budget_tokens": {"type": ["integer", "null"]}, "max_steps": {"type": "integer"}}}}}}}},
             "400": {"description": "bad JSON or options", "content": {"application/json": {"schema": {
                 "$ref": "#/components/schemas/Error"}}}},
             "401": {"description": "no or unknown API token", "content": {"application/json": {"schema": {

@@ -165,6 +165,12 @@ async def drain_app(drain: Drain, app: web.Application) -> None:
     s = drain.settings
     peers = app[PEERS]
     for peer in list(peers.values()):
+        if not peer.connected:
+            # answered, media not connected: no turn, nothing heard; its client
+            # sees the connection fail and connects again (elsewhere)
+            log.info("drain: session %s never connected: closed", peer.id)
+            await peer.close(StopReasonKind.WORKER_SHUTDOWN)
+            continue
         tell_draining(peer, drain.left_s(s.drain_timeout_s), drain.reason)
     text_turns = app[TEXT_TURNS]
     log.info("drain: %d voice sessions may go on %.1f s, %d text turns %.1f s", len(peers),

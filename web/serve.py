@@ -55,7 +55,13 @@ async def serve(settings: Settings) -> int:
     except OSError as exc:
         await runner.cleanup()
         raise OSError(exc.errno, f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from exc
-    print(f"turnkeeper serving on http://{settings.host}:{settings.port}", flush=True)
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host  # an IPv6 address in a URL (RFC 3986)
+    print(f"turnkeeper serving on http://{host}:{settings.port}", flush=True)
+    weak = sorted({tenant for token, tenant in settings.tenants_by_token.items()
+                   if not token.startswith("sha256:") and len(token) < 16})
+    if weak:
+        log.warning("API tokens of %s are shorter than 16 characters: guessable; use e.g. `openssl rand -hex 24`",
+                    ", ".join(weak))
     if not settings.tenants_by_token:
         log.warning("no API tokens: serving unauthenticated on %s (development mode: voice sessions are tenant "
                     "'default', the REST API is off)", settings.host)

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, Field, ValidationError
 
-from turn.models import StopReasonKind
+from turn.models import StopReasonKind, TurnKind
 from web.admission import admit
 from web.errors import ApiError, openapi_error
 from web.offer_validation import OfferRejected, validate_offer
@@ -78,6 +78,8 @@ async def offer(request: web.Request) -> web.Response:
             of these.
     """
     app = request.app
+    auth = app[AUTH]
+    auth.voice_credentials(request)  # none at all: 401 before the body is even read
     body = await read_json(request)
     try:
         req = OfferRequest.model_validate(body)
@@ -94,7 +96,6 @@ async def offer(request: web.Request) -> web.Response:
     peers = app[PEERS]
     client = request.remote or "?"
     # after the SDP check (a bad offer uses no token), before anything is made
-    auth = app[AUTH]
     caller = await auth.voice_caller(request, "webrtc")
     grant = caller.grant
     tenant = caller.tenant_id
@@ -121,6 +122,8 @@ async def offer(request: web.Request) -> web.Response:
     )
     peers[peer.id] = peer
     try:
+        # the session exists from its answer on: its events can be followed, a drain can tell it
+        await app[MANAGER].ensure_session(peer.id, tenant_id=tenant, kind=TurnKind.VOICE)
         sdp = await peer.answer(req.sdp)
     except OfferRejected as exc:
         await peer.close(StopReasonKind.TRANSPORT_DISCONNECTED)

@@ -26,7 +26,6 @@ upgrade; its messages with the others' of its tenant and address).
 from __future__ import annotations
 
 import base64
-import hashlib
 import logging
 import os
 import uuid
@@ -37,6 +36,7 @@ from aiohttp import WSCloseCode, web
 from turn.models import StopReasonKind
 from web.auth import VoiceCaller
 from web.client_tokens import PREFIX as CLIENT_TOKEN_PREFIX
+from web.credentials import token_hash
 from web.devices.call import DeviceCall
 from web.devices.framing import VERSIONS
 from web.devices.messages import MAX_TEXT_BYTES
@@ -106,11 +106,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_delete(DEVICES_PATH + "/{device_id}", revoke)
     app.router.add_get(DEVICE_WS_PATH, device_socket)
     app.router.add_get(XIAOZHI_WS_PATH, device_socket)
-
-
-def token_hash(token: str) -> str:
-    """What the store keeps of a device token: hex SHA-256 of its UTF-8."""
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 async def issue(request: web.Request) -> web.Response:

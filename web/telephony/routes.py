@@ -24,6 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from web.admission import admit, admit_tenant
+from web.credentials import credential_bytes
 from web.errors import ApiError
 from web.state import CLOCK, LIMITS, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE
 from web.telephony.call import PhoneCall
@@ -195,7 +196,7 @@ async def telnyx_stream(request: web.Request) -> web.StreamResponse:
     t = request.app[SETTINGS].telephony
     given = request.query.get("token", "")
     if t.telnyx_stream_token:
-        if not hmac.compare_digest(given.encode(), t.telnyx_stream_token.encode()):
+        if not hmac.compare_digest(credential_bytes(given), credential_bytes(t.telnyx_stream_token)):
             log.warning("refused %s: bad or missing Telnyx stream token", request.path)
             raise ApiError(403, "bad_token", "the stream URL's token is missing or wrong")
     elif t.twilio_auth_token:

@@ -32,6 +32,8 @@ from collections import OrderedDict
 from aiohttp import web
 from twilio.request_validator import RequestValidator
 
+from web.credentials import credential_bytes
+
 #: the custom parameters carrying the signed tenant
 TENANT_PARAM = "tenant"
 TENANT_SIG_PARAM = "tenant_sig"
@@ -73,7 +75,7 @@ def request_url(request: web.Request, public_url: str) -> str:
 def sign_tenant(secret: bytes, tenant: str, call_id: str, issued_at: int) -> str:
     """The signature binding ``tenant`` to the call ``call_id``, issued at
     ``issued_at`` (Unix seconds): hex HMAC-SHA256."""
-    return hmac.new(secret, f"{tenant}\n{call_id}\n{issued_at}".encode(), hashlib.sha256).hexdigest()
+    return hmac.new(secret, credential_bytes(f"{tenant}\n{call_id}\n{issued_at}"), hashlib.sha256).hexdigest()
 
 
 class TenantSigner:
@@ -111,7 +113,7 @@ class TenantSigner:
         if not call_id or not issued_text.isdigit() or len(issued_text) > 12:
             return None
         issued = int(issued_text)
-        if not hmac.compare_digest(given.encode(), sign_tenant(self.secret, tenant, call_id, issued).encode()):
+        if not hmac.compare_digest(credential_bytes(given), credential_bytes(sign_tenant(self.secret, tenant, call_id, issued))):
             return None
         if not now - TENANT_SIG_TTL_S <= issued <= now + CLOCK_SKEW_S:
             return None
