@@ -20,15 +20,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from conftest import start_app
 from fuzz_support import fuzz_settings, record
 from hypothesis import given
 from hypothesis import strategies as st
+from test_offer_validation import counting_server
 
-from web import signaling
-from web.app import PEERS, create_app
+from web.app import PEERS
 from web.offer_validation import OfferRejected, validate_offer
-from web.settings import Settings
 
 CHROMIUM = (Path(__file__).parent / "data" / "chromium_offer.sdp").read_text()
 #: answerable in a test: mDNS host names replaced by a TEST-NET-1 address (see test_offer_validation.py)
@@ -149,19 +147,8 @@ def test_every_broken_offer_is_refused(named: tuple[str, str]) -> None:
 
 @pytest.fixture
 async def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[web.Application, str, list]]:
-    made: list = []
-    real = signaling.PeerSession
-
-    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
-        peer = real(*args, **kwargs)
-        made.append(peer)
-        return peer
-
-    monkeypatch.setattr(signaling, "PeerSession", counting)
-    app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db", max_pending_per_client=1))
-    runner, url = await start_app(app)
-    yield app, url, made
-    await runner.cleanup()
+    async with counting_server(tmp_path, monkeypatch, 1) as held:
+        yield held
 
 
 def drawn_offers() -> list[tuple[str, str]]:

@@ -8,6 +8,7 @@ the events data channel) with one thing changed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import re
 from collections.abc import AsyncIterator, Callable
@@ -231,10 +232,12 @@ def test_no_audio_and_not_sdp(sdp: str, code: str) -> None:
 # --- through the API: 400, and nothing created ----------------------------------------------
 
 
-@pytest.fixture
-async def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[web.Application, str, list]]:
-    """The default body cap (64 KiB, so the 60 KB line reaches the SDP
-    check), two pending offers per client; counts every PeerSession made."""
+@contextlib.asynccontextmanager
+async def counting_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pending_per_client: int
+) -> AsyncIterator[tuple[web.Application, str, list]]:
+    """The app (default body cap: 64 KiB) with ``pending_per_client``
+    pending offers per client, counting every PeerSession it makes."""
     made: list = []
     real = signaling.PeerSession
 
@@ -244,10 +247,20 @@ async def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterat
         return peer
 
     monkeypatch.setattr(signaling, "PeerSession", counting)
-    app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db", max_pending_per_client=2))
+    app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db", max_pending_per_client=pending_per_client))
     runner, url = await start_app(app)
-    yield app, url, made
-    await runner.cleanup()
+    try:
+        yield app, url, made
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[web.Application, str, list]]:
+    """The default body cap (64 KiB, so the 60 KB line reaches the SDP
+    check), two pending offers per client; counts every PeerSession made."""
+    async with counting_server(tmp_path, monkeypatch, 2) as held:
+        yield held
 
 
 async def post_offer(http: aiohttp.ClientSession, url: str, sdp: str) -> tuple[int, dict]:
