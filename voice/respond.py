@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from clock import timeout_after
 from turn.event_catalogue import ToolCancelled, ToolError, ToolNotStarted, ToolStarted, Usage
 from turn.intents import IntentStatus, effect_key
 from turn.ledger import EffectNotApplied
@@ -41,6 +42,8 @@ from voice.tools import Tool, ToolArgumentsError, Toolbox
 
 #: a model request takes at most this long unless the model says otherwise, s
 MODEL_MAX_S = 120.0
+#: how long a cancelled turn waits for its model call to record how it ended, s (then its usage is told as it stands)
+USAGE_SETTLE_S = 0.5
 
 
 class TokenSink(Protocol):
@@ -114,11 +117,19 @@ async def run_agent(
         prompt = count(history, specs) if count is not None else prompt_estimate(history, specs)
         await manager.checkpoint(turn_id, "before_model", expected_tokens=prompt)
         req = meter.start_request(prompt)
+        child = None
         try:
-            text, calls = await scope.run(
+            child = scope.spawn(
                 "model", _model_call(scope, manager, turn_id, llm, history, specs, req, on_token), max_s=model_max_s
             )
+            text, calls = await scope.wait(child)
         finally:
+            if child is not None and not child.done.is_set():
+                # this turn's task was cancelled while the model call unwinds: its
+                # provider records how it stopped as it ends; tell that, not a guess
+                with contextlib.suppress(TimeoutError):
+                    async with timeout_after(scope.clock, USAGE_SETTLE_S):
+                        await asyncio.shield(child.done.wait())
             on_event(Usage(turn_id=turn_id, generation=generation, **req.record().model_dump()))  # an aborted request too: it is billed
         await manager.checkpoint(turn_id, "after_model")
         if not calls:

@@ -421,6 +421,11 @@ async def test_stopped_turn_shows_honest_usage_and_child_reports(api: Api) -> No
     assert usage["after_stop"] == "confirmed" and usage["records"][0]["after_stop"] == "confirmed"
     assert usage["completion_tokens_after_stop_bound"] == usage["completion_tokens_after_stop"]
     assert usage["records"][0]["max_tokens"] == 1024
+    # the usage event a client (and the model span) was told says the same as the record
+    events = await api.app[MANAGER].store.read_events(started["session_id"])
+    [told] = [e.payload for e in events if e.type == "usage"]
+    assert told["after_stop"] == "confirmed", told
+    assert told["completion_tokens_after_stop"] == usage["records"][0]["completion_tokens_after_stop"]
     assert done["spent"]["tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     outcomes = {c["name"]: c["outcome"] for c in done["stop_report"]["children"]}
     assert outcomes["model"] == "stopped" and done["stop_report"]["grace_ms"] == 250
