@@ -24,7 +24,7 @@ TYPED_PATHS := clock turn media voice web testkit client demo_shop
 test: deps
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/mypy $(TYPED_PATHS)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m 'not serial'
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m 'not serial' --durations=25
 	$(BIN)/python -m pytest -m serial
 
 # ruff (lint and import order) and mypy only; `make test` runs them first too.

@@ -1,8 +1,9 @@
 """Who is calling: bearer tokens per tenant, client tokens for voice
 sessions, and event-stream resume tokens. Every transport's caller is
-checked here (phone streams by their provider's signature,
-:mod:`web.telephony.signature`; devices by their device tokens,
-:mod:`web.devices.routes`).
+checked here: browsers by client tokens, devices by device tokens
+(:meth:`Auth.device_caller`), phone streams by their provider's signature
+and our signed tenant (:mod:`web.telephony.signature`, whose rules are
+Twilio's and Telnyx's; single use through the store).
 
 API tokens come from settings (``TURNKEEPER_API_TOKENS=tenant:token,...``,
 or ``tenant:sha256:<hex>`` to keep only the token's SHA-256 in the
@@ -26,6 +27,7 @@ it), bound to a tenant and a session, and expires after
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import ipaddress
@@ -40,7 +42,7 @@ from clock import Clock
 from turn.store import TurnStore
 from web.client_tokens import PREFIX as CLIENT_TOKEN_PREFIX
 from web.client_tokens import ClientGrant, ClientTokens, Transport
-from web.credentials import credential_bytes
+from web.credentials import credential_bytes, token_hash
 from web.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -66,11 +68,14 @@ class VoiceCaller:
             None for a tenant API token or development mode.
         token: the client token presented (to put it back if the start is
             refused before the session exists); empty otherwise.
+        device_id: a device socket's device (``client-<session id>`` for a
+            client token); empty for other transports.
     """
 
     tenant_id: str
     grant: ClientGrant | None = None
     token: str = ""
+    device_id: str = ""
 
 
 #: the tenant of voice sessions in development mode (no API tokens)
@@ -98,6 +103,7 @@ class Auth:
         self.resume_ttl_s = resume_ttl_s
         #: client tokens (None without a store)
         self.client_tokens = ClientTokens(store, clock, client_token_ttl_s) if store is not None else None
+        self._store = store
         self._dev_logged = False
 
         class _ClockSigner(TimestampSigner):
@@ -197,6 +203,33 @@ class Auth:
             await self.client_tokens.put_back(token, grant)
             raise ApiError(403, "transport_not_allowed", f"this client token does not start {transport} sessions")
         return VoiceCaller(grant.tenant_id, grant, token)
+
+    async def device_caller(self, request: web.Request) -> VoiceCaller:
+        """Who opens a device socket (xiaozhi-esp32): a device token issued
+        by ``POST /v1/devices`` (looked up by its SHA-256 in the store), or
+        a client token minted for the ``device`` transport.
+
+        Raises:
+            ApiError: 401 no bearer token, an unknown or revoked device
+                token, an unknown, used or expired client token; 403 a
+                client token not for devices.
+            turn.store.StoreUnavailable: the store cannot be reached.
+        """
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise ApiError(401, "unauthorized", "a device needs 'Authorization: Bearer <device token>'",
+                           headers={"WWW-Authenticate": 'Bearer realm="turnkeeper-devices"'})
+        if token.startswith(CLIENT_TOKEN_PREFIX):
+            caller = await self.voice_caller(request, "device")
+            assert caller.grant is not None
+            return dataclasses.replace(caller, device_id=f"client-{caller.grant.session_id}")
+        found = await self._store.device_by_token(token_hash(token)) if self._store is not None else None
+        if found is None:
+            log.warning("refused a device from %s: unknown or revoked token", request.remote)
+            raise ApiError(401, "unauthorized", "unknown or revoked device token",
+                           headers={"WWW-Authenticate": 'Bearer realm="turnkeeper-devices", error="invalid_token"'})
+        return VoiceCaller(found[1], device_id=found[0])
 
     async def refused(self, caller: VoiceCaller) -> None:
         """The start ``caller`` asked for was refused before its session

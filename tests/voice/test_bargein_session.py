@@ -81,12 +81,18 @@ async def h(store: SqliteStore, grammar_file: Path):  # type: ignore[no-untyped-
 NOT_SPEECH = {c.name: c for c in C.nonspeech_clips()} if C.have_espeak() else {}
 
 
-def record_sent(h: Harness) -> list[int | None]:
+def record_sent(h: Harness, also: Callable[..., None] | None = None) -> list[int | None]:
     """What the RTP sender is handed, 20 ms per entry: the generation of a
     reply frame, or None for a silence frame (nothing deliverable: paused,
-    fenced or starved)."""
+    fenced or starved). ``also`` is still called with each frame."""
     sent: list[int | None] = []
-    h.track.on_sent = lambda frame, at: sent.append(None if frame is None else frame.generation)
+
+    def on_sent(frame, at):  # type: ignore[no-untyped-def]
+        sent.append(None if frame is None else frame.generation)
+        if also is not None:
+            also(frame, at)
+
+    h.track.on_sent = on_sent
     return sent
 
 
@@ -466,19 +472,26 @@ async def test_the_agent_does_not_interrupt_itself_on_a_speakerphone(
     h.mic = mic = SpeakerphoneMic(gain_db=-6, delay_frames=6)
     echo = EchoReference(500)
 
-    def sent(frame, at):  # type: ignore[no-untyped-def]
+    def sent_to_echo(frame, at):  # type: ignore[no-untyped-def]
         echo.played(frame.pcm if frame is not None else None, at)
         mic.played(frame.pcm if frame is not None else None)
 
-    h.track.on_sent = sent
+    h.track.on_sent = sent_to_echo
     await h.start(InboundAudio(mic, h.clock, echo=echo))
     try:
         h.mic.say(pcm48(say("tell me a story")))
-        await h.wait_for(lambda: 1 in h.track.audit.per_generation and h.track.audit.per_generation[1].frames > 300, timeout=30)
-        # six seconds of its own voice in the microphone: no pause, no barge-in
+        await h.wait_for(lambda: 1 in h.track.audit.per_generation and h.track.audit.per_generation[1].frames > 25, timeout=30)
+        sent = record_sent(h, also=sent_to_echo)
+        await h.wait_for(lambda: h.track.audit.per_generation[1].frames > 300, timeout=30)
+        # six seconds of its own voice in the microphone: no barge-in, no false
+        # interruption, nothing cleared, no hole in the reply. (Once in CI, after
+        # the whole suite, an echo onset was considered and rejected: allowed,
+        # as long as it made no audible hole; the bound is a real-time sanity
+        # bound, see bench/soak.py for the measured gaps.)
         vad = [e.get("event") for e in h.events if e["type"] == "vad"]
-        assert vad.count("speech_started") == 1 and "barge_in" not in types(h)
+        assert vad.count("speech_started") - vad.count("speech_rejected") == 1 and "barge_in" not in types(h), vad
         assert "false_interruption" not in types(h) and h.playout.cleared_frames == 0
+        assert longest_hole_ms(sent) <= 60, sent
         # the user speaking over it (double talk) still barges in
         h.mic.say(pcm48(say("what is the weather like today")))
         await h.wait_for(lambda: "barge_in" in types(h), timeout=10)

@@ -263,3 +263,29 @@ def test_serve_refuses_an_open_address_without_tokens_in_one_line(tmp_path: Path
     [line] = proc.stderr.strip().splitlines()
     assert "TURNKEEPER_API_TOKENS" in line and "--insecure" in line
     assert not (tmp_path / "var").exists()  # refused before opening anything
+
+
+async def test_a_device_token_of_the_device_transport_opens_one_device_socket(server: tuple[web.Application, str]) -> None:
+    """A client token minted for ``device`` opens a device socket as its
+    tenant and session (instead of a device token), once; a WebRTC-only
+    one is refused there and stays usable."""
+    app, url = server
+    ws_url = url.replace("http://", "ws://") + "/v1/devices/ws"
+    browser_only = await mint(url)
+    minted = await mint(url, transports=["device"], plan={"max_steps": 2})
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await http.ws_connect(ws_url, headers={"Authorization": f"Bearer {browser_only['client_token']}"})
+        assert refused.value.status == 403
+        ws = await http.ws_connect(ws_url, headers={"Authorization": f"Bearer {minted['client_token']}",
+                                                    "Protocol-Version": "1"})
+        try:
+            peer = app[PEERS][minted["session_id"]]
+            assert (peer.tenant, peer.device_id, peer.grant.plan(Settings().plan_for("tenant_a")).max_steps) == (
+                "tenant_a", f"client-{minted['session_id']}", 2)
+            with pytest.raises(aiohttp.WSServerHandshakeError) as again:
+                await http.ws_connect(ws_url, headers={"Authorization": f"Bearer {minted['client_token']}"})
+            assert again.value.status == 401
+        finally:
+            await ws.close()
+    assert (await offer(url, browser_only["client_token"]))[0] == 200  # the refusal left it usable

@@ -34,8 +34,6 @@ from typing import Any
 from aiohttp import WSCloseCode, web
 
 from turn.models import StopReasonKind
-from web.auth import VoiceCaller
-from web.client_tokens import PREFIX as CLIENT_TOKEN_PREFIX
 from web.credentials import token_hash
 from web.devices.call import DeviceCall
 from web.devices.framing import VERSIONS
@@ -147,35 +145,6 @@ async def revoke(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
-async def _device_of(request: web.Request) -> tuple[str, str, VoiceCaller | None]:
-    """``(device_id, tenant, caller)`` of the request's device token, or
-    of a client token minted for the ``device`` transport (then ``caller``
-    carries its grant and the device id is ``client-<session id>``).
-
-    Raises:
-        ApiError: 401 no bearer token, or an unknown or revoked one (or an
-            unknown, used or expired client token); 403 a client token not
-            for devices.
-    """
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise ApiError(401, "unauthorized", "a device needs 'Authorization: Bearer <device token>'",
-                       headers={"WWW-Authenticate": 'Bearer realm="turnkeeper-devices"'})
-    app = request.app
-    if token.strip().startswith(CLIENT_TOKEN_PREFIX):
-        caller = await app[AUTH].voice_caller(request, "device")
-        assert caller.grant is not None
-        return f"client-{caller.grant.session_id}", caller.tenant_id, caller
-    store = app[STORE]
-    digest = token_hash(token.strip())
-    found = await app[MANAGER].store_call(lambda: store.device_by_token(digest))
-    if found is None:
-        log.warning("refused a device from %s: unknown or revoked token", request.remote)
-        raise ApiError(401, "unauthorized", "unknown or revoked device token",
-                       headers={"WWW-Authenticate": 'Bearer realm="turnkeeper-devices", error="invalid_token"'})
-    return found[0], found[1], None
-
-
 async def device_socket(request: web.Request) -> web.StreamResponse:
     """A device's WebSocket (see the module doc).
 
@@ -193,8 +162,8 @@ async def device_socket(request: web.Request) -> web.StreamResponse:
         if raw_version.strip() not in {str(v) for v in VERSIONS}:
             raise ApiError(400, "bad_protocol_version", f"Protocol-Version must be one of {VERSIONS}")
         version = int(raw_version)
-    device_id, tenant, caller = await _device_of(request)
-    grant = caller.grant if caller is not None else None
+    caller = await app[AUTH].device_caller(request)
+    device_id, tenant, grant = caller.device_id, caller.tenant_id, caller.grant
     peers = app[PEERS]
     mac = request.headers.get("Device-Id", "").strip()[:64] or device_id
     key = (tenant, mac.lower())
@@ -209,8 +178,7 @@ async def device_socket(request: web.Request) -> web.StreamResponse:
         limits.check_sessions((p for p in peers.values() if p is not older), tenant, client)
         limits.require("session_start", tenant=tenant, client=client)
     except ApiError:
-        if caller is not None:
-            await app[AUTH].refused(caller)  # nothing started: the client token may be used again
+        await app[AUTH].refused(caller)  # nothing started: a client token may be used again
         raise
     ws = web.WebSocketResponse(max_msg_size=max(settings.devices.max_frame_bytes, MAX_TEXT_BYTES) + 1024, heartbeat=None)
     await ws.prepare(request)
