@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from clock import timeout_after
 from turn.event_catalogue import ToolCancelled, ToolError, ToolNotStarted, ToolStarted, Usage
 from turn.intents import IntentStatus, effect_key
 from turn.ledger import EffectNotApplied
@@ -42,8 +42,6 @@ from voice.tools import Tool, ToolArgumentsError, Toolbox
 
 #: a model request takes at most this long unless the model says otherwise, s
 MODEL_MAX_S = 120.0
-#: how long a cancelled turn waits for its model call to record how it ended, s (then its usage is told as it stands)
-USAGE_SETTLE_S = 0.5
 
 
 class TokenSink(Protocol):
@@ -117,20 +115,28 @@ async def run_agent(
         prompt = count(history, specs) if count is not None else prompt_estimate(history, specs)
         await manager.checkpoint(turn_id, "before_model", expected_tokens=prompt)
         req = meter.start_request(prompt)
-        child = None
+        told: list[bool] = []
+
+        def tell_usage(req: RequestMeter = req, told: list[bool] = told) -> None:
+            # once per request, as it ends: an aborted request too (it is billed)
+            if not told:
+                told.append(True)
+                on_event(Usage(turn_id=turn_id, generation=generation, **req.record().model_dump()))
+
         try:
             child = scope.spawn(
-                "model", _model_call(scope, manager, turn_id, llm, history, specs, req, on_token), max_s=model_max_s
+                "model", _model_call(scope, manager, turn_id, llm, history, specs, req, on_token, tell_usage), max_s=model_max_s
             )
-            text, calls = await scope.wait(child)
-        finally:
-            if child is not None and not child.done.is_set():
-                # this turn's task was cancelled while the model call unwinds: its
-                # provider records how it stopped as it ends; tell that, not a guess
-                with contextlib.suppress(TimeoutError):
-                    async with timeout_after(scope.clock, USAGE_SETTLE_S):
-                        await asyncio.shield(child.done.wait())
-            on_event(Usage(turn_id=turn_id, generation=generation, **req.record().model_dump()))  # an aborted request too: it is billed
+        except BaseException:
+            tell_usage()
+            raise
+        # The model child tells its usage as it ends, after its provider has
+        # recorded how it stopped and before it reports done, so a stopped
+        # turn's usage comes before its terminal state, however late this
+        # task unwinds; a child cancelled before it ever ran tells it here.
+        assert child.task is not None
+        child.task.add_done_callback(functools.partial(_tell_when_done, tell_usage))
+        text, calls = await scope.wait(child)
         await manager.checkpoint(turn_id, "after_model")
         if not calls:
             return AgentResult(text, added)
@@ -139,6 +145,10 @@ async def run_agent(
             step.append(await _tool_call(scope, manager, turn_id, generation, toolbox, call, on_event))
         history += step
         added += step
+
+
+def _tell_when_done(tell: Callable[[], None], _task: asyncio.Task[Any]) -> None:
+    tell()
 
 
 async def _model_call(
@@ -150,7 +160,16 @@ async def _model_call(
     specs: list[Any] | None,
     req: RequestMeter,
     on_token: TokenSink,
+    tell_usage: Callable[[], None],
 ) -> tuple[str, list[ToolCall]]:
+    """Stream one model request into ``on_token``; returns its text and
+    tool calls. Its usage is told (``tell_usage``) as it ends, however it
+    ends.
+
+    Raises:
+        turn.stopped.TurnStopped: the turn was stopped while it streamed.
+        Exception: what the provider raised.
+    """
     parts: list[str] = []
     calls: list[ToolCall] = []
     try:
@@ -171,6 +190,7 @@ async def _model_call(
                 await manager.checkpoint(turn_id, "model_stream")
     finally:
         req.finish(partial=True)  # no-op if the provider finished it whole
+        tell_usage()
     return "".join(parts), calls
 
 
@@ -212,10 +232,6 @@ async def _tool_call(
         on_event(ToolNotStarted(
             turn_id=turn_id, generation=generation, call_id=call.id, name=call.name, reason="no_budget", detail=exc.detail or ""
         ))
-        raise
-    except (TurnStopped, asyncio.CancelledError):
-        if not done and tool.effect != "complete":  # a must-complete call goes on: the ledger tells its end
-            on_event(ToolCancelled(turn_id=turn_id, generation=generation, call_id=call.id, name=call.name))
         raise
     except Exception as exc:
         on_event(ToolError(turn_id=turn_id, generation=generation, call_id=call.id, name=call.name, error=f"{type(exc).__name__}: {exc}"))
@@ -287,8 +303,13 @@ async def _invoke(
             # never sent: abandoned; cut off mid-call: a read abandoned, a write unknown
             status = unsure if sent else IntentStatus.ABANDONED
             detail = "cut off by the stop" if sent else "stopped before it was sent"
-            with contextlib.suppress(TurnStopped, UnknownIntent):
-                await scope.commit(ledger.move(key, status, expect=pending, detail=detail), effect=False)
+            try:
+                with contextlib.suppress(TurnStopped, UnknownIntent):
+                    await scope.commit(ledger.move(key, status, expect=pending, detail=detail), effect=False)
+            finally:
+                if tool.effect != "complete":  # a must-complete call goes on: the ledger tells its end
+                    # told by the call itself before it reports done, so before the turn's terminal state
+                    on_event(ToolCancelled(turn_id=turn_id, generation=generation, call_id=call.id, name=call.name))
         raise
 
 

@@ -331,6 +331,7 @@ class TurnHandle:
         if reason is not None and self.committing:
             self.stop_task = self.ctx.spawn(self._stop_after_commit(reason))
             return self.stop_task
+        self._mark_waste()
         if self.scope is not None:
             self.scope.stop(reason)  # every child gets the reason: model stream, tools, TTS, playout
         self._cancel_work()
@@ -348,6 +349,13 @@ class TurnHandle:
         self.ctx.silence(self)
         self.stop(None)
 
+    def _mark_waste(self) -> None:
+        """The turn is stopped here, before the store records it: what its
+        model streams from now on is waste, and a request cut off now tells
+        its usage as stopped (turn.usage.UsageMeter.mark_stopped)."""
+        if self.runtime is not None:
+            self.runtime.meter.mark_stopped()
+
     def _cancel_work(self) -> None:
         if self.work is not None and self.work is not asyncio.current_task():
             self.work.cancel()
@@ -360,6 +368,7 @@ class TurnHandle:
         stopped: list[StopReason] = []
 
         def timed() -> StopReason:
+            self._mark_waste()
             stopped.append(reason.model_copy(update={"at": self.ctx.clock.now()}))
             return stopped[0]
 

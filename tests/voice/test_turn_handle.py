@@ -17,7 +17,10 @@ from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, TurnStatus
 from turn.scope import TurnScope
 from turn.sqlite_store import SqliteStore
-from turn.usage import Pricing
+from turn.usage import Pricing, RequestMeter
+from voice.providers import Message, ToolCall
+from voice.respond import run_agent
+from voice.tools import Toolbox, tool
 from voice.turn_handle import TurnContext, TurnHandle
 
 
@@ -164,3 +167,81 @@ async def test_a_turn_never_written_is_recorded_and_cancelled_at_session_end(man
     turn = await manager.get(run.turn_id)
     assert turn.is_terminal and turn.generation == 3
     assert turn.stop_reason is not None and turn.stop_reason.kind is StopReasonKind.WORKER_SHUTDOWN
+
+
+class Waiting:
+    """A model that says one word (or calls ``tool``) and then waits; once
+    stopped it records that it stopped generating, then takes
+    ``teardown_s`` real seconds to close, as a connection does."""
+
+    name = "waiting"
+
+    def __init__(self, tool: str | None = None, teardown_s: float = 0.02) -> None:
+        self.pricing = Pricing()
+        self.tool, self.teardown_s = tool, teardown_s
+        self.started = asyncio.Event()
+
+    async def stream(self, messages: list[Message], *, tools: Any = None, meter: RequestMeter | None = None) -> AsyncIterator[Any]:
+        assert meter is not None
+        if self.tool is not None and not any(m.role == "tool" for m in messages):
+            meter.chunk()
+            yield ToolCall(id="c1", name=self.tool)
+            meter.finish(partial=False)
+            return
+        try:
+            meter.chunk()
+            yield "Once "
+            self.started.set()
+            await asyncio.Event().wait()
+        finally:
+            meter.finish(partial=True, provider_stopped=True)  # it knows it stopped generating
+            await asyncio.sleep(self.teardown_s)  # and then closes its connection
+
+
+@pytest.mark.parametrize("what", ["model", "tool"])
+async def test_what_a_stopped_turn_tells_comes_before_its_terminal_state(manager: TurnManager, what: str) -> None:
+    """A model request's usage and a cancelled tool call are told by the
+    call itself as it ends, so they come before the turn's CANCELLED
+    however late the turn's own task unwinds (CI once saw a barge-in's usage
+    arrive after the terminal state, lost to its trace)."""
+    clock = manager.clock
+    told: list[tuple[str, dict[str, Any]]] = []  # what the turn told its session, and its states, in order
+
+    def tap(ev: Any) -> None:
+        if ev.type == "turn":
+            told.append((f"turn {ev.payload.get('status')}", ev.payload))
+
+    manager.events.taps.append(tap)
+    calling = asyncio.Event()
+
+    @tool(name="wait")
+    async def wait(*, idempotency_key: str, turn_id: str) -> str:
+        calling.set()
+        await asyncio.Event().wait()
+        return "never"
+
+    llm = Waiting(tool="wait" if what == "tool" else None)
+
+    async def answer(run: TurnHandle, scope: TurnScope, turn: Any) -> None:
+        await run_agent(
+            scope=scope, manager=manager, turn_id=turn.id, generation=run.generation, llm=llm,
+            messages=[Message(role="user", content="hi")], toolbox=Toolbox([wait]),
+            on_token=lambda token, withheld=False: None, on_event=run.output,
+        )
+
+    async with asyncio.TaskGroup() as tg:
+        s = Session(manager, clock, tg)  # type: ignore[arg-type]
+        s.events = told
+        run = s.turn()
+        start(run, tg, answer)
+        await (calling.wait() if what == "tool" else llm.started.wait())
+        await run.stop(StopReason(kind=StopReasonKind.BARGE_IN, initiator="vad", at=clock.now()))
+        await asyncio.sleep(0.1)  # whatever the turn's task still tells as it unwinds
+    turn = await manager.get(run.turn_id)
+    assert turn.status is TurnStatus.CANCELLED
+    order = [name for name, _ in told]
+    last = "tool.cancelled" if what == "tool" else "usage"
+    assert last in order and order.index(last) < order.index("turn CANCELLED"), order
+    if what == "model":
+        [usage] = [payload for name, payload in told if name == "usage"]
+        assert usage["partial"] and usage["after_stop"] == "confirmed", (usage, order)  # as the provider recorded it
