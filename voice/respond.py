@@ -233,6 +233,8 @@ async def _tool_call(
             turn_id=turn_id, generation=generation, call_id=call.id, name=call.name, reason="no_budget", detail=exc.detail or ""
         ))
         raise
+    except TurnStopped:  # a subclass of Exception: a stop, never the tool's error (the call told tool.cancelled)
+        raise
     except Exception as exc:
         on_event(ToolError(turn_id=turn_id, generation=generation, call_id=call.id, name=call.name, error=f"{type(exc).__name__}: {exc}"))
         await manager.checkpoint(turn_id, "after_tool")

@@ -166,6 +166,7 @@ class Tracing:
         self._spend: dict[str, list[int]] = {}  # [tokens, requests] after the stop, [input, output], per open span
         self._children: dict[tuple[str, str], Span] = {}  # (turn, child name) -> open span
         self._model_ended: dict[str, tuple[Span, int]] = {}  # a model span waiting for its usage event
+        self._model_told: set[str] = set()  # turns whose open model span has its usage already
         self._cancel: dict[str, Span] = {}
         self._replay: dict[str, Span] = {}
         self._stt_start: dict[str, datetime] = {}
@@ -231,10 +232,17 @@ class Tracing:
             "completion_tokens_after_stop": int(p.get("completion_tokens_after_stop") or 0),
             "started_after_stop": bool(p.get("started_after_stop")),
         }, timestamp=_ns(ev.at))
-        ended = self._model_ended.pop(turn_id, None)
-        model = ended[0] if ended is not None else self._children.get((turn_id, "model"))
-        if model is None:
-            return
+        # a request tells its usage as it ends, before its child reports done
+        # (its span still open); one cancelled before it ran, just after
+        ended = None
+        model = self._children.get((turn_id, "model"))
+        if model is not None:
+            self._model_told.add(turn_id)
+        else:
+            ended = self._model_ended.pop(turn_id, None)
+            if ended is None:
+                return
+            model = ended[0]
         model.set_attributes({
             "gen_ai.usage.input_tokens": prompt, "gen_ai.usage.output_tokens": completion,
             "turnkeeper.model.request": int(p.get("request") or 0), "turnkeeper.model.partial": bool(p.get("partial")),
@@ -364,9 +372,10 @@ class Tracing:
             span.set_attribute("turnkeeper.tts.time_to_first_audio_ms", _ms(first_sentence, first_audio))
         if child.outcome is ChildOutcome.FAILED:
             span.set_status(Status(StatusCode.ERROR, self._error_text(child.error or "failed")))
-        if child.name == "model":
+        if child.name == "model" and child.turn_id not in self._model_told:
             self._model_ended[child.turn_id] = (span, _ns(child.ended_at))  # its usage event follows at once
         else:
+            self._model_told.discard(child.turn_id)
             span.end(end_time=_ns(child.ended_at))
 
     def scope_stopped(self, turn_id: str, reason: StopReason | None, at: datetime) -> None:
@@ -425,6 +434,7 @@ class Tracing:
         model = self._model_ended.pop(turn_id, None)
         if model is not None:
             model[0].end(end_time=model[1])
+        self._model_told.discard(turn_id)
         self._ran.discard(turn_id)
         self._spend.pop(turn_id, None)
         span = self._turns.pop(turn_id, None)

@@ -245,3 +245,41 @@ async def test_what_a_stopped_turn_tells_comes_before_its_terminal_state(manager
     if what == "model":
         [usage] = [payload for name, payload in told if name == "usage"]
         assert usage["partial"] and usage["after_stop"] == "confirmed", (usage, order)  # as the provider recorded it
+
+
+async def test_a_tool_call_cut_off_by_the_deadline_is_cancelled_not_an_error(manager: TurnManager) -> None:
+    """A limit that stops the scope while a tool runs (the turn's task is
+    not cancelled: it is no child of the scope) tells ``tool.cancelled``
+    and never a ``tool.error`` carrying the stop."""
+    clock = manager.clock
+    calling = asyncio.Event()
+
+    @tool(name="wait")
+    async def wait(*, idempotency_key: str, turn_id: str) -> str:
+        calling.set()
+        await asyncio.Event().wait()
+        return "never"
+
+    llm = Waiting(tool="wait")
+
+    async def answer(run: TurnHandle, scope: TurnScope, turn: Any) -> None:
+        await run_agent(
+            scope=scope, manager=manager, turn_id=turn.id, generation=run.generation, llm=llm,
+            messages=[Message(role="user", content="hi")], toolbox=Toolbox([wait]),
+            on_token=lambda token, withheld=False: None, on_event=run.output,
+        )
+
+    async with asyncio.TaskGroup() as tg:
+        s = Session(manager, clock, tg)  # type: ignore[arg-type]
+        run = s.turn()
+        run.open_task = tg.create_task(run.write(None, plan=Plan(deadline_s=5), pricing=Pricing()))
+        run.work = tg.create_task(run.work_on(answer))
+        run.end_utterance(1.0)
+        await calling.wait()
+        await clock.advance(10)
+        async with asyncio.timeout(10):
+            while not run.settled:
+                await asyncio.sleep(0.01)
+    tools = [name for name, _ in s.events if name.startswith("tool.")]
+    assert tools == ["tool.started", "tool.cancelled"], tools
+    assert (await manager.get(run.turn_id)).is_terminal

@@ -91,6 +91,12 @@ async def test_a_stopped_turn_and_a_tool_call_as_spans(tmp_path: Path) -> None:
             assert tool.attributes["turnkeeper.tool.outcome"] == "done"
             assert tool.attributes["turnkeeper.tool.idempotency_key"] == f"{order}:2"  # the ledger's key
             assert turn.start_time <= tool.start_time <= tool.end_time <= turn.end_time
+            # two model requests (the tool call, then the answer): each span its own request's usage
+            models = sorted((s for s in spans if s.name.startswith("chat ") and s.parent is not None
+                             and s.parent.span_id == turn.context.span_id), key=lambda s: s.start_time)
+            assert [m.attributes.get("turnkeeper.model.request") for m in models] == [1, 2]
+            assert all(m.attributes["gen_ai.usage.input_tokens"] > 0 for m in models)
+            assert sum(m.attributes["gen_ai.usage.output_tokens"] for m in models) == turn.attributes["gen_ai.usage.output_tokens"]
     finally:
         await runner.cleanup()
     assert app[TRACING]._turns == {}  # nothing left open
