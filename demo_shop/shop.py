@@ -12,7 +12,7 @@ from clock import Clock
 from demo_shop.service import DemoService
 from demo_shop.tools import demo_handlers, demo_tools, message_sender, weather_tools
 from turn.downstream import DownstreamWorker
-from turn.ledger import EffectHandler
+from turn.reversal import EffectHandler
 from turn.store import TurnStore
 from voice.tools import Toolbox
 

@@ -28,7 +28,7 @@ from clock import Clock
 from demo_shop.service import DemoService
 from turn.downstream import DownstreamWorker
 from turn.intents import LookupAnswer
-from turn.ledger import EffectHandler
+from turn.reversal import EffectHandler
 from turn.store import TurnStore
 from voice.llm import WEATHER_REPLY
 from voice.tools import Toolbox, tool

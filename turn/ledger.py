@@ -24,6 +24,9 @@ declared effect and the effect's stage at the stop (:mod:`turn.stop_policy`):
   for the reconciliation worker (:mod:`turn.reconciliation`), which asks
   the external system by key (``lookup``) and never retries blindly.
 
+How a reversal is attempted and recorded (claims, compensation jobs, the
+lookup of an effect in flight) is :mod:`turn.reversal`'s, mixed in here.
+
 A turn whose stop leaves no effect behind after the stop request is
 CANCELLED; one with an effect confirmed after the stop request, or still
 unresolved, is RECONCILE_REQUIRED (:func:`effect_remains`).
@@ -37,9 +40,9 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
-from typing import Any, Protocol
+from typing import Any
 
-from clock import Clock, timeout_after
+from clock import Clock
 from turn.event_catalogue import (
     LedgerEvent,
     ToolAbandoned,
@@ -55,12 +58,11 @@ from turn.intents import (
     Intent,
     IntentKind,
     IntentStatus,
-    LookupAnswer,
     compensation_key,
     effect_key,
 )
-from turn.log_content import error_text
 from turn.models import StopReasonKind
+from turn.reversal import EffectHandler, Reversals
 from turn.stop_policy import effect_remains, policy_for
 from turn.store import TurnStore
 
@@ -71,49 +73,12 @@ MAX_ATTEMPTS = 6
 #: first retry delay of a lookup or compensation, s (doubling, at most BACKOFF_MAX_S)
 BACKOFF_S = 1.0
 BACKOFF_MAX_S = 300.0
-#: how long a stop may spend on one effect's reversal (its lookup, if it was
-#: in flight, and its compensation) before the terminal write, s; a slower
-#: one goes on as a durable job and the turn is RECONCILE_REQUIRED
-#: (a voice barge-in's new turn is recorded after the old turn's stop, so
-#: this bounds how much a slow external system can delay it)
-COMPENSATE_NOW_S = 0.5
 
 
 class EffectNotApplied(Exception):
     """Raised by a tool (or its external system) when it knows for certain
     that its effect did not happen (e.g. a validation error answered before
     any write). The intent is then abandoned, not effect_unknown."""
-
-
-class EffectHandler(Protocol):
-    """What the ledger needs of a tool (``voice.tools.Tool`` is one)."""
-
-    @property
-    def name(self) -> str:
-        """The tool's name."""
-        ...
-
-    @property
-    def effect(self) -> str:
-        """Its kind of side effect (``voice.tools.Effect``)."""
-        ...
-
-    async def compensate_effect(self, key: str, args: dict[str, Any]) -> bool | None:
-        """Undo the effect of ``key`` (idempotent; a no-op if it never
-        happened). Returns False if the external system says ``key`` was
-        never applied (nothing was reversed: the effect is then recorded
-        abandoned, "not done"); True or None if it was reversed (now or
-        before). Raises on failure (the compensation is retried)."""
-        ...
-
-    async def lookup_effect(self, key: str) -> LookupAnswer:
-        """Ask the external system whether ``key`` was applied (UNKNOWN if
-        it cannot say). May raise: taken as UNKNOWN."""
-        ...
-
-    async def retry_effect(self, key: str, args: dict[str, Any]) -> Any:
-        """Apply the effect again with the same key (the system dedupes)."""
-        ...
 
 
 #: (turn_id, the change as its catalogue event) -> None or an awaitable (awaited)
@@ -132,7 +97,7 @@ def backoff_s(attempts: int) -> float:
     return min(BACKOFF_MAX_S, BACKOFF_S * (2 ** max(0, attempts - 1)))
 
 
-class Ledger:
+class Ledger(Reversals):
     """Writes and resolves intents (see the module doc).
 
     Args:
@@ -249,21 +214,7 @@ class Ledger:
                 return moved  # no compensation has run before it landed
         elif cur.status is not IntentStatus.COMPENSATED:
             return moved
-        await self._audit(key, "late_effect", "the effect landed after its compensation; reversing it again")
-        handler = self.handlers(cur.tool)
-        if handler is not None:
-            try:
-                reversed_ = await handler.compensate_effect(key, cur.args)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                return await self.move(key, IntentStatus.HUMAN_REQUIRED, detail=f"late effect could not be reversed: {exc}", error=str(exc))
-            if reversed_ is not False:
-                again = await self.move(
-                    key, IntentStatus.COMPENSATED, expect=frozenset({IntentStatus.DONE}), detail="the late effect was reversed again"
-                )
-                return again or moved
-        return moved
+        return await self._reverse_late(cur) or moved
 
     # -- a stop --------------------------------------------------------------------
 
@@ -311,119 +262,9 @@ class Ledger:
             if intent.status is IntentStatus.DONE:
                 await self.compensate(intent, now=True)
             elif intent.status is IntentStatus.EFFECT_UNKNOWN:
-                await self.reverse_in_flight(intent)
+                await self.reverse_in_flight(intent, functools.partial(policy.compensates, stop_at=stop_at))
         intents = await self._call(lambda: self.store.ledger_list(turn_id))
         return effect_remains(intents, stop_at, policy)
-
-    async def reverse_in_flight(self, effect: Intent) -> Intent:
-        """Reverse an effect that was in flight at a stop and never confirmed
-        done (effect_unknown), recording what the external system confirms:
-        its key is looked up first (``lookup_effect``); absent, it is
-        abandoned ("not done"), with no compensation; present, it is done
-        ("confirmed present by lookup"), then compensated; unknown, its
-        compensation runs anyway (it says itself whether it reversed
-        anything). The lookup and the compensation share one
-        ``COMPENSATE_NOW_S``; what does not fit goes on as a durable job.
-        Returns the effect's row afterwards."""
-        start = self.clock.monotonic()
-        limit = timeout_after(self.clock, COMPENSATE_NOW_S)
-        try:
-            async with limit:
-                answer = await self.lookup(effect)
-        except TimeoutError:
-            if not limit.expired:
-                raise
-            await self._audit(effect.key, "lookup", "no answer in time; its compensation is left to a job")
-            await self.compensate(effect, now=False)
-            return effect
-        expect = frozenset({IntentStatus.EFFECT_UNKNOWN})
-        if answer is LookupAnswer.ABSENT:
-            moved = await self.move(effect.key, IntentStatus.ABANDONED, expect=expect, detail="not done: confirmed absent by lookup")
-            return moved or effect
-        if answer is LookupAnswer.PRESENT:
-            await self.move(effect.key, IntentStatus.DONE, expect=expect, detail="confirmed present by lookup")
-        cur: Intent = await self._call(lambda: self.store.ledger_get(effect.key))
-        if cur.status in (IntentStatus.DONE, IntentStatus.EFFECT_UNKNOWN):
-            left = COMPENSATE_NOW_S - (self.clock.monotonic() - start)
-            await self.compensate(cur, now=left > 0, within_s=left)
-            cur = await self._call(lambda: self.store.ledger_get(effect.key))
-        return cur
-
-    async def lookup(self, intent: Intent) -> LookupAnswer:
-        """Ask the external system about ``intent``'s key (UNKNOWN if there
-        is no handler or the lookup fails, never raises but for
-        cancellation); leaves an audit row."""
-        handler = self.handlers(intent.tool)
-        answer = LookupAnswer.UNKNOWN
-        if handler is not None:
-            try:
-                answer = LookupAnswer(await handler.lookup_effect(intent.key))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("lookup of %s failed: %s", intent.key, error_text(exc))
-        await self._audit(intent.key, "lookup", answer.value)
-        return answer
-
-    async def compensate(self, effect: Intent, *, now: bool, within_s: float = COMPENSATE_NOW_S) -> Intent:
-        """Create (once) the durable compensation job of ``effect``; with
-        ``now``, try it at once, for at most ``within_s`` s (a slower one is
-        retried later). Returns the job. A job tried now is not due for the
-        reconciliation worker before ``within_s`` has passed (a crash during
-        the try leaves it to the worker after that)."""
-        at = self.clock.now()
-        # tried here at once: not due for the reconciliation worker until this
-        # attempt is over, so no two attempts of one reversal run at once
-        held = at + timedelta(seconds=within_s) if now else None
-        job = Intent(
-            key=compensation_key(effect.key), turn_id=effect.turn_id, step=effect.step, tool=effect.tool,
-            args=effect.args, effect=effect.effect, kind=IntentKind.COMPENSATION, created_at=at, updated_at=at,
-            next_attempt_at=held,
-        )
-        job, created = await self._call(lambda: self.store.ledger_add(job))
-        if created:
-            await self._audit(job.key, "intent", f"compensate {effect.key}")
-        if now and job.status in OPEN:
-            limit = timeout_after(self.clock, within_s)
-            try:
-                async with limit:
-                    job = await self.run_compensation(job)
-            except TimeoutError:
-                if not limit.expired:
-                    raise
-                job = await self.retry_later(job, "compensation took too long; retried later")
-        return job
-
-    async def run_compensation(self, job: Intent) -> Intent:
-        """One attempt of a compensation job: on success the job is done and
-        its effect compensated, or abandoned ("not done") if the external
-        system says there was nothing to reverse; on failure it is retried
-        with backoff, and after ``MAX_ATTEMPTS`` a person must decide (it
-        never disappears)."""
-        handler = self.handlers(job.tool)
-        effect_k = job.key.removesuffix(":compensate")
-        if handler is None:
-            return await self.give_up(job, f"no tool {job.tool!r} here to compensate with")
-        try:
-            reversed_ = await handler.compensate_effect(effect_k, job.args)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            return await self.retry_later(job, f"compensation failed: {type(exc).__name__}: {exc}")
-        if reversed_ is False:  # the external system never applied it
-            done = await self.move(job.key, IntentStatus.DONE, expect=OPEN, detail="nothing to reverse", attempts=job.attempts + 1) or job
-            await self.move(
-                effect_k, IntentStatus.ABANDONED, expect=frozenset({IntentStatus.DONE, IntentStatus.EFFECT_UNKNOWN}),
-                detail=f"not done: {job.key} found nothing to reverse",
-            )
-            return done
-        done = await self.move(job.key, IntentStatus.DONE, expect=OPEN, detail="compensated", attempts=job.attempts + 1) or job
-        await self.move(
-            effect_k, IntentStatus.COMPENSATED,
-            expect=frozenset({IntentStatus.DONE, IntentStatus.EFFECT_UNKNOWN, IntentStatus.PENDING, IntentStatus.ABANDONED}),
-            detail=f"reversed by {job.key}",
-        )
-        return done
 
     async def retry_later(self, row: Intent, why: str) -> Intent:
         """Count a failed attempt of ``row`` (a compensation job, or an

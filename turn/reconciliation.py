@@ -95,11 +95,11 @@ class ReconciliationWorker:
             return await ledger.give_up(intent, f"no tool {intent.tool!r} here to look the effect up")
         answer = await ledger.lookup(intent)
         if answer is LookupAnswer.PRESENT:
+            if intent.effect == "compensate" and policy.compensate_in_flight:
+                return await ledger.reverse_confirmed(intent)  # its job is written before it is called done
             done = await ledger.move(
                 intent.key, IntentStatus.DONE, expect=frozenset({IntentStatus.EFFECT_UNKNOWN}), detail="confirmed present by lookup"
             )
-            if done is not None and done.effect == "compensate" and policy.compensate_in_flight:
-                await ledger.compensate(done, now=True)
             return done or intent
         if answer is LookupAnswer.ABSENT:
             if policy.retry_absent and policy.new_effects:

@@ -25,11 +25,11 @@ import aiohttp
 from aiohttp import web
 
 from clock import Clock, SystemClock
-from turn.ledger import EffectHandler
 from turn.log_content import set_log_content
 from turn.manager import TurnManager
 from turn.models import StopReason, StopReasonKind
 from turn.redis_store import RedisStore
+from turn.reversal import EffectHandler
 from turn.signals import RedisStopSignals, StopSignals
 from turn.sqlite_connection import path_from_url
 from turn.sqlite_store import SqliteStore

@@ -17,6 +17,7 @@ from aiohttp import web
 from conftest import start_app
 from prometheus_client.parser import text_string_to_metric_families
 
+from turn.event_catalogue import MODEL_OF
 from turn.intents import Intent, IntentStatus
 from turn.models import EventRecord
 from web.app import create_app
@@ -77,7 +78,10 @@ async def test_a_stopped_turn_is_measured_and_the_gauges_read_the_state(server: 
         assert after[("turnkeeper_model_requests_after_stop_total", ())] == 0
         assert after[("turnkeeper_text_turns_running", ())] == 0
         labels = {k for (_, labels) in after for k, _ in labels}
-        assert labels <= {"reason", "status", "initiator", "transport", "le", "kind", "outcome", "how"}  # no tenant, no ids
+        # no tenant, no ids; "type" shows only once the stop fenced a late event
+        assert labels <= {"reason", "status", "initiator", "transport", "le", "kind", "outcome", "how", "type"}
+        fenced = {v for (name, labels) in after if name == "turnkeeper_late_events_fenced_total" for k, v in labels if k == "type"}
+        assert fenced <= set(MODEL_OF)  # an event type of the catalogue, never anything of the turn's own
         assert after[("turnkeeper_tokens_streamed_total", (("kind", "completion"),))] > 0
         assert after[("turnkeeper_tokens_streamed_total", (("kind", "prompt"),))] > 0
         app[DRAIN].begin("test", lambda d: drain_app(d, app))

@@ -1,0 +1,316 @@
+"""A reversal's records are never split (turn/ledger.py, run_compensation
+and reverse_confirmed): whatever interrupts a stop's reversal (its time
+bound firing during a slow store write, a crash after any one write), the
+ledger ends by saying what the external system holds. Before, a time bound
+that fired between "job done" and "effect compensated", or a crash between
+"effect done" and "job written", left an effect recorded done that the
+external system had reversed, or would never reverse (CI found the first
+under load: test_stop_policy and the ledger fuzzer, "done but not applied").
+Both stores."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from test_ledger import run
+
+from clock import VirtualClock
+from demo_shop.service import DemoService
+from demo_shop.tools import demo_handlers, demo_tools
+from turn.intents import OPEN, Intent, IntentKind, IntentStatus
+from turn.ledger import Ledger
+from turn.models import StopReasonKind
+from turn.reconciliation import ReconciliationWorker
+from turn.store import TurnStore
+
+
+class Crash(Exception):
+    """The process died right after a write landed."""
+
+
+class Interrupting:
+    """A store that delegates to ``store`` and, after the ``crash_after``-th
+    write has landed, raises :class:`Crash`; each write that ``slow(row)``
+    picks takes ``slow_s`` more of the virtual clock after it landed (a
+    loaded store)."""
+
+    def __init__(self, store: TurnStore, clock: VirtualClock, *, crash_after: int = 0,
+                 slow: Callable[[Intent], bool] = lambda _r: False, slow_s: float = 0.0) -> None:
+        self._store, self._clock = store, clock
+        self.crash_after, self.slow, self.slow_s = crash_after, slow, slow_s
+        self.writes = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def _landed(self) -> None:
+        self.writes += 1
+        if self.writes == self.crash_after:
+            raise Crash(f"after write {self.writes}")
+
+    async def ledger_add(self, row: Intent) -> tuple[Intent, bool]:
+        out = await self._store.ledger_add(row)
+        await self._landed()
+        return out
+
+    async def ledger_replace(self, row: Intent) -> bool:
+        ok = await self._store.ledger_replace(row)
+        if ok and self.slow(row):
+            await self._clock.sleep(self.slow_s)
+        await self._landed()
+        return ok
+
+    async def audit_add(self, row: Any) -> None:
+        await self._store.audit_add(row)
+        await self._landed()
+
+
+@pytest.fixture
+async def service(clock: VirtualClock) -> AsyncIterator[DemoService]:
+    s = DemoService(clock, latency_s=0.0)
+    yield s
+    await s.aclose()
+
+
+def ledger_on(store: Any, clock: VirtualClock, service: DemoService) -> Ledger:
+    tools = demo_tools(clock, service, store)
+    return Ledger(store, clock, handlers=demo_handlers(lambda: tools, service))
+
+
+def stopped_by(kind: StopReasonKind) -> Callable[[str], Awaitable[tuple[StopReasonKind | None, bool]]]:
+    """The worker's view of the turn: ended, stopped for ``kind``."""
+
+    async def stop_kind(_turn_id: str) -> tuple[StopReasonKind | None, bool]:
+        return kind, True
+
+    return stop_kind
+
+
+async def settle(store: TurnStore, clock: VirtualClock, service: DemoService, kind: StopReasonKind) -> None:
+    """A restarted instance's reconciliation worker, for a minute of the clock."""
+    worker = ReconciliationWorker(ledger_on(store, clock, service), stopped_by(kind), pending_grace_s=30)
+    for _ in range(12):
+        await worker.run_once()
+        await clock.advance(5)
+
+
+async def assert_reversed(store: TurnStore, service: DemoService, key: str) -> None:
+    rows = await store.ledger_list("t1")
+    effect = next(r for r in rows if r.key == key)
+    jobs = [r for r in rows if r.kind is IntentKind.COMPENSATION]
+    assert effect.status is IntentStatus.COMPENSATED, await store.audit_list(key)
+    assert [j.status for j in jobs] == [IntentStatus.DONE]
+    assert not [r for r in rows if r.status in OPEN]
+    applied = await service.applied(key)
+    assert applied[key]["reversed"]  # what the ledger says is what the external system holds
+    assert await service.repeats(key) == 0
+
+
+async def in_flight_order(ledger: Ledger, service: DemoService) -> Intent:
+    """An order the external system wrote, whose answer never came back."""
+    row = await ledger.intent("t1", 1, "create_order", {"item": "tea"}, "compensate")
+    await service.apply("order", row.key, {"item": "tea"})
+    return row
+
+
+@pytest.mark.parametrize("crash_after", range(1, 14))
+@pytest.mark.parametrize("entry", ["stop_in_flight", "stop_done", "reconcile"])
+async def test_a_crash_after_any_write_of_a_reversal_leaves_it_to_finish(
+    any_store, clock: VirtualClock, service: DemoService, entry: str, crash_after: int  # type: ignore[no-untyped-def]
+) -> None:
+    row = await in_flight_order(ledger_on(any_store, clock, service), service)
+    kind = StopReasonKind.SAFETY_ABORT if entry == "stop_done" else StopReasonKind.BARGE_IN
+    store = Interrupting(any_store, clock, crash_after=crash_after)
+    ledger = ledger_on(store, clock, service)
+    if entry == "stop_done":  # confirmed done before the stop; a safety abort reverses it
+        await ledger_on(any_store, clock, service).move(row.key, IntentStatus.DONE)
+        await clock.advance(1)
+    elif entry == "reconcile":  # the stop called it effect_unknown; the worker finds it present
+        await ledger_on(any_store, clock, service).move(row.key, IntentStatus.EFFECT_UNKNOWN)
+    try:
+        if entry == "reconcile":
+            await ReconciliationWorker(ledger, stopped_by(kind)).reconcile(await any_store.ledger_get(row.key), kind)
+        else:
+            await ledger.resolve_on_stop("t1", kind, clock.now())
+    except Crash:
+        pass
+    await settle(any_store, clock, service, kind)
+    await assert_reversed(any_store, service, row.key)
+
+
+@pytest.mark.parametrize("slow", ["effect", "job", "every"])
+async def test_a_time_bound_firing_during_a_slow_write_never_splits_the_record(
+    any_store, clock: VirtualClock, service: DemoService, slow: str  # type: ignore[no-untyped-def]
+) -> None:
+    """The stop's reversal is bounded (COMPENSATE_NOW_S); its records are
+    not: a write that takes longer than the bound finishes, and the ledger
+    says compensated, not done."""
+    row = await in_flight_order(ledger_on(any_store, clock, service), service)
+    picks = {
+        "effect": lambda r: r.kind is IntentKind.EFFECT and r.status is IntentStatus.COMPENSATED,
+        "job": lambda r: r.kind is IntentKind.COMPENSATION and r.status is IntentStatus.DONE,
+        "every": lambda _r: True,
+    }
+    store = Interrupting(any_store, clock, slow=picks[slow], slow_s=1.0)
+    ledger = ledger_on(store, clock, service)
+    await run(clock, ledger.resolve_on_stop("t1", StopReasonKind.BARGE_IN, clock.now()))
+    await settle(any_store, clock, service, StopReasonKind.BARGE_IN)
+    await assert_reversed(any_store, service, row.key)
+
+
+# -- races with other writers (a reviewer's sketches, each failing before) -------------
+
+
+class Hooked(Interrupting):
+    """A store that runs ``after(row)`` once each replace of a row has landed."""
+
+    def __init__(self, store: TurnStore, clock: VirtualClock, after: Callable[[Intent], Awaitable[None]]) -> None:
+        super().__init__(store, clock)
+        self.after = after
+
+    async def ledger_replace(self, row: Intent) -> bool:
+        ok = await self._store.ledger_replace(row)
+        if ok:
+            await self.after(row)
+        return ok
+
+
+async def test_an_answer_landing_while_nothing_was_found_to_reverse_is_reversed(
+    any_store, clock: VirtualClock, service: DemoService  # type: ignore[no-untyped-def]
+) -> None:
+    """The lookup cannot say, so the compensation runs and finds nothing
+    (the order has not landed yet); the order lands and the tool answers
+    right after the effect was recorded abandoned, before the job is
+    closed. A barge-in reverses what was in flight: the order ends reversed."""
+    raw = ledger_on(any_store, clock, service)
+    row = await raw.intent("t1", 1, "create_order", {"item": "tea"}, "compensate")
+    stop_at = clock.now()
+    await clock.advance(0.1)
+    landed: list[bool] = []
+
+    async def land(r: Intent) -> None:
+        if r.kind is IntentKind.EFFECT and r.status is IntentStatus.ABANDONED and not landed:
+            landed.append(True)
+            await service.apply("order", row.key, {"item": "tea"})
+            await raw.settle_late(row.key, IntentStatus.DONE, result="placed", done_at=clock.now())
+
+    service.inject("lookup", "lookup_unknown")
+    await ledger_on(Hooked(any_store, clock, land), clock, service).resolve_on_stop("t1", StopReasonKind.BARGE_IN, stop_at)
+    service.clear_faults()
+    assert landed
+    await settle(any_store, clock, service, StopReasonKind.BARGE_IN)
+    await assert_reversed(any_store, service, row.key)
+
+
+async def test_two_reconcilers_reverse_an_effect_once(any_store, clock: VirtualClock, service: DemoService) -> None:  # type: ignore[no-untyped-def]
+    """Two instances' workers read the same effect_unknown row and both
+    find it present: one claims it, and the external system sees one
+    reversal."""
+    led = ledger_on(any_store, clock, service)
+    row = await in_flight_order(led, service)
+    await led.move(row.key, IntentStatus.EFFECT_UNKNOWN)
+    seen = await any_store.ledger_get(row.key)
+    workers = [ReconciliationWorker(ledger_on(any_store, clock, service), stopped_by(StopReasonKind.BARGE_IN)) for _ in range(2)]
+    await run(clock, asyncio.gather(*(w.reconcile(seen, StopReasonKind.BARGE_IN) for w in workers)))
+    await settle(any_store, clock, service, StopReasonKind.BARGE_IN)
+    await assert_reversed(any_store, service, row.key)
+    assert await service.times_reversed(row.key) == 1
+
+
+async def test_a_reversal_is_held_from_its_call_not_from_its_job(
+    any_store, clock: VirtualClock, service: DemoService  # type: ignore[no-untyped-def]
+) -> None:
+    """Recording the effect done takes 2.5 s (a busy store), then the
+    compensation's call takes 0.4 s (within its bound). A worker pass while
+    the call runs starts no second attempt of the same reversal."""
+    led = ledger_on(any_store, clock, service)
+    row = await in_flight_order(led, service)
+    await led.move(row.key, IntentStatus.EFFECT_UNKNOWN)
+    stop_at = clock.now()
+
+    async def busy(r: Intent) -> None:
+        if r.kind is IntentKind.EFFECT and r.status is IntentStatus.DONE:
+            await clock.sleep(2.5)
+
+    calls, peak = 0, 0
+    reverse = service.reverse
+
+    async def slow_reverse(key: str) -> bool:
+        nonlocal calls, peak
+        calls += 1
+        peak = max(peak, calls)
+        try:
+            await clock.sleep(0.4)
+            return await reverse(key)
+        finally:
+            calls -= 1
+
+    service.reverse = slow_reverse  # type: ignore[method-assign]
+    stopping = asyncio.ensure_future(ledger_on(Hooked(any_store, clock, busy), clock, service).resolve_on_stop(
+        "t1", StopReasonKind.BARGE_IN, stop_at
+    ))
+    while not calls and not stopping.done():  # until the stop's call runs
+        await clock.advance(0.05)
+        await asyncio.sleep(0.001)
+    worker = ReconciliationWorker(ledger_on(any_store, clock, service), stopped_by(StopReasonKind.BARGE_IN))
+    await run(clock, asyncio.gather(stopping, worker.run_once()))
+    assert peak == 1, "two attempts of one reversal ran at once"
+    await settle(any_store, clock, service, StopReasonKind.BARGE_IN)
+    await assert_reversed(any_store, service, row.key)
+
+
+@pytest.mark.parametrize("moved_to", ["human_required", "done_before_the_stop"])
+async def test_a_row_settled_elsewhere_meanwhile_is_not_reversed(
+    any_store, clock: VirtualClock, service: DemoService, moved_to: str  # type: ignore[no-untyped-def]
+) -> None:
+    """A worker acts on a row it read as effect_unknown; meanwhile another
+    instance gave it to a person, or the call's own answer, stamped before
+    the stop, landed (a barge-in keeps what was done before it). The worker
+    reverses nothing and leaves no job to do it later."""
+    led = ledger_on(any_store, clock, service)
+    row = await in_flight_order(led, service)
+    answered_at = clock.now()
+    await led.move(row.key, IntentStatus.EFFECT_UNKNOWN)
+    await clock.advance(1)
+    seen = await any_store.ledger_get(row.key)
+    if moved_to == "human_required":
+        await led.give_up(seen, "another instance gave up")
+    else:
+        await led.settle_late(row.key, IntentStatus.DONE, result="placed", done_at=answered_at)
+    await ReconciliationWorker(led, stopped_by(StopReasonKind.BARGE_IN)).reconcile(seen, StopReasonKind.BARGE_IN)
+    await settle(any_store, clock, service, StopReasonKind.BARGE_IN)
+    assert not (await service.applied(row.key))[row.key]["reversed"]
+    assert (await any_store.ledger_get(row.key)).status is {"human_required": IntentStatus.HUMAN_REQUIRED}.get(moved_to, IntentStatus.DONE)
+    assert not [r for r in await any_store.ledger_list("t1") if r.status in OPEN]
+
+
+async def test_a_stop_keeps_an_effect_whose_answer_came_before_it(
+    any_store, clock: VirtualClock, service: DemoService  # type: ignore[no-untyped-def]
+) -> None:
+    """The order's answer came just before the barge-in, but its record
+    was written after the stop had called it effect_unknown and while the
+    stop looked it up. The stop keeps it (done before the stop), as the
+    policy says; before, it reversed it."""
+    raw = ledger_on(any_store, clock, service)
+    row = await in_flight_order(raw, service)
+    answered_at = clock.now()
+    await clock.advance(0.1)
+    stop_at = clock.now()
+    lookup = service.lookup
+
+    async def answer_lands_during_lookup(key: str) -> Any:
+        found = await lookup(key)
+        await raw.settle_late(row.key, IntentStatus.DONE, result="placed", done_at=answered_at)
+        return found
+
+    service.lookup = answer_lands_during_lookup  # type: ignore[method-assign]
+    remains = await ledger_on(any_store, clock, service).resolve_on_stop("t1", StopReasonKind.BARGE_IN, stop_at)
+    await settle(any_store, clock, service, StopReasonKind.BARGE_IN)
+    assert not remains
+    assert (await any_store.ledger_get(row.key)).status is IntentStatus.DONE
+    assert not (await service.applied(row.key))[row.key]["reversed"]
+    jobs = [r for r in await any_store.ledger_list("t1") if r.kind is IntentKind.COMPENSATION]
+    assert all(j.status is IntentStatus.ABANDONED for j in jobs)  # none ran
