@@ -169,16 +169,18 @@ class Ledger(Reversals):
         status: IntentStatus,
         *,
         expect: frozenset[IntentStatus] | None = None,
+        version: int | None = None,
         detail: str = "",
         **fields: Any,
     ) -> Intent | None:
         """Compare-and-set a row to ``status`` (from one of ``expect``, any
-        if None), with ``fields``; writes an audit row and tells the
-        session. Returns the new row, or None if its status was not one of
-        ``expect``."""
+        if None; only from ``version``, the row as the caller read it, if
+        given), with ``fields``; writes an audit row and tells the session.
+        Returns the new row, or None if its status was not one of
+        ``expect`` or it was no longer at ``version``."""
         while True:
             cur: Intent = await self._call(lambda: self.store.ledger_get(key))
-            if expect is not None and cur.status not in expect:
+            if (expect is not None and cur.status not in expect) or (version is not None and cur.version != version):
                 return None
             now = self.clock.now()
             update: dict[str, Any] = {"status": status, "updated_at": now, "version": cur.version + 1, **fields}

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from turn.intents import OPEN, Intent, IntentKind, IntentStatus, LookupAnswer
 from turn.ledger import EffectNotApplied, Ledger
 from turn.models import StopReasonKind
+from turn.reversal import CALL_LIMIT_S
 from turn.stop_policy import policy_for
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class ReconciliationWorker:
         answer = await ledger.lookup(intent)
         if answer is LookupAnswer.PRESENT:
             if intent.effect == "compensate" and policy.compensate_in_flight:
-                return await ledger.reverse_confirmed(intent)  # its job is written before it is called done
+                return await ledger.reverse_confirmed(intent, within_s=CALL_LIMIT_S)  # its job is written before it is called done
             done = await ledger.move(
                 intent.key, IntentStatus.DONE, expect=frozenset({IntentStatus.EFFECT_UNKNOWN}), detail="confirmed present by lookup"
             )
@@ -115,8 +116,9 @@ class ReconciliationWorker:
                     intent.key, IntentStatus.DONE, expect=OPEN, detail="confirmed absent, retried with the same key", result=str(result)
                 )
                 return retried or intent
-            given_up = await ledger.move(
-                intent.key, IntentStatus.ABANDONED, expect=OPEN, detail="confirmed absent; the policy allows no retry"
+            given_up = await ledger.move(  # only the row looked up: one claimed meanwhile is its claimer's
+                intent.key, IntentStatus.ABANDONED, expect=OPEN, version=intent.version,
+                detail="confirmed absent; the policy allows no retry",
             )
             return given_up or intent
         return await ledger.retry_later(intent, "the external system could not say")

@@ -122,12 +122,12 @@ class Reversals:
         left = COMPENSATE_NOW_S - (self.clock.monotonic() - start)
         if answer is LookupAnswer.PRESENT:
             return await self.reverse_confirmed(effect, within_s=left, reverses=reverses)
-        if answer is LookupAnswer.ABSENT:
+        if answer is LookupAnswer.ABSENT:  # only from the row looked up: one claimed meanwhile is the claimer's
             moved = await self.move(
-                effect.key, IntentStatus.ABANDONED, expect=frozenset({IntentStatus.EFFECT_UNKNOWN}),
+                effect.key, IntentStatus.ABANDONED, expect=frozenset({IntentStatus.EFFECT_UNKNOWN}), version=effect.version,
                 detail="not done: confirmed absent by lookup",
             )
-            return moved or effect
+            return moved or await self._call(lambda: self.store.ledger_get(effect.key))
         cur: Intent = await self._call(lambda: self.store.ledger_get(effect.key))
         if cur.status is IntentStatus.EFFECT_UNKNOWN or (cur.status is IntentStatus.DONE and reverses(cur)):
             await self.compensate(cur, now=left > 0, within_s=left)
@@ -263,6 +263,7 @@ class Reversals:
             cur: Intent = await self._call(lambda: self.store.ledger_get(job.key))
             return cur
         job = claimed
+        before: Intent = await self._call(lambda: self.store.ledger_get(effect_k))
         limit = timeout_after(self.clock, bound)
         try:
             async with limit:
@@ -274,22 +275,40 @@ class Reversals:
                 return await self.retry_later(job, f"compensation took longer than {bound:.3g} s; retried later")
             return await self.retry_later(job, f"compensation failed: {type(exc).__name__}: {exc}")
         attempts = job.attempts + 1
-        if reversed_ is False:  # the external system never applied it
-            await self.move(
-                effect_k, IntentStatus.ABANDONED, expect=frozenset({IntentStatus.DONE, IntentStatus.EFFECT_UNKNOWN}),
-                detail=f"not done: {job.key} found nothing to reverse",
-            )
-            closed = await self.move(job.key, IntentStatus.DONE, expect=OPEN, detail="nothing to reverse", attempts=attempts) or job
-            effect: Intent = await self._call(lambda: self.store.ledger_get(effect_k))
-            if effect.status is IntentStatus.DONE:  # its late answer came while the job was still open
-                await self._reverse_late(effect)
-            return closed
+        if reversed_ is False:  # the external system holds nothing under this key
+            return await self._found_nothing(job, before, attempts)
         await self.move(
             effect_k, IntentStatus.COMPENSATED,
             expect=frozenset({IntentStatus.DONE, IntentStatus.EFFECT_UNKNOWN, IntentStatus.PENDING, IntentStatus.ABANDONED}),
             detail=f"reversed by {job.key}",
         )
         return await self.move(job.key, IntentStatus.DONE, expect=OPEN, detail="compensated", attempts=attempts) or job
+
+    async def _found_nothing(self, job: Intent, before: Intent, attempts: int) -> Intent:
+        """A compensation call found nothing to reverse: its effect, as read
+        before the call (``before``), is recorded abandoned ("not done")
+        and the job closed. An effect that changed during the call (its own
+        late answer landed) or right after it was recorded abandoned is not
+        "not done": the job stays open, or is opened again, for a next
+        attempt (claimed and bounded like any other). Returns the job."""
+        effect_k = before.key
+        moved = await self.move(
+            effect_k, IntentStatus.ABANDONED, expect=frozenset({IntentStatus.DONE, IntentStatus.EFFECT_UNKNOWN}),
+            version=before.version, detail=f"not done: {job.key} found nothing to reverse",
+        )
+        if moved is None:
+            cur: Intent = await self._call(lambda: self.store.ledger_get(effect_k))
+            if cur.status in (IntentStatus.DONE, IntentStatus.EFFECT_UNKNOWN):
+                return await self.retry_later(job, "its effect changed while the compensation looked; looked at again")
+        closed = await self.move(job.key, IntentStatus.DONE, expect=OPEN, detail="nothing to reverse", attempts=attempts) or job
+        cur = await self._call(lambda: self.store.ledger_get(effect_k))
+        if cur.status is IntentStatus.DONE and closed.status is IntentStatus.DONE:  # it landed once it was called not done
+            again = await self.move(
+                job.key, IntentStatus.RETRYING, expect=frozenset({IntentStatus.DONE}), next_attempt_at=self.clock.now(),
+                detail="its effect landed after it found nothing; reversing it next",
+            )
+            return again or closed
+        return closed
 
     async def _reverse_late(self, cur: Intent) -> Intent | None:
         """``cur`` is done (or was compensated) but its effect landed after
@@ -305,7 +324,10 @@ class Reversals:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            return await self.move(key, IntentStatus.HUMAN_REQUIRED, detail=f"late effect could not be reversed: {exc}", error=str(exc))
+            return await self.move(
+                key, IntentStatus.HUMAN_REQUIRED, expect=frozenset({cur.status}), version=cur.version,
+                detail=f"late effect could not be reversed: {exc}", error=str(exc),
+            )
         if reversed_ is False:
             return None
         return await self.move(

@@ -20,7 +20,7 @@ from test_ledger import run
 from clock import VirtualClock
 from demo_shop.service import DemoService
 from demo_shop.tools import demo_handlers, demo_tools
-from turn.intents import OPEN, Intent, IntentKind, IntentStatus
+from turn.intents import OPEN, Intent, IntentKind, IntentStatus, LookupAnswer
 from turn.ledger import Ledger
 from turn.models import StopReasonKind
 from turn.reconciliation import ReconciliationWorker
@@ -93,7 +93,7 @@ async def settle(store: TurnStore, clock: VirtualClock, service: DemoService, ki
     """A restarted instance's reconciliation worker, for a minute of the clock."""
     worker = ReconciliationWorker(ledger_on(store, clock, service), stopped_by(kind), pending_grace_s=30)
     for _ in range(12):
-        await worker.run_once()
+        await run(clock, worker.run_once())
         await clock.advance(5)
 
 
@@ -314,3 +314,99 @@ async def test_a_stop_keeps_an_effect_whose_answer_came_before_it(
     assert not (await service.applied(row.key))[row.key]["reversed"]
     jobs = [r for r in await any_store.ledger_list("t1") if r.kind is IntentKind.COMPENSATION]
     assert all(j.status is IntentStatus.ABANDONED for j in jobs)  # none ran
+
+
+async def test_an_answer_landing_during_a_compensation_that_finds_nothing_is_reversed(
+    any_store, clock: VirtualClock, service: DemoService  # type: ignore[no-untyped-def]
+) -> None:
+    """The compensation's call finds nothing; while its answer comes back
+    the order lands and the tool's answer is recorded. The effect is not
+    "not done": the job stays open and its next attempt reverses the
+    order, and the stop says an effect remains (never CANCELLED)."""
+    raw = ledger_on(any_store, clock, service)
+    row = await raw.intent("t1", 1, "create_order", {"item": "tea"}, "compensate")
+    stop_at = clock.now()
+    await clock.advance(0.1)
+    reverse, first = service.reverse, [True]
+
+    async def reverse_then_land(key: str) -> bool:
+        found = await reverse(key)
+        if first:
+            first.clear()
+            await service.apply("order", row.key, {"item": "tea"})
+            await raw.settle_late(row.key, IntentStatus.DONE, result="placed", done_at=clock.now())
+        return found
+
+    service.reverse = reverse_then_land  # type: ignore[method-assign]
+    service.inject("lookup", "lookup_unknown")
+    remains = await ledger_on(any_store, clock, service).resolve_on_stop("t1", StopReasonKind.BARGE_IN, stop_at)
+    service.clear_faults()
+    assert remains
+    await settle(any_store, clock, service, StopReasonKind.BARGE_IN)
+    await assert_reversed(any_store, service, row.key)
+
+
+@pytest.mark.parametrize("then", ["slow", "fail_before"])
+async def test_a_reversal_of_a_late_landing_is_bounded_and_retried(
+    any_store, clock: VirtualClock, service: DemoService, then: str  # type: ignore[no-untyped-def]
+) -> None:
+    """The order lands right after its compensation recorded it "not
+    done". Reversing it again is a job's next attempt: the stop does not
+    wait for it (a slow shop), and one failure is retried, not handed to a
+    person."""
+    raw = ledger_on(any_store, clock, service)
+    row = await raw.intent("t1", 1, "create_order", {"item": "tea"}, "compensate")
+    stop_at = clock.now()
+    landed: list[bool] = []
+
+    async def land(r: Intent) -> None:
+        if r.kind is IntentKind.EFFECT and r.status is IntentStatus.ABANDONED and not landed:
+            landed.append(True)
+            await service.apply("order", row.key, {"item": "tea"})
+            await raw.settle_late(row.key, IntentStatus.DONE, result="placed", done_at=clock.now())
+            service.inject("reverse", then)  # the next reversal: 5 s, or refused once
+
+    service.inject("lookup", "lookup_unknown")
+    t0 = clock.monotonic()
+    await run(clock, ledger_on(Hooked(any_store, clock, land), clock, service).resolve_on_stop("t1", StopReasonKind.BARGE_IN, stop_at))
+    assert landed and clock.monotonic() - t0 < 0.5 + 0.2  # the stop's calls kept their bound
+    await settle(any_store, clock, service, StopReasonKind.BARGE_IN)
+    await assert_reversed(any_store, service, row.key)
+
+
+async def test_a_stale_absent_answer_does_not_undo_a_claimed_reversal(
+    any_store, clock: VirtualClock, service: DemoService  # type: ignore[no-untyped-def]
+) -> None:
+    """A worker finds the order present and claims the row; the stop's
+    lookup, made a moment before the order landed, answers absent just
+    then. The stop leaves the claimed row to the worker, which reverses it
+    (before, the stop recorded it "not done" and the order stood)."""
+    raw = ledger_on(any_store, clock, service)
+    row = await in_flight_order(raw, service)
+    await raw.move(row.key, IntentStatus.EFFECT_UNKNOWN)
+    seen = await any_store.ledger_get(row.key)
+    stop = ledger_on(any_store, clock, service)
+    shop = stop.handlers
+
+    class Stale:
+        """The stop's view of the shop: its lookup saw nothing yet."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(shop(row.tool), name)
+
+        async def lookup_effect(self, _key: str) -> LookupAnswer:
+            return LookupAnswer.ABSENT
+
+    stop.handlers = lambda _name: Stale()  # type: ignore[assignment,return-value]
+    fired: list[Intent] = []
+
+    async def stop_answers_absent(r: Intent) -> None:
+        if r.key == row.key and r.status is IntentStatus.EFFECT_UNKNOWN and r.version == seen.version + 1 and not fired:
+            fired.append(await stop.reverse_in_flight(seen))
+
+    hooked = ledger_on(Hooked(any_store, clock, stop_answers_absent), clock, service)
+    worker = ReconciliationWorker(hooked, stopped_by(StopReasonKind.BARGE_IN))
+    await worker.reconcile(seen, StopReasonKind.BARGE_IN)
+    assert fired and fired[0].status is not IntentStatus.ABANDONED
+    await settle(any_store, clock, service, StopReasonKind.BARGE_IN)
+    await assert_reversed(any_store, service, row.key)
