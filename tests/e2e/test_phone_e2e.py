@@ -14,11 +14,19 @@ from pathlib import Path
 import pytest
 from conftest import requires_espeak, start_app
 
-from client.phone_call import PhoneCallClient
+from client.phone_call import FENCE_CLEAR_SLACK_S, PhoneCallClient
 from client.results import Utterance
 from media.frames import PLAYOUT_RATE, load_pcm
 from web.app import create_app
 from web.settings import Settings
+
+#: how early a barge-in's clear may reach the phone before the fence's event
+#: reaches the client, ms: the two come on different connections (the media
+#: socket and the event stream), so on a loaded machine either may be first
+#: by a few ms (one came 14.8 ms first in a full run); a clear a stage-1
+#: pause sent, hundreds of ms earlier, is not taken for the barge-in's
+#: (client/phone_call.py)
+CLEAR_EARLY_MS = -FENCE_CLEAR_SLACK_S * 1000
 
 pytestmark = [pytest.mark.e2e, requires_espeak]
 TOKEN = "tok-phone-0123456789"
@@ -73,8 +81,8 @@ async def test_a_barge_in_over_twilio_clears_what_the_caller_would_still_hear(
     assert new.transcript == "what is the weather like today" and new.status == "COMPLETED"
     [m] = result.barge_ins
     assert m.barged_in and m.speaking_at_onset
-    # clear came after the fence, at once, and nothing old played after it
-    assert m.clear_after_fence_ms is not None and -2 <= m.clear_after_fence_ms <= 60, m.as_dict()
+    # the clear came with the fence, at once, and nothing old played after it
+    assert m.clear_after_fence_ms is not None and CLEAR_EARLY_MS <= m.clear_after_fence_ms <= 60, m.as_dict()
     assert m.old_audio_after_clear_ms == 0
     # the ear went quiet soon after the speech began (sanity bound; bench/bargein.py measures)
     assert m.stop_ms is not None and m.stop_ms < 800, m.as_dict()
@@ -127,7 +135,7 @@ async def test_a_key_pressed_while_the_agent_speaks_clears_it_at_the_ear(phone_s
     assert old.status == "CANCELLED" and old.stop_reason == "barge_in"
     assert new.transcript == "42" and new.status == "COMPLETED"  # the digits are the user's input
     [m] = result.barge_ins
-    assert m.barged_in and m.clear_after_fence_ms is not None and -2 <= m.clear_after_fence_ms <= 60, m.as_dict()
+    assert m.barged_in and m.clear_after_fence_ms is not None and CLEAR_EARLY_MS <= m.clear_after_fence_ms <= 60, m.as_dict()
     # a key commits at once: the old audio stops within the send-ahead and a tick or two (sanity bound)
     assert m.stop_ms is not None and m.stop_ms < 300, m.as_dict()
     assert m.old_audio_after_clear_ms == 0
