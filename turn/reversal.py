@@ -251,8 +251,9 @@ class Reversals:
         bounded, never the records of its answer: the effect is recorded
         before the job is closed, so an interruption between the two leaves
         the job open, and its rerun (idempotent by key) records the effect
-        again. An effect that landed while nothing was found to reverse is
-        reversed again. Returns the job as stored afterwards."""
+        again. An effect whose own answer landed while nothing was found to
+        reverse keeps its job open for a next attempt (:meth:`_found_nothing`).
+        Returns the job as stored afterwards."""
         bound = CALL_LIMIT_S if within_s is None else within_s
         handler = self.handlers(job.tool)
         effect_k = job.key.removesuffix(":compensate")

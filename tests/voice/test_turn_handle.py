@@ -5,7 +5,7 @@ swallowed, and the session-end settle of a turn never written."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -198,6 +198,27 @@ class Waiting:
             await asyncio.sleep(self.teardown_s)  # and then closes its connection
 
 
+def agent_with_a_waiting_tool(manager: TurnManager, llm: Waiting) -> tuple[Callable[..., Awaitable[None]], asyncio.Event]:
+    """A turn's work that runs the agent loop on ``llm`` with one tool,
+    ``wait``, that never answers; and the event set once it is called."""
+    calling = asyncio.Event()
+
+    @tool(name="wait")
+    async def wait(*, idempotency_key: str, turn_id: str) -> str:
+        calling.set()
+        await asyncio.Event().wait()
+        return "never"
+
+    async def answer(run: TurnHandle, scope: TurnScope, turn: Any) -> None:
+        await run_agent(
+            scope=scope, manager=manager, turn_id=turn.id, generation=run.generation, llm=llm,
+            messages=[Message(role="user", content="hi")], toolbox=Toolbox([wait]),
+            on_token=lambda token, withheld=False: None, on_event=run.output,
+        )
+
+    return answer, calling
+
+
 @pytest.mark.parametrize("what", ["model", "tool"])
 async def test_what_a_stopped_turn_tells_comes_before_its_terminal_state(manager: TurnManager, what: str) -> None:
     """A model request's usage and a cancelled tool call are told by the
@@ -212,22 +233,8 @@ async def test_what_a_stopped_turn_tells_comes_before_its_terminal_state(manager
             told.append((f"turn {ev.payload.get('status')}", ev.payload))
 
     manager.events.taps.append(tap)
-    calling = asyncio.Event()
-
-    @tool(name="wait")
-    async def wait(*, idempotency_key: str, turn_id: str) -> str:
-        calling.set()
-        await asyncio.Event().wait()
-        return "never"
-
     llm = Waiting(tool="wait" if what == "tool" else None)
-
-    async def answer(run: TurnHandle, scope: TurnScope, turn: Any) -> None:
-        await run_agent(
-            scope=scope, manager=manager, turn_id=turn.id, generation=run.generation, llm=llm,
-            messages=[Message(role="user", content="hi")], toolbox=Toolbox([wait]),
-            on_token=lambda token, withheld=False: None, on_event=run.output,
-        )
+    answer, calling = agent_with_a_waiting_tool(manager, llm)
 
     async with asyncio.TaskGroup() as tg:
         s = Session(manager, clock, tg)  # type: ignore[arg-type]
@@ -252,22 +259,7 @@ async def test_a_tool_call_cut_off_by_the_deadline_is_cancelled_not_an_error(man
     not cancelled: it is no child of the scope) tells ``tool.cancelled``
     and never a ``tool.error`` carrying the stop."""
     clock = manager.clock
-    calling = asyncio.Event()
-
-    @tool(name="wait")
-    async def wait(*, idempotency_key: str, turn_id: str) -> str:
-        calling.set()
-        await asyncio.Event().wait()
-        return "never"
-
-    llm = Waiting(tool="wait")
-
-    async def answer(run: TurnHandle, scope: TurnScope, turn: Any) -> None:
-        await run_agent(
-            scope=scope, manager=manager, turn_id=turn.id, generation=run.generation, llm=llm,
-            messages=[Message(role="user", content="hi")], toolbox=Toolbox([wait]),
-            on_token=lambda token, withheld=False: None, on_event=run.output,
-        )
+    answer, calling = agent_with_a_waiting_tool(manager, Waiting(tool="wait"))
 
     async with asyncio.TaskGroup() as tg:
         s = Session(manager, clock, tg)  # type: ignore[arg-type]
