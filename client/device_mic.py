@@ -80,14 +80,19 @@ class DeviceMicrophone:
         while True:
             await self._while_closed()
             t0, k = self.clock.monotonic(), 0
+            opened_ms = round((t0 - self._origin()) * 1000)  # version 2 stamps count from here
             while self._is_open():
                 k += 1
                 await self.clock.sleep(t0 + k * UPLINK_FRAME_MS / 1000 - self.clock.monotonic())
                 if not self._is_open():
                     break
                 pcm, utt, sample = self._queue.pop(0) if self._queue else (bytes(PACKET_SAMPLES * 2), -1, 0)
+                # The packet's stamp is when its capture ended by the device's
+                # sample clock (k packets of 60 ms after the microphone opened),
+                # not when the event loop got round to sending it: a late
+                # wake-up delays the send, never the audio's time.
+                ts = opened_ms + k * UPLINK_FRAME_MS
                 for packet in self._encoder.encode(pcm):
-                    ts = round((self.clock.monotonic() - self._origin()) * 1000)
                     await self._send(framing.frame(packet, self.version, timestamp_ms=ts))
                     self.log.sent.append(SentPacket(self.clock.monotonic(), self._seq, utt, sample))
                     self._seq += 1
