@@ -66,7 +66,8 @@ class Intent(BaseModel):
         effect: the tool's declared effect ("none", "complete", "compensate").
         kind: effect or compensation.
         status: see :class:`IntentStatus`.
-        result: the call's answer (text), once done.
+        result: the call's answer (text), once done; None for one a
+            lookup confirmed done (:func:`turn.reversal.answered`).
         error: the last error, for humans.
         attempts: calls or lookups made so far (compensation and
             reconciliation count their attempts here).

@@ -62,8 +62,8 @@ from turn.intents import (
     effect_key,
 )
 from turn.models import StopReasonKind
-from turn.reversal import EffectHandler, Reversals
-from turn.stop_policy import effect_remains, policy_for
+from turn.reversal import COMPENSATE_NOW_S, EffectHandler, Reversals
+from turn.stop_policy import TurnStopOf, effect_remains, policy_for
 from turn.store import TurnStore
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,10 @@ class Ledger(Reversals):
             ``tool.intent``, ``tool.done``, ``tool.compensated``,
             ``tool.effect_unknown``, ``tool.abandoned``, ``tool.human_required``).
         store_call: wraps each store call (the manager's retrying one).
+        turn_stop: the stop in force for a turn (the manager's reads the
+            turn): a call's answer that lands after its stop was resolved
+            is judged by that stop's policy (:meth:`settle_late`). None:
+            such an answer is reversed only if a compensation had run.
     """
 
     def __init__(
@@ -119,12 +123,14 @@ class Ledger(Reversals):
         handlers: Callable[[str], EffectHandler | None] | None = None,
         emit: LedgerEvents | None = None,
         store_call: Callable[[Callable[[], Awaitable[Any]]], Awaitable[Any]] | None = None,
+        turn_stop: TurnStopOf | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
         self.handlers = handlers or (lambda _name: None)
         self.emit: LedgerEvents = emit or (lambda _t, _e: None)
         self._call = store_call or (lambda fn: fn())
+        self.turn_stop = turn_stop
 
     async def _tell(self, turn_id: str, row: Intent) -> None:
         """Tell the turn's session about ``row``'s new status (its catalogue
@@ -197,9 +203,27 @@ class Ledger(Reversals):
         """The call itself answered (``status``, normally DONE): its answer
         is authoritative, also when it came after a stop's resolution or a
         reconciliation had already called the row effect_unknown or
-        abandoned. An effect that landed after its compensation had run
-        (one that reversed it, or found nothing to reverse yet) is reversed
-        again (compensations are idempotent by key)."""
+        abandoned.
+
+        A compensable effect this answer made done is judged by its turn's
+        stop (``turn_stop``) at the stage the answer gives it
+        (``done_at``): one the stop's policy keeps (done before a barge-in)
+        stays done; one it reverses (in flight at the stop) is reversed:
+        again if its compensation had already run (one that reversed it, or
+        found nothing to reverse yet; compensations are idempotent by key),
+        else by its compensation job, written (or opened again) now and
+        tried at once (its call bounded by ``COMPENSATE_NOW_S``, then
+        retried by the reconciliation worker). A stop not resolved yet
+        finds the row done and reverses it itself: the job is the same by
+        key. With no stop to judge by, an effect that landed after its
+        compensation had run is reversed again. Returns the row if this
+        call moved it.
+
+        Raises:
+            turn.store.StoreUnavailable: the store stays unreachable (the
+                answer may be recorded and its reversal not yet written:
+                the reconciliation worker does not see it; a caller logs).
+        """
         moved = await self.move(
             key, status,
             expect=frozenset({IntentStatus.PENDING, IntentStatus.EFFECT_UNKNOWN, IntentStatus.ABANDONED}),
@@ -208,15 +232,32 @@ class Ledger(Reversals):
         if status is not IntentStatus.DONE:
             return moved
         cur: Intent = moved or await self._call(lambda: self.store.ledger_get(key))
-        if cur.status is IntentStatus.DONE:
-            if cur.effect != "compensate":
-                return moved
-            rows = await self._call(lambda: self.store.ledger_list(cur.turn_id))
-            if not any(r.key == compensation_key(key) and r.status is IntentStatus.DONE for r in rows):
-                return moved  # no compensation has run before it landed
-        elif cur.status is not IntentStatus.COMPENSATED:
+        if cur.status is IntentStatus.COMPENSATED:  # it landed after its compensation had reversed nothing yet
+            return await self._reverse_late(cur) or moved
+        if cur.status is not IntentStatus.DONE or cur.effect != "compensate":
             return moved
-        return await self._reverse_late(cur) or moved
+        reverses = None
+        if moved is not None and self.turn_stop is not None:  # (a row someone else made done is theirs to judge)
+            reverses = (await self.turn_stop(cur.turn_id)).reverses()
+            if reverses is not None and not reverses(cur):
+                return moved  # the stop keeps what was answered before it
+        rows = await self._call(lambda: self.store.ledger_list(cur.turn_id))
+        job = next((r for r in rows if r.key == compensation_key(key)), None)
+        if job is not None and job.status is IntentStatus.DONE:
+            return await self._reverse_late(cur) or moved
+        if reverses is None:
+            return moved  # no compensation has run before it landed, and no stop to judge it by
+        await self._audit(key, "late_effect", "its answer landed after its stop was resolved; the stop's policy reverses it")
+        if job is not None and job.status is IntentStatus.ABANDONED:  # written, then left unrun: open it again
+            job = await self.move(
+                job.key, IntentStatus.RETRYING, expect=frozenset({IntentStatus.ABANDONED}), version=job.version,
+                next_attempt_at=self.clock.now(), detail="its effect landed after the stop; reversing it",
+            )
+            if job is not None:
+                await self.run_compensation(job, within_s=COMPENSATE_NOW_S, reverses=reverses)
+        elif job is None or job.status in OPEN:
+            await self.compensate(cur, now=True, reverses=reverses)
+        return moved
 
     # -- a stop --------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from turn.events import EventLogs
 from turn.lease import Leases, default_owner
 from turn.ledger import Ledger
 from turn.log_content import content
-from turn.models import Budget, Plan, Session, StopReason, StopReasonKind, Turn, TurnKind, TurnStatus
+from turn.models import Budget, Plan, Session, StopReason, Turn, TurnKind, TurnStatus
 from turn.reconciliation import ReconciliationWorker
 from turn.resume import Resumption
 from turn.runtime import FlagCache, TurnRuntime
@@ -31,6 +31,7 @@ from turn.scope_observer import ScopeObservers
 from turn.signals import StopSignals
 from turn.states import TransitionResult
 from turn.stop_path import StopPath
+from turn.stop_policy import TurnStop
 from turn.store import DuplicateSession, StoreUnavailable, TurnStore, UnknownSession, WrongSessionKind
 from turn.usage import Pricing, UsageMeter
 
@@ -113,7 +114,7 @@ class TurnManager(Checkpoints, StopPath, Leases, Resumption):
         self.events = EventLogs(store, clock, self.store_call)
         #: the side-effect ledger of every turn; ``ledger.handlers`` is set
         #: by whoever knows the tools (the app)
-        self.ledger = Ledger(store, clock, emit=self._ledger_event, store_call=self.store_call)
+        self.ledger = Ledger(store, clock, emit=self._ledger_event, store_call=self.store_call, turn_stop=self.turn_stop)
         #: told of every cancel scope's children, stop and report (traces,
         #: metrics: :mod:`turn.scope_observer`); scopes get it at their start
         self.scope_observers = ScopeObservers()
@@ -174,13 +175,21 @@ class TurnManager(Checkpoints, StopPath, Leases, Resumption):
     def reconciliation_worker(self, interval_s: float = 1.0) -> ReconciliationWorker:
         """A worker that settles the ledger rows stops and crashes left open."""
 
-        async def stop_kind(turn_id: str) -> tuple[StopReasonKind | None, bool]:
-            turn = await self.get(turn_id)
-            if turn.stop_reason is None or turn.status is TurnStatus.COMPLETED:
-                return None, turn.is_terminal  # a stop that came after the final step changed nothing
-            return turn.stop_reason.kind, turn.is_terminal
+        return ReconciliationWorker(self.ledger, self.turn_stop, interval_s=interval_s)
 
-        return ReconciliationWorker(self.ledger, stop_kind, interval_s=interval_s)
+    async def turn_stop(self, turn_id: str) -> TurnStop:
+        """The stop in force for ``turn_id`` (:class:`turn.stop_policy.TurnStop`):
+        none if it was not stopped or completed before its stop (a stop that
+        came after the final step changed nothing).
+
+        Raises:
+            turn.store.UnknownTurn: no such turn.
+            turn.store.StoreUnavailable: the store stays unreachable.
+        """
+        turn = await self.get(turn_id)
+        if turn.stop_reason is None or turn.status is TurnStatus.COMPLETED:
+            return TurnStop(None, None, turn.is_terminal)
+        return TurnStop(turn.stop_reason.kind, turn.stop_reason.at, turn.is_terminal)
 
     def _notify(self, turn: Turn) -> None:
         if turn.is_terminal:

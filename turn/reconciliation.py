@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from datetime import datetime
 
 from turn.intents import OPEN, Intent, IntentKind, IntentStatus, LookupAnswer
 from turn.ledger import EffectNotApplied, Ledger
 from turn.models import StopReasonKind
 from turn.reversal import CALL_LIMIT_S
-from turn.stop_policy import policy_for
+from turn.stop_policy import TurnStop, TurnStopOf, policy_for, reverses_at
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +30,11 @@ class ReconciliationWorker:
 
     Args:
         ledger: the ledger.
-        turn_stop_kind: the stop kind of a turn (None if it was not stopped)
-            and whether it is terminal: ``async (turn_id) -> (kind, terminal)``.
+        turn_stop: the stop in force for a turn (its kind and time, and
+            whether the turn is terminal): ``async (turn_id) -> TurnStop``.
+            A compensation job or a reversal is judged by the stop's policy
+            for the stage of its effect (a call's answer may land after the
+            stop was resolved).
         interval_s: pause between passes, s.
         pending_grace_s: a pending row of an ended turn is taken over only
             when it has not changed for this long, s (its call may still be
@@ -41,13 +44,13 @@ class ReconciliationWorker:
     def __init__(
         self,
         ledger: Ledger,
-        turn_stop_kind: Callable[[str], Awaitable[tuple[StopReasonKind | None, bool]]],
+        turn_stop: TurnStopOf,
         *,
         interval_s: float = 1.0,
         pending_grace_s: float = 30.0,
     ) -> None:
         self.ledger = ledger
-        self.turn_stop_kind = turn_stop_kind
+        self.turn_stop = turn_stop
         self.interval_s = interval_s
         self.pending_grace_s = pending_grace_s
 
@@ -57,14 +60,14 @@ class ReconciliationWorker:
         acted = 0
         for row in await ledger._call(lambda: ledger.store.ledger_due(ledger.clock.now(), limit)):
             try:
-                kind, terminal = await self.turn_stop_kind(row.turn_id)
+                stop: TurnStop = await self.turn_stop(row.turn_id)
                 if row.kind is IntentKind.COMPENSATION:
-                    await ledger.run_compensation(row)
+                    await ledger.run_compensation(row, reverses=stop.reverses())
                 elif row.status is IntentStatus.EFFECT_UNKNOWN:
-                    await self.reconcile(row, kind)
+                    await self.reconcile(row, stop.kind, stop_at=stop.at)
                 elif (
                     row.status is IntentStatus.PENDING
-                    and terminal
+                    and stop.terminal
                     and (ledger.clock.now() - row.updated_at).total_seconds() >= self.pending_grace_s
                 ):
                     # its worker is gone (the turn ended without resolving it)
@@ -79,7 +82,7 @@ class ReconciliationWorker:
                 log.exception("could not settle ledger row %s", row.key)
         return acted
 
-    async def reconcile(self, intent: Intent, kind: StopReasonKind | None) -> Intent:
+    async def reconcile(self, intent: Intent, kind: StopReasonKind | None, *, stop_at: datetime | None = None) -> Intent:
         """One reconciliation attempt of an effect_unknown intent: ask the
         external system by key (never a blind retry) and act on the answer
         under the policy of the turn's stop reason ``kind``. An
@@ -87,7 +90,10 @@ class ReconciliationWorker:
         reversed if the policy reverses effects in flight. One found absent
         is applied again with the same key only if the policy allows new
         effects and retries; a failed retry or an answer nobody can give is
-        retried with backoff, up to ``turn.ledger.MAX_ATTEMPTS``. Returns
+        retried with backoff, up to ``turn.ledger.MAX_ATTEMPTS``. A row
+        whose call's own answer lands meanwhile is judged by the policy for
+        the stage that answer gives it at the stop requested at ``stop_at``
+        (UTC; None: not known, such a row is left as it landed). Returns
         the row as stored afterwards."""
         ledger = self.ledger
         policy = policy_for(kind)
@@ -97,7 +103,9 @@ class ReconciliationWorker:
         answer = await ledger.lookup(intent)
         if answer is LookupAnswer.PRESENT:
             if intent.effect == "compensate" and policy.compensate_in_flight:
-                return await ledger.reverse_confirmed(intent, within_s=CALL_LIMIT_S)  # its job is written before it is called done
+                return await ledger.reverse_confirmed(  # its job is written before it is called done
+                    intent, within_s=CALL_LIMIT_S, reverses=reverses_at(kind, stop_at)
+                )
             done = await ledger.move(
                 intent.key, IntentStatus.DONE, expect=frozenset({IntentStatus.EFFECT_UNKNOWN}), detail="confirmed present by lookup"
             )

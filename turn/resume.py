@@ -145,6 +145,7 @@ class Resumption:
         # signal) decides instead: a user's cancel retries nothing
         now_turn = await self.store_call(lambda: self.store.get(turn_id))
         kind = now_turn.stop_reason.kind if now_turn.stop_reason is not None else StopReasonKind.WORKER_SHUTDOWN
+        stop_at = now_turn.stop_reason.at if now_turn.stop_reason is not None else None
         settled = True
         for i in own:
             if i.status is IntentStatus.PENDING:  # (a move that lost its compare-and-set: as it was; settled below)
@@ -152,7 +153,7 @@ class Resumption:
                 i = await ledger.move(i.key, unsure, expect=frozenset({IntentStatus.PENDING}),
                                       detail="its worker ended mid-call") or i
             if i.status is IntentStatus.EFFECT_UNKNOWN:
-                await reconciler.reconcile(i, kind)
+                await reconciler.reconcile(i, kind, stop_at=stop_at)
             # as stored now: the background reconciliation may have settled it first
             i = await self.store_call(functools.partial(self.store.ledger_get, i.key))
             if i.status in (IntentStatus.PENDING, IntentStatus.EFFECT_UNKNOWN, IntentStatus.HUMAN_REQUIRED):

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from clock import Clock, timeout_after
 from turn.intents import OPEN, Intent, IntentKind, IntentStatus, LookupAnswer, compensation_key
 from turn.log_content import error_text
+from turn.stop_policy import Reverses
 from turn.store import TurnStore
 
 log = logging.getLogger(__name__)
@@ -64,9 +65,6 @@ class EffectHandler(Protocol):
         """Apply the effect again with the same key (the system dedupes)."""
         ...
 
-
-#: whether the stop's policy reverses a row at the stage its times give it
-Reverses = Callable[[Intent], bool]
 
 #: how long a stop's calls to the external system for one effect's
 #: reversal (its lookup, if it was in flight, and its compensation) may take
@@ -130,7 +128,7 @@ class Reversals:
             return moved or await self._call(lambda: self.store.ledger_get(effect.key))
         cur: Intent = await self._call(lambda: self.store.ledger_get(effect.key))
         if cur.status is IntentStatus.EFFECT_UNKNOWN or (cur.status is IntentStatus.DONE and reverses(cur)):
-            await self.compensate(cur, now=left > 0, within_s=left)
+            await self.compensate(cur, now=left > 0, within_s=left, reverses=reverses)
             cur = await self._call(lambda: self.store.ledger_get(effect.key))
         return cur
 
@@ -171,7 +169,7 @@ class Reversals:
                     await self.move(job.key, IntentStatus.ABANDONED, expect=OPEN, detail=f"not run: its effect became {cur.status.value}")
                 return cur
         if within_s > 0 and job.status in OPEN and (created or not self._held(job)):
-            await self.run_compensation(job, within_s=within_s)
+            await self.run_compensation(job, within_s=within_s)  # its reversal was decided just now, on the row as it is
         cur = await self._call(lambda: self.store.ledger_get(effect.key))
         return cur
 
@@ -197,14 +195,17 @@ class Reversals:
         await self._audit(intent.key, "lookup", answer.value)
         return answer
 
-    async def compensate(self, effect: Intent, *, now: bool, within_s: float = COMPENSATE_NOW_S) -> Intent:
+    async def compensate(
+        self, effect: Intent, *, now: bool, within_s: float = COMPENSATE_NOW_S, reverses: Reverses | None = None
+    ) -> Intent:
         """Create (once) the durable compensation job of ``effect``; with
         ``now``, try it at once, its call bounded by ``within_s`` s (a
         slower one is retried later), unless another caller wrote the job
-        and holds it. Returns the job."""
+        and holds it; ``reverses`` as :meth:`run_compensation`. Returns the
+        job."""
         job, created = await self._compensation_job(effect, held_s=within_s if now else None)
         if now and job.status in OPEN and (created or not self._held(job)):
-            job = await self.run_compensation(job, within_s=within_s)
+            job = await self.run_compensation(job, within_s=within_s, reverses=reverses)
         return job
 
     def _held(self, row: Intent) -> bool:
@@ -237,7 +238,9 @@ class Reversals:
             await self._audit(job.key, "intent", f"compensate {effect.key}")
         return job, created
 
-    async def run_compensation(self, job: Intent, *, within_s: float | None = None) -> Intent:
+    async def run_compensation(
+        self, job: Intent, *, within_s: float | None = None, reverses: Reverses | None = None
+    ) -> Intent:
         """One attempt of a compensation job, as read by the caller: on
         success the job is done and its effect compensated, or abandoned
         ("not done") if the external system says there was nothing to
@@ -253,6 +256,13 @@ class Reversals:
         the job open, and its rerun (idempotent by key) records the effect
         again. An effect whose own answer landed while nothing was found to
         reverse keeps its job open for a next attempt (:meth:`_found_nothing`).
+
+        ``reverses`` is the stop's policy for the stage of the effect's row
+        (:meth:`turn.stop_policy.TurnStop.reverses`; None: not known). A job
+        whose effect its call's own answer recorded done, at a stage the
+        policy keeps, is abandoned unrun: the answer, stamped before the
+        stop, landed after the job was written (a barge-in keeps an order
+        placed before it). One a lookup confirmed after the stop runs.
         Returns the job as stored afterwards."""
         bound = CALL_LIMIT_S if within_s is None else within_s
         handler = self.handlers(job.tool)
@@ -265,6 +275,12 @@ class Reversals:
             return cur
         job = claimed
         before: Intent = await self._call(lambda: self.store.ledger_get(effect_k))
+        if answered(before) and reverses is not None and not reverses(before):
+            kept = await self.move(
+                job.key, IntentStatus.ABANDONED, expect=OPEN, version=job.version,
+                detail="not run: its effect was done before the stop, whose policy keeps it",
+            )
+            return kept or await self._call(lambda: self.store.ledger_get(job.key))
         limit = timeout_after(self.clock, bound)
         try:
             async with limit:
@@ -334,6 +350,13 @@ class Reversals:
         return await self.move(
             key, IntentStatus.COMPENSATED, expect=frozenset({IntentStatus.DONE}), detail="the late effect was reversed again"
         )
+
+
+def answered(row: Intent) -> bool:
+    """``row`` is done by its call's own answer, which carries the call's
+    result and its time (``done_at``), not by a lookup after a stop (no
+    result; ``done_at`` is when the lookup confirmed it)."""
+    return row.status is IntentStatus.DONE and row.result is not None
 
 
 def _late_done_to_reverse(cur: Intent, reverses: Reverses | None) -> bool:

@@ -44,8 +44,11 @@ had committed: it says the step should never have been taken.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from enum import StrEnum
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -150,6 +153,45 @@ def policy_for(kind: StopReasonKind | None) -> EffectPolicy:
         KeyError: an unknown kind.
     """
     return POLICIES[kind]
+
+
+#: whether a stop's policy reverses an effect row at the stage its times give it
+Reverses = Callable[[Intent], bool]
+
+
+class TurnStop(NamedTuple):
+    """The stop in force for a turn, as the ledger and the reconciliation
+    worker see it after the stop (a call's late answer, a job's attempt).
+
+    Attributes:
+        kind: the stop's reason; None if the turn was not stopped, or
+            completed before its stop (a stop after the final step changes
+            nothing).
+        at: when the stop was requested (UTC); None with ``kind`` None, or
+            where it is not known (then no stage can be told).
+        terminal: the turn has reached its terminal state.
+    """
+
+    kind: StopReasonKind | None
+    at: datetime | None
+    terminal: bool
+
+    def reverses(self) -> Reverses | None:
+        """:func:`reverses_at` this stop."""
+        return reverses_at(self.kind, self.at)
+
+
+def reverses_at(kind: StopReasonKind | None, stop_at: datetime | None) -> Reverses | None:
+    """The policy of a stop of ``kind`` requested at ``stop_at`` (UTC), as
+    a predicate on effect rows (:meth:`EffectPolicy.compensates`); None
+    when there is no stop time to judge a stage by."""
+    if stop_at is None:
+        return None
+    return functools.partial(policy_for(kind).compensates, stop_at=stop_at)
+
+
+#: ``async (turn_id) -> TurnStop`` (the turn manager's reads the turn)
+TurnStopOf = Callable[[str], Awaitable[TurnStop]]
 
 
 def effect_remains(intents: list[Intent], stop_at: datetime, policy: EffectPolicy) -> bool:

@@ -18,7 +18,7 @@ from turn.intents import Intent, IntentKind, IntentStatus, LookupAnswer, compens
 from turn.ledger import MAX_ATTEMPTS, Ledger
 from turn.models import StopReasonKind
 from turn.reconciliation import ReconciliationWorker
-from turn.stop_policy import effect_remains, policy_for
+from turn.stop_policy import TurnStop, effect_remains, policy_for
 from turn.store import UnknownIntent
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -244,8 +244,8 @@ def test_effect_remains_rules() -> None:
 
 
 def _kind(kind: StopReasonKind):  # type: ignore[no-untyped-def]
-    async def get(_turn_id: str) -> tuple[StopReasonKind | None, bool]:
-        return kind, True
+    async def get(_turn_id: str) -> TurnStop:
+        return TurnStop(kind, None, True)
 
     return get
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from turn.intents import OPEN, Intent, IntentKind, IntentStatus, LookupAnswer
 from turn.ledger import Ledger
 from turn.models import StopReasonKind
 from turn.reconciliation import ReconciliationWorker
+from turn.stop_policy import TurnStop, TurnStopOf
 from turn.store import TurnStore
 
 
@@ -80,13 +82,14 @@ def ledger_on(store: Any, clock: VirtualClock, service: DemoService) -> Ledger:
     return Ledger(store, clock, handlers=demo_handlers(lambda: tools, service))
 
 
-def stopped_by(kind: StopReasonKind) -> Callable[[str], Awaitable[tuple[StopReasonKind | None, bool]]]:
-    """The worker's view of the turn: ended, stopped for ``kind``."""
+def stopped_by(kind: StopReasonKind, at: datetime | None = None) -> TurnStopOf:
+    """The worker's view of the turn: ended, stopped for ``kind`` at ``at``
+    (None: a time it does not know, so it judges no stage)."""
 
-    async def stop_kind(_turn_id: str) -> tuple[StopReasonKind | None, bool]:
-        return kind, True
+    async def stop(_turn_id: str) -> TurnStop:
+        return TurnStop(kind, at, True)
 
-    return stop_kind
+    return stop
 
 
 async def settle(store: TurnStore, clock: VirtualClock, service: DemoService, kind: StopReasonKind) -> None:
@@ -391,3 +394,126 @@ async def test_a_stale_absent_answer_does_not_undo_a_claimed_reversal(
     assert fired and fired[0].status is not IntentStatus.ABANDONED
     await settle(any_store, clock, service, StopReasonKind.BARGE_IN)
     await assert_reversed(any_store, service, row.key)
+
+
+# -- a call's answer landing after its stop was resolved (a tool that ignored
+# its cancellation): judged by the stop's policy at the stage the answer
+# gives it, by whoever sees it (the answer's own record, a job, the worker)
+
+
+def ledger_stopped(store: Any, clock: VirtualClock, service: DemoService, kind: StopReasonKind, at: datetime) -> Ledger:
+    """The product's ledger: it knows the turn's stop (the manager reads the turn)."""
+    ledger = ledger_on(store, clock, service)
+    ledger.turn_stop = stopped_by(kind, at)
+    return ledger
+
+
+async def test_a_job_left_by_a_slow_lookup_keeps_an_order_answered_before_the_barge_in(
+    any_store, clock: VirtualClock, service: DemoService  # type: ignore[no-untyped-def]
+) -> None:
+    """The order was placed and answered just before the barge-in, but its
+    record had not been written when the stop resolved the turn; the
+    stop's lookup took longer than its bound, so it left a compensation
+    job. Then the answer's record lands. A barge-in keeps what was done
+    before it: the job does not run and the order stands (before, the
+    worker reversed it: the job did not know the stop's time)."""
+    row = await in_flight_order(ledger_on(any_store, clock, service), service)
+    answered_at = clock.now()
+    await clock.advance(0.1)
+    stop_at = clock.now()
+    service.inject("lookup", "slow")
+    ledger = ledger_stopped(any_store, clock, service, StopReasonKind.BARGE_IN, stop_at)
+    await run(clock, ledger.resolve_on_stop("t1", StopReasonKind.BARGE_IN, stop_at))
+    service.clear_faults()
+    jobs = [r for r in await any_store.ledger_list("t1") if r.kind is IntentKind.COMPENSATION]
+    assert [j.status for j in jobs] == [IntentStatus.PENDING]  # left to a job
+    await ledger.settle_late(row.key, IntentStatus.DONE, result="placed", done_at=answered_at)
+    worker = ReconciliationWorker(ledger, stopped_by(StopReasonKind.BARGE_IN, stop_at))
+    for _ in range(12):
+        await run(clock, worker.run_once())
+        await clock.advance(5)
+    assert not (await service.applied(row.key))[row.key]["reversed"]
+    assert await service.times_reversed(row.key) == 0
+    rows = await any_store.ledger_list("t1")
+    assert [(r.kind, r.status) for r in rows] == [
+        (IntentKind.EFFECT, IntentStatus.DONE), (IntentKind.COMPENSATION, IntentStatus.ABANDONED)
+    ]
+
+
+async def test_the_worker_reverses_an_order_whose_answer_after_the_stop_lands_during_its_lookup(
+    any_store, clock: VirtualClock, service: DemoService  # type: ignore[no-untyped-def]
+) -> None:
+    """The stop left the order effect_unknown. While the worker looks it
+    up, the call's answer, stamped after the stop, is recorded (by a writer
+    that does not judge it). The order was in flight at the barge-in, so
+    the worker reverses it (before, it left the row to "whoever changed
+    it": the order stood, done, with no job)."""
+    raw = ledger_on(any_store, clock, service)
+    row = await in_flight_order(raw, service)
+    stop_at = clock.now()
+    await raw.move(row.key, IntentStatus.EFFECT_UNKNOWN)
+    await clock.advance(0.2)
+    seen = await any_store.ledger_get(row.key)
+    lookup = service.lookup
+
+    async def answer_lands_during_lookup(key: str) -> Any:
+        found = await lookup(key)
+        await raw.settle_late(row.key, IntentStatus.DONE, result="placed", done_at=clock.now())
+        return found
+
+    service.lookup = answer_lands_during_lookup  # type: ignore[method-assign]
+    worker = ReconciliationWorker(ledger_on(any_store, clock, service), stopped_by(StopReasonKind.BARGE_IN, stop_at))
+    await run(clock, worker.run_once())
+    service.lookup = lookup  # type: ignore[method-assign]
+    await settle(any_store, clock, service, StopReasonKind.BARGE_IN)
+    await assert_reversed(any_store, service, row.key)
+    assert seen.status is IntentStatus.EFFECT_UNKNOWN
+
+
+@pytest.mark.parametrize("resolved", ["absent", "left_to_its_work"])
+async def test_an_order_that_lands_after_its_turn_was_cancelled_is_reversed(
+    any_store, clock: VirtualClock, service: DemoService, resolved: str  # type: ignore[no-untyped-def]
+) -> None:
+    """The stop resolved the turn while the order had not landed: its
+    lookup found nothing (abandoned, the turn CANCELLED), or a tool that
+    ignored its cancellation still held it (left to its work). Then the
+    order lands and the tool answers, after the barge-in. What was in
+    flight at a barge-in is reversed: its answer's record writes the
+    compensation job and tries it at once (before, the order stood: only
+    an already-run compensation was redone)."""
+    raw = ledger_on(any_store, clock, service)
+    row = await unanswered_order(raw)
+    stop_at = clock.now()
+    ledger = ledger_stopped(any_store, clock, service, StopReasonKind.BARGE_IN, stop_at)
+    remains = await run(clock, ledger.resolve_on_stop(
+        "t1", StopReasonKind.BARGE_IN, stop_at, work_running=resolved == "left_to_its_work"
+    ))
+    assert (await any_store.ledger_get(row.key)).status is {
+        "absent": IntentStatus.ABANDONED, "left_to_its_work": IntentStatus.PENDING
+    }[resolved]
+    assert remains is (resolved == "left_to_its_work")
+    await clock.advance(0.3)
+    await service.apply("order", row.key, {"item": "tea"})
+    await run(clock, ledger.settle_late(row.key, IntentStatus.DONE, result="placed", done_at=clock.now()))
+    assert (await service.applied(row.key))[row.key]["reversed"]  # at once, not only by the worker
+    await settle(any_store, clock, service, StopReasonKind.BARGE_IN)
+    await assert_reversed(any_store, service, row.key)
+    assert await service.times_reversed(row.key) == 1
+
+
+async def test_an_answer_before_the_stop_that_lands_after_it_is_kept(
+    any_store, clock: VirtualClock, service: DemoService  # type: ignore[no-untyped-def]
+) -> None:
+    """The same late landing, but the order was answered before the
+    barge-in: it is kept, with no job, whoever records it."""
+    raw = ledger_on(any_store, clock, service)
+    row = await in_flight_order(raw, service)
+    answered_at = clock.now()
+    await clock.advance(0.1)
+    stop_at = clock.now()
+    ledger = ledger_stopped(any_store, clock, service, StopReasonKind.BARGE_IN, stop_at)
+    await run(clock, ledger.resolve_on_stop("t1", StopReasonKind.BARGE_IN, stop_at, work_running=True))
+    await run(clock, ledger.settle_late(row.key, IntentStatus.DONE, result="placed", done_at=answered_at))
+    await settle(any_store, clock, service, StopReasonKind.BARGE_IN)
+    assert not (await service.applied(row.key))[row.key]["reversed"]
+    assert [(r.kind, r.status) for r in await any_store.ledger_list("t1")] == [(IntentKind.EFFECT, IntentStatus.DONE)]

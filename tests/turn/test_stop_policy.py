@@ -19,7 +19,7 @@ from turn.intents import Intent, IntentKind, IntentStatus, compensation_key
 from turn.ledger import Ledger
 from turn.models import StopReasonKind
 from turn.reconciliation import ReconciliationWorker
-from turn.stop_policy import POLICIES, Stage, policy_for, stage_at_stop
+from turn.stop_policy import POLICIES, Stage, TurnStop, policy_for, stage_at_stop
 from voice.history import tool_outcome_text
 
 K = StopReasonKind
@@ -114,10 +114,10 @@ async def test_the_policy_table(any_store, clock: VirtualClock, service: DemoSer
     # machine look like a slow external system)
     remains = await ledger.resolve_on_stop("t1", kind, stop_at)
 
-    async def stop_kind(_turn_id: str) -> tuple[StopReasonKind | None, bool]:
-        return kind, True
+    async def stop_of(_turn_id: str) -> TurnStop:
+        return TurnStop(kind, stop_at, True)
 
-    worker = ReconciliationWorker(ledger, stop_kind)
+    worker = ReconciliationWorker(ledger, stop_of)
     for _ in range(4):
         await worker.run_once()
         await clock.advance(5)
