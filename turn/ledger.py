@@ -62,7 +62,7 @@ from turn.intents import (
     effect_key,
 )
 from turn.models import StopReasonKind
-from turn.reversal import COMPENSATE_NOW_S, EffectHandler, Reversals
+from turn.reversal import COMPENSATE_NOW_S, EffectHandler, Reversals, answered
 from turn.stop_policy import TurnStopOf, effect_remains, policy_for
 from turn.store import TurnStore
 
@@ -205,17 +205,19 @@ class Ledger(Reversals):
         reconciliation had already called the row effect_unknown or
         abandoned.
 
-        A compensable effect this answer made done is judged by its turn's
-        stop (``turn_stop``) at the stage the answer gives it
-        (``done_at``): one the stop's policy keeps (done before a barge-in)
-        stays done; one it reverses (in flight at the stop) is reversed:
-        again if its compensation had already run (one that reversed it, or
-        found nothing to reverse yet; compensations are idempotent by key),
-        else by its compensation job, written (or opened again) now and
-        tried at once (its call bounded by ``COMPENSATE_NOW_S``, then
-        retried by the reconciliation worker). A stop not resolved yet
-        finds the row done and reverses it itself: the job is the same by
-        key. With no stop to judge by, an effect that landed after its
+        A compensable effect this answer made done (or whose lookup had
+        confirmed it done: the answer then records its result and time) is
+        judged by its turn's stop (``turn_stop``) at the stage the answer
+        gives it (``done_at``): one the stop's policy keeps (done before a
+        barge-in) stays done; one it reverses (in flight at the stop) is
+        reversed: again if its compensation had already run (one that
+        reversed it, or found nothing to reverse yet; compensations are
+        idempotent by key), else by its compensation job, written (or
+        opened again) now. Once the turn is terminal the job is tried at
+        once (its call bounded by ``COMPENSATE_NOW_S``); while it is still
+        stopping it is left due, for the stop (which finds the row done) or
+        the reconciliation worker: the stop may be waiting for this call's
+        task. With no stop to judge by, an effect that landed after its
         compensation had run is reversed again. Returns the row if this
         call moved it.
 
@@ -232,13 +234,20 @@ class Ledger(Reversals):
         if status is not IntentStatus.DONE:
             return moved
         cur: Intent = moved or await self._call(lambda: self.store.ledger_get(key))
+        if moved is None and cur.status is IntentStatus.DONE and cur.kind is IntentKind.EFFECT and not answered(cur):
+            moved = await self.move(  # a lookup confirmed it: the answer says when it was done
+                key, IntentStatus.DONE, expect=frozenset({IntentStatus.DONE}), version=cur.version,
+                detail="answered, after a lookup had confirmed it", **fields,
+            )
+            cur = moved or await self._call(lambda: self.store.ledger_get(key))
         if cur.status is IntentStatus.COMPENSATED:  # it landed after its compensation had reversed nothing yet
             return await self._reverse_late(cur) or moved
         if cur.status is not IntentStatus.DONE or cur.effect != "compensate":
             return moved
-        reverses = None
+        reverses, terminal = None, True
         if moved is not None and self.turn_stop is not None:  # (a row someone else made done is theirs to judge)
-            reverses = (await self.turn_stop(cur.turn_id)).reverses()
+            stop = await self.turn_stop(cur.turn_id)
+            reverses, terminal = stop.reverses(), stop.terminal
             if reverses is not None and not reverses(cur):
                 return moved  # the stop keeps what was answered before it
         rows = await self._call(lambda: self.store.ledger_list(cur.turn_id))
@@ -248,15 +257,17 @@ class Ledger(Reversals):
         if reverses is None:
             return moved  # no compensation has run before it landed, and no stop to judge it by
         await self._audit(key, "late_effect", "its answer landed after its stop was resolved; the stop's policy reverses it")
+        # a turn still stopping: its stop (or the worker) runs the job, never
+        # this call's task, which the stop is waiting for
         if job is not None and job.status is IntentStatus.ABANDONED:  # written, then left unrun: open it again
             job = await self.move(
                 job.key, IntentStatus.RETRYING, expect=frozenset({IntentStatus.ABANDONED}), version=job.version,
                 next_attempt_at=self.clock.now(), detail="its effect landed after the stop; reversing it",
             )
-            if job is not None:
+            if job is not None and terminal:
                 await self.run_compensation(job, within_s=COMPENSATE_NOW_S, reverses=reverses)
         elif job is None or job.status in OPEN:
-            await self.compensate(cur, now=True, reverses=reverses)
+            await self.compensate(cur, now=terminal, reverses=reverses)
         return moved
 
     # -- a stop --------------------------------------------------------------------

@@ -104,7 +104,13 @@ class Reversals:
         if ``reverses(row)`` (the stop's policy, for the stage its answer
         time gives it). The lookup and the compensation's call share
         ``COMPENSATE_NOW_S``; what does not fit goes on as a durable job.
-        Returns the effect's row afterwards."""
+        Returns the effect's row afterwards.
+
+        Raises:
+            turn.store.StoreUnavailable: the store stays unreachable after
+                the ledger's retries (what was written stays; what was not
+                is left to the reconciliation worker, whose rows fall due).
+        """
         start = self.clock.monotonic()
         limit = timeout_after(self.clock, COMPENSATE_NOW_S)
         try:
@@ -152,7 +158,13 @@ class Reversals:
         unless its call's own late answer made it done and ``reverses(row)``
         says the policy reverses it at that stage (None: it does not). A
         job this call wrote for a row settled elsewhere is abandoned
-        unrun. Returns the effect's row afterwards."""
+        unrun. Returns the effect's row afterwards.
+
+        Raises:
+            turn.store.StoreUnavailable: the store stays unreachable after
+                the ledger's retries (what was written stays; what was not
+                is left to the reconciliation worker, whose rows fall due).
+        """
         hold = max(within_s, 0.0)
         claimed = await self._claim(effect, hold)
         cur: Intent = claimed or await self._call(lambda: self.store.ledger_get(effect.key))
@@ -169,7 +181,7 @@ class Reversals:
                     await self.move(job.key, IntentStatus.ABANDONED, expect=OPEN, detail=f"not run: its effect became {cur.status.value}")
                 return cur
         if within_s > 0 and job.status in OPEN and (created or not self._held(job)):
-            await self.run_compensation(job, within_s=within_s)  # its reversal was decided just now, on the row as it is
+            await self.run_compensation(job, within_s=within_s, reverses=reverses)
         cur = await self._call(lambda: self.store.ledger_get(effect.key))
         return cur
 
@@ -190,7 +202,13 @@ class Reversals:
 
     async def lookup(self, intent: Intent) -> LookupAnswer:
         """Ask the external system about ``intent``'s key (:meth:`_ask`) and
-        leave an audit row of the answer."""
+        leave an audit row of the answer.
+
+        Raises:
+            turn.store.StoreUnavailable: the store stays unreachable after
+                the ledger's retries (what was written stays; what was not
+                is left to the reconciliation worker, whose rows fall due).
+        """
         answer = await self._ask(intent)
         await self._audit(intent.key, "lookup", answer.value)
         return answer
@@ -202,7 +220,13 @@ class Reversals:
         ``now``, try it at once, its call bounded by ``within_s`` s (a
         slower one is retried later), unless another caller wrote the job
         and holds it; ``reverses`` as :meth:`run_compensation`. Returns the
-        job."""
+        job.
+
+        Raises:
+            turn.store.StoreUnavailable: the store stays unreachable after
+                the ledger's retries (what was written stays; what was not
+                is left to the reconciliation worker, whose rows fall due).
+        """
         job, created = await self._compensation_job(effect, held_s=within_s if now else None)
         if now and job.status in OPEN and (created or not self._held(job)):
             job = await self.run_compensation(job, within_s=within_s, reverses=reverses)
@@ -258,12 +282,20 @@ class Reversals:
         reverse keeps its job open for a next attempt (:meth:`_found_nothing`).
 
         ``reverses`` is the stop's policy for the stage of the effect's row
-        (:meth:`turn.stop_policy.TurnStop.reverses`; None: not known). A job
-        whose effect its call's own answer recorded done, at a stage the
-        policy keeps, is abandoned unrun: the answer, stamped before the
-        stop, landed after the job was written (a barge-in keeps an order
-        placed before it). One a lookup confirmed after the stop runs.
-        Returns the job as stored afterwards."""
+        (:meth:`turn.stop_policy.TurnStop.reverses`; None: not known). When
+        the effect's own answer recorded it done at a stage the policy keeps
+        (stamped before the stop, it landed after the job was written: a
+        barge-in keeps an order placed before it), a job never tried is
+        abandoned unrun; one whose earlier attempts failed may have reversed
+        it, so a person must decide (never a guess either way). One a
+        lookup confirmed after the stop runs.
+        Returns the job as stored afterwards.
+
+        Raises:
+            turn.store.StoreUnavailable: the store stays unreachable after
+                the ledger's retries (what was written stays; what was not
+                is left to the reconciliation worker, whose rows fall due).
+        """
         bound = CALL_LIMIT_S if within_s is None else within_s
         handler = self.handlers(job.tool)
         effect_k = job.key.removesuffix(":compensate")
@@ -273,9 +305,12 @@ class Reversals:
         if claimed is None:
             cur: Intent = await self._call(lambda: self.store.ledger_get(job.key))
             return cur
-        job = claimed
+        tried, job = job.version > 1, claimed  # written at version 1; every attempt claims it first
         before: Intent = await self._call(lambda: self.store.ledger_get(effect_k))
         if answered(before) and reverses is not None and not reverses(before):
+            if tried:
+                return await self.give_up(job, "its effect was done before the stop, whose policy keeps it, "
+                                               "but an earlier attempt may have reversed it")
             kept = await self.move(
                 job.key, IntentStatus.ABANDONED, expect=OPEN, version=job.version,
                 detail="not run: its effect was done before the stop, whose policy keeps it",

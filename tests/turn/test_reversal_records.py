@@ -82,12 +82,13 @@ def ledger_on(store: Any, clock: VirtualClock, service: DemoService) -> Ledger:
     return Ledger(store, clock, handlers=demo_handlers(lambda: tools, service))
 
 
-def stopped_by(kind: StopReasonKind, at: datetime | None = None) -> TurnStopOf:
-    """The worker's view of the turn: ended, stopped for ``kind`` at ``at``
-    (None: a time it does not know, so it judges no stage)."""
+def stopped_by(kind: StopReasonKind, at: datetime | None = None, *, terminal: bool = True) -> TurnStopOf:
+    """The worker's view of the turn: stopped for ``kind`` at ``at`` (None:
+    a time it does not know, so it judges no stage), ended or still
+    stopping."""
 
     async def stop(_turn_id: str) -> TurnStop:
-        return TurnStop(kind, at, True)
+        return TurnStop(kind, at, terminal)
 
     return stop
 
@@ -401,10 +402,12 @@ async def test_a_stale_absent_answer_does_not_undo_a_claimed_reversal(
 # gives it, by whoever sees it (the answer's own record, a job, the worker)
 
 
-def ledger_stopped(store: Any, clock: VirtualClock, service: DemoService, kind: StopReasonKind, at: datetime) -> Ledger:
+def ledger_stopped(
+    store: Any, clock: VirtualClock, service: DemoService, kind: StopReasonKind, at: datetime, *, terminal: bool = True
+) -> Ledger:
     """The product's ledger: it knows the turn's stop (the manager reads the turn)."""
     ledger = ledger_on(store, clock, service)
-    ledger.turn_stop = stopped_by(kind, at)
+    ledger.turn_stop = stopped_by(kind, at, terminal=terminal)
     return ledger
 
 
@@ -517,3 +520,89 @@ async def test_an_answer_before_the_stop_that_lands_after_it_is_kept(
     await settle(any_store, clock, service, StopReasonKind.BARGE_IN)
     assert not (await service.applied(row.key))[row.key]["reversed"]
     assert [(r.kind, r.status) for r in await any_store.ledger_list("t1")] == [(IntentKind.EFFECT, IntentStatus.DONE)]
+
+
+@pytest.mark.parametrize("fault", ["fail_before", "fail_after"])
+async def test_a_failed_reversal_of_an_order_answered_before_the_barge_in_goes_to_a_person(
+    any_store, clock: VirtualClock, service: DemoService, fault: str  # type: ignore[no-untyped-def]
+) -> None:
+    """The stop's lookup could not say, so it tried the compensation; the
+    call failed (before the shop reversed anything, or after: the answer
+    was lost). Then the order's answer lands, stamped before the barge-in,
+    which keeps it. Whether the shop still holds it is not known, so the
+    job goes to a person: it is neither rerun (undoing what the barge-in
+    keeps) nor dropped (the ledger saying done of an order the shop may
+    have reversed, as a first draft did)."""
+    raw = ledger_on(any_store, clock, service)
+    row = await in_flight_order(raw, service)
+    answered_at = clock.now()
+    await clock.advance(0.1)
+    stop_at = clock.now()
+    ledger = ledger_stopped(any_store, clock, service, StopReasonKind.BARGE_IN, stop_at)
+    service.inject("lookup", "lookup_unknown")
+    service.inject("reverse", fault)
+    assert await run(clock, ledger.resolve_on_stop("t1", StopReasonKind.BARGE_IN, stop_at))
+    await run(clock, ledger.settle_late(row.key, IntentStatus.DONE, result="placed", done_at=answered_at))
+    worker = ReconciliationWorker(ledger, stopped_by(StopReasonKind.BARGE_IN, stop_at))
+    for _ in range(12):
+        await run(clock, worker.run_once())
+        await clock.advance(5)
+    rows = {r.kind: r for r in await any_store.ledger_list("t1")}
+    assert rows[IntentKind.COMPENSATION].status is IntentStatus.HUMAN_REQUIRED
+    assert "may have reversed it" in (rows[IntentKind.COMPENSATION].error or "")
+    assert rows[IntentKind.EFFECT].status is IntentStatus.DONE
+    assert (await service.applied(row.key))[row.key]["reversed"] is (fault == "fail_after")  # one try, never a second
+    assert await service.times_reversed(row.key) == (fault == "fail_after")
+
+
+async def test_an_answer_landing_right_after_a_lookup_confirmed_the_order_keeps_it(
+    any_store, clock: VirtualClock, service: DemoService  # type: ignore[no-untyped-def]
+) -> None:
+    """The stop's lookup found the order and recorded it done (no result:
+    a lookup's); right then the call's answer lands, stamped before the
+    barge-in. The answer is recorded over the lookup's (before, it was
+    dropped) and the stop keeps the order."""
+    raw = ledger_on(any_store, clock, service)
+    row = await in_flight_order(raw, service)
+    answered_at = clock.now()
+    await clock.advance(0.1)
+    stop_at = clock.now()
+    landed: list[bool] = []
+
+    async def answer_lands(r: Intent) -> None:
+        if r.key == row.key and r.status is IntentStatus.DONE and r.result is None and not landed:
+            landed.append(True)
+            await raw.settle_late(row.key, IntentStatus.DONE, result="placed", done_at=answered_at)
+
+    ledger = ledger_on(Hooked(any_store, clock, answer_lands), clock, service)
+    ledger.turn_stop = stopped_by(StopReasonKind.BARGE_IN, stop_at)
+    assert not await run(clock, ledger.resolve_on_stop("t1", StopReasonKind.BARGE_IN, stop_at))
+    await settle(any_store, clock, service, StopReasonKind.BARGE_IN)
+    assert landed
+    effect = await any_store.ledger_get(row.key)
+    assert (effect.status, effect.result, effect.done_at) == (IntentStatus.DONE, "placed", answered_at)
+    assert not (await service.applied(row.key))[row.key]["reversed"]
+    jobs = [r for r in await any_store.ledger_list("t1") if r.kind is IntentKind.COMPENSATION]
+    assert [j.status for j in jobs] == [IntentStatus.ABANDONED]
+
+
+async def test_an_answer_during_the_stop_leaves_the_reversal_to_the_stop_not_to_the_tools_task(
+    any_store, clock: VirtualClock, service: DemoService  # type: ignore[no-untyped-def]
+) -> None:
+    """The order's answer, stamped after the barge-in, is recorded while
+    the turn is still stopping (the stop waits for the tool's task). The
+    record writes the compensation job, due, and returns without calling
+    the shop (before, the reversal ran in the tool's task, so the stop saw
+    a child that ignored its cancellation); the stop then reverses it."""
+    raw = ledger_on(any_store, clock, service)
+    row = await in_flight_order(raw, service)
+    stop_at = clock.now()
+    await clock.advance(0.1)
+    ledger = ledger_stopped(any_store, clock, service, StopReasonKind.BARGE_IN, stop_at, terminal=False)
+    await ledger.settle_late(row.key, IntentStatus.DONE, result="placed", done_at=clock.now())
+    assert await service.times_reversed(row.key) == 0
+    jobs = [r for r in await any_store.ledger_list("t1") if r.kind is IntentKind.COMPENSATION]
+    assert [(j.status, j.next_attempt_at) for j in jobs] == [(IntentStatus.PENDING, None)]  # due for anyone
+    await run(clock, ledger.resolve_on_stop("t1", StopReasonKind.BARGE_IN, stop_at))
+    assert (await service.applied(row.key))[row.key]["reversed"]  # by the stop itself
+    await assert_reversed(any_store, service, row.key)
