@@ -65,7 +65,8 @@ class VirtualClock:
         self._t = start
         self._origin = start
         self._wall0 = wall or datetime(2026, 1, 1, tzinfo=UTC)
-        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
+        #: (due, order, future, whether a timeout_after alarm waits on it)
+        self._sleepers: list[tuple[float, int, asyncio.Future[None], bool]] = []
         self._seq = itertools.count()
 
     def monotonic(self) -> float:
@@ -83,7 +84,9 @@ class VirtualClock:
             await asyncio.sleep(0)
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._sleepers, (self._t + seconds, next(self._seq), fut))
+        task = asyncio.current_task()
+        alarm = task is not None and task.get_name() == ALARM_TASK
+        heapq.heappush(self._sleepers, (self._t + seconds, next(self._seq), fut, alarm))
         await fut
 
     async def advance(self, seconds: float) -> None:
@@ -97,7 +100,7 @@ class VirtualClock:
         target = self._t + seconds
         await _settle()
         while self._sleepers and self._sleepers[0][0] <= target:
-            due, _, fut = heapq.heappop(self._sleepers)
+            due, _, fut, _alarm = heapq.heappop(self._sleepers)
             self._t = max(self._t, due)
             if not fut.done():
                 fut.set_result(None)
@@ -108,7 +111,19 @@ class VirtualClock:
     @property
     def pending_sleepers(self) -> int:
         """How many sleeps are waiting (cancelled ones included until due)."""
-        return sum(1 for _, _, f in self._sleepers if not f.done())
+        return sum(1 for _, _, f, _a in self._sleepers if not f.done())
+
+    def next_wake(self, *, besides_alarms: bool = False) -> float | None:
+        """When the earliest pending sleep is due (virtual s; None: none is
+        pending). With ``besides_alarms``, alarms of :class:`timeout_after`
+        (a bound waiting on its body) do not count: what is left is the code
+        waiting on time itself (a slow call, a backoff, a pacing loop)."""
+        due = [d for d, _, f, alarm in self._sleepers if not f.done() and not (besides_alarms and alarm)]
+        return min(due, default=None)
+
+
+#: the task name of a :class:`timeout_after` alarm (:meth:`VirtualClock.next_wake` tells them apart)
+ALARM_TASK = "timeout_after alarm"
 
 
 class timeout_after:  # noqa: N801 - used like asyncio.timeout
@@ -140,7 +155,7 @@ class timeout_after:  # noqa: N801 - used like asyncio.timeout
         self._task = asyncio.current_task()
         if self._task is None:
             raise RuntimeError("timeout_after needs a running task")
-        self._timer = asyncio.get_running_loop().create_task(self._alarm(self.seconds))
+        self._timer = asyncio.get_running_loop().create_task(self._alarm(self.seconds), name=ALARM_TASK)
         return self
 
     async def _alarm(self, seconds: float) -> None:
