@@ -27,6 +27,11 @@ from web.settings import Settings
 #: pause sent, hundreds of ms earlier, is not taken for the barge-in's
 #: (client/phone_call.py)
 CLEAR_EARLY_MS = -FENCE_CLEAR_SLACK_S * 1000
+#: how late it may reach the phone, ms: a sanity bound for a loaded machine
+#: (server and client share one event loop here; the clear is sent in the
+#: fence's own step, which tests/web/test_telephony_call.py checks on the
+#: wire), far below a stage-1 pause or a server that forgot to clear
+CLEAR_LATE_MS = 300
 
 pytestmark = [pytest.mark.e2e, requires_espeak]
 TOKEN = "tok-phone-0123456789"
@@ -82,7 +87,7 @@ async def test_a_barge_in_over_twilio_clears_what_the_caller_would_still_hear(
     [m] = result.barge_ins
     assert m.barged_in and m.speaking_at_onset
     # the clear came with the fence, at once, and nothing old played after it
-    assert m.clear_after_fence_ms is not None and CLEAR_EARLY_MS <= m.clear_after_fence_ms <= 60, m.as_dict()
+    assert m.clear_after_fence_ms is not None and CLEAR_EARLY_MS <= m.clear_after_fence_ms <= CLEAR_LATE_MS, m.as_dict()
     assert m.old_audio_after_clear_ms == 0
     # the ear went quiet soon after the speech began (sanity bound; bench/bargein.py measures)
     assert m.stop_ms is not None and m.stop_ms < 800, m.as_dict()
@@ -135,7 +140,7 @@ async def test_a_key_pressed_while_the_agent_speaks_clears_it_at_the_ear(phone_s
     assert old.status == "CANCELLED" and old.stop_reason == "barge_in"
     assert new.transcript == "42" and new.status == "COMPLETED"  # the digits are the user's input
     [m] = result.barge_ins
-    assert m.barged_in and m.clear_after_fence_ms is not None and CLEAR_EARLY_MS <= m.clear_after_fence_ms <= 60, m.as_dict()
+    assert m.barged_in and m.clear_after_fence_ms is not None and CLEAR_EARLY_MS <= m.clear_after_fence_ms <= CLEAR_LATE_MS, m.as_dict()
     # a key commits at once: the old audio stops within the send-ahead and a tick or two (sanity bound)
     assert m.stop_ms is not None and m.stop_ms < 300, m.as_dict()
     assert m.old_audio_after_clear_ms == 0

@@ -23,7 +23,7 @@ async def test_the_bench_measures_an_idle_session_through_a_sigterm() -> None:
     assert sc["workers_before"] > 0 and sc["workers_left"] == 0, sc
     [s] = sc["per_session"]
     assert s["draining_s"] is not None and s["draining_s"] < 1, s
-    assert s["left_s"] == 1.5 and s["draining_reason"] == "SIGTERM", s
+    assert 1.3 <= s["left_s"] <= 1.5 and s["draining_reason"] == "SIGTERM", s  # told at once (0.1 s steps; a loaded machine)
     assert s["server_hung_up"] and 1.5 <= s["ended_s"] < 4, s
     assert 1.5 <= sc["exit_s"] < settings.grace_s, sc
     assert bench.problems(sc) == []

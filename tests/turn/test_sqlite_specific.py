@@ -128,8 +128,8 @@ async def test_an_ended_wait_for_events_leaves_nothing_behind(tmp_path: Path) ->
         await asyncio.gather(cancelled, return_exceptions=True)
         a = asyncio.create_task(store.wait_events("w", 0, 5))
         b = asyncio.create_task(store.wait_events("w", 0, 0.05))
-        await asyncio.sleep(0.1)  # b timed out; a still waits, and must still be woken
-        assert not a.done() and b.done() and not b.result()
+        assert not await asyncio.wait_for(b, 5)  # b timed out; a still waits, and must still be woken
+        assert not a.done()
         await store.append_event(EventRecord(session_id="w", type="x", at=datetime.now(UTC)))
         assert await asyncio.wait_for(a, 3)
         assert store._event_waiters == {} and store._event_waiting == {}

@@ -131,8 +131,9 @@ async def test_a_barge_in_clears_the_far_end_and_history_keeps_what_was_heard(
     # the stage-1 pause on speech recalled the provider's audio with a clear
     # (before the fence); the commit sent one more in the fence's own step
     assert len(out.clears_at) == len(clears) <= 2 and out.recalled_frames <= len(clears) * 4
-    assert out.clears_at[-1] == pytest.approx(rec.fenced_at, abs=1e-3)
-    assert all(at <= rec.fenced_at + 1e-3 for at in out.clears_at), (out.clears_at, rec.fenced_at)
+    # (the same step: two clock reads apart, which a loaded machine may stretch)
+    assert out.clears_at[-1] == pytest.approx(rec.fenced_at, abs=0.05)
+    assert all(at <= rec.fenced_at + 0.05 for at in out.clears_at), (out.clears_at, rec.fenced_at)
     fence_clear = clears[-1]
     assert wire[fence_clear].at - rec.fenced_at < 0.1  # written at once (a sanity bound)
     assert not [w for w in wire[fence_clear:] if w.generation == rec.old_generation and w.kind == "media"]
