@@ -15,6 +15,7 @@ import pytest
 from clock import VirtualClock
 from demo_shop.service import DemoService
 from demo_shop.tools import MESSAGES_QUEUE, demo_tools, message_sender
+from testkit.virtual_time import ThreadWork, step
 from turn.downstream import DownstreamWorker
 from turn.intents import IntentKind, IntentStatus
 from turn.manager import TurnManager
@@ -43,14 +44,18 @@ class Flow:
     turns: TextTurns
     store: SqliteStore
     service: DemoService
+    work: ThreadWork
 
     async def until(self, pred, limit_s: float = 300) -> None:  # type: ignore[no-untyped-def]
-        """Advance the clock until ``pred()`` (a bool, or an awaitable of one) holds."""
+        """Advance the clock until ``pred()`` (a bool, or an awaitable of one)
+        holds, 10 ms at a time, each once the store's and the shop's threads
+        are idle: their I/O takes no virtual time, so a bound never fires
+        because the machine is loaded (the shop's 0.3 s answer leaves 0.2 s
+        of a stop's 0.5 s bound)."""
         waited = 0.0
         while not await _holds(pred()):
             assert waited < limit_s, "condition not reached"
-            await self.clock.advance(0.01)
-            await asyncio.sleep(0.001)
+            await step(self.clock, self.work, 0.01)
             waited += 0.01
 
     async def settled(self, turn_id: str) -> Turn:
@@ -89,9 +94,11 @@ async def flow(store: SqliteStore, clock: VirtualClock) -> AsyncIterator[Flow]:
         manager, lambda: RecordingAgent(LlmConfig(tokens_per_second=50), clock), clock,
         plans=lambda _t: Plan(), tools=lambda: tools,
     )
-    yield Flow(clock, manager, turns, store, service)
+    work = ThreadWork(asyncio.get_running_loop())
+    yield Flow(clock, manager, turns, store, service, work)
     await turns.aclose()
     await service.aclose()
+    work.close()
 
 
 def in_tool(flow: Flow, turn_id: str, name: str) -> bool:
