@@ -199,7 +199,7 @@ class Ledger(Reversals):
                     await self._tell(new.turn_id, new)
                 return new
 
-    async def settle_late(self, key: str, status: IntentStatus, **fields: Any) -> Intent | None:
+    async def settle_late(self, key: str, status: IntentStatus, *, detail: str | None = None, **fields: Any) -> Intent | None:
         """The call itself answered (``status``, normally DONE): its answer
         is authoritative, also when it came after a stop's resolution or a
         reconciliation had already called the row effect_unknown or
@@ -218,8 +218,9 @@ class Ledger(Reversals):
         stopping it is left due, for the stop (which finds the row done) or
         the reconciliation worker: the stop may be waiting for this call's
         task. With no stop to judge by, an effect that landed after its
-        compensation had run is reversed again. Returns the row if this
-        call moved it.
+        compensation had run is reversed again. ``detail`` is the audit
+        row's text (default: "answered"). Returns the row if this call
+        moved it.
 
         Raises:
             turn.store.StoreUnavailable: the store stays unreachable (the
@@ -229,7 +230,7 @@ class Ledger(Reversals):
         moved = await self.move(
             key, status,
             expect=frozenset({IntentStatus.PENDING, IntentStatus.EFFECT_UNKNOWN, IntentStatus.ABANDONED}),
-            detail="answered" if status is IntentStatus.DONE else "the call answered late", **fields,
+            detail=detail or ("answered" if status is IntentStatus.DONE else "the call answered late"), **fields,
         )
         if status is not IntentStatus.DONE:
             return moved

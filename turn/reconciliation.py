@@ -93,8 +93,12 @@ class ReconciliationWorker:
         retried with backoff, up to ``turn.ledger.MAX_ATTEMPTS``. A row
         whose call's own answer lands meanwhile is judged by the policy for
         the stage that answer gives it at the stop requested at ``stop_at``
-        (UTC; None: not known, such a row is left as it landed). Returns
-        the row as stored afterwards."""
+        (UTC; None: not known, such a row is left as it landed). Before a
+        retry the turn's stop is read again (one may have come since the
+        caller read it), and a retry's answer is recorded like the call's
+        own (:meth:`turn.ledger.Ledger.settle_late`): a stop resolved while
+        it was on its way has it judged, not lost. Returns the row as
+        stored afterwards."""
         ledger = self.ledger
         policy = policy_for(kind)
         handler = ledger.handlers(intent.tool)
@@ -111,6 +115,9 @@ class ReconciliationWorker:
             )
             return done or intent
         if answer is LookupAnswer.ABSENT:
+            now_stop = await self.turn_stop(intent.turn_id)  # a stop may have come since the caller read the turn
+            if now_stop.kind is not None and now_stop.kind != kind:
+                policy = policy_for(now_stop.kind)
             if policy.retry_absent and policy.new_effects:
                 try:
                     result = await handler.retry_effect(intent.key, intent.args)
@@ -120,10 +127,15 @@ class ReconciliationWorker:
                     return await ledger.move(intent.key, IntentStatus.ABANDONED, expect=OPEN, detail=f"retry refused: {exc}") or intent
                 except Exception as exc:
                     return await ledger.retry_later(intent, f"retry failed: {type(exc).__name__}: {exc}")
-                retried = await ledger.move(
-                    intent.key, IntentStatus.DONE, expect=OPEN, detail="confirmed absent, retried with the same key", result=str(result)
+                # recorded as the call's own answer, judged by the turn's stop
+                # as it is now: a stop that called the row "not done" while
+                # the retry was on its way has it reversed, never left standing
+                await ledger.settle_late(
+                    intent.key, IntentStatus.DONE, detail="confirmed absent, retried with the same key",
+                    result=str(result), done_at=ledger.clock.now(),
                 )
-                return retried or intent
+                cur: Intent = await ledger._call(lambda: ledger.store.ledger_get(intent.key))
+                return cur
             given_up = await ledger.move(  # only the row looked up: one claimed meanwhile is its claimer's
                 intent.key, IntentStatus.ABANDONED, expect=OPEN, version=intent.version,
                 detail="confirmed absent; the policy allows no retry",

@@ -606,3 +606,39 @@ async def test_an_answer_during_the_stop_leaves_the_reversal_to_the_stop_not_to_
     await run(clock, ledger.resolve_on_stop("t1", StopReasonKind.BARGE_IN, stop_at))
     assert (await service.applied(row.key))[row.key]["reversed"]  # by the stop itself
     await assert_reversed(any_store, service, row.key)
+
+
+async def test_a_retry_on_its_way_when_a_barge_in_calls_the_order_not_done_is_reversed(
+    any_store, clock: VirtualClock, service: DemoService  # type: ignore[no-untyped-def]
+) -> None:
+    """The worker reconciles an order of a turn not stopped (yet): absent,
+    so it retries it (the shop takes 1 s). Meanwhile a barge-in is
+    resolved: its lookup finds nothing and calls the order "not done".
+    Then the retry places it. The retry's answer is recorded like the
+    call's own and judged by the stop: placed after the barge-in, it is
+    reversed (before, its "done" write failed on the abandoned row and the
+    order stood, the ledger saying "not done")."""
+    stops = {"t1": TurnStop(None, None, False)}
+
+    async def turn_stop(turn_id: str) -> TurnStop:
+        return stops[turn_id]
+
+    ledger = ledger_on(any_store, clock, service)
+    ledger.turn_stop = turn_stop
+    row = await unanswered_order(ledger)
+    row = await ledger.move(row.key, IntentStatus.EFFECT_UNKNOWN, detail="the call failed")  # type: ignore[assignment]
+    service.slow_s = 1.0
+    service.inject("order", "slow")
+    worker = ReconciliationWorker(ledger, turn_stop)
+    retrying = asyncio.ensure_future(worker.reconcile(row, None))
+    while row.key not in service.received:  # the retry is on its way
+        await asyncio.sleep(0.001)
+    stop_at = clock.now()
+    stops["t1"] = TurnStop(StopReasonKind.BARGE_IN, stop_at, False)
+    await ledger.resolve_on_stop("t1", StopReasonKind.BARGE_IN, stop_at)  # the shop answers at once: no time passes
+    assert (await any_store.ledger_get(row.key)).status is IntentStatus.ABANDONED
+    stops["t1"] = TurnStop(StopReasonKind.BARGE_IN, stop_at, True)
+    await run(clock, retrying)
+    await settle(any_store, clock, service, StopReasonKind.BARGE_IN)
+    await assert_reversed(any_store, service, row.key)
+    assert await service.times_applied(row.key) == 1
