@@ -115,9 +115,10 @@ class ReconciliationWorker:
             )
             return done or intent
         if answer is LookupAnswer.ABSENT:
-            now_stop = await self.turn_stop(intent.turn_id)  # a stop may have come since the caller read the turn
-            if now_stop.kind is not None and now_stop.kind != kind:
-                policy = policy_for(now_stop.kind)
+            if policy.retry_absent and policy.new_effects:  # a stop may have come since the caller read the turn
+                now_stop = await self.turn_stop(intent.turn_id)
+                if now_stop.kind is not None and now_stop.kind != kind:
+                    policy = policy_for(now_stop.kind)
             if policy.retry_absent and policy.new_effects:
                 try:
                     result = await handler.retry_effect(intent.key, intent.args)
