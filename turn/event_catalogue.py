@@ -271,6 +271,38 @@ class Usage(Envelope):
     completion_tokens_after_stop_bound: int | None = Field(description="tokens (null: no bound known)")
 
 
+#: why a recogniser failed (voice.recognition.RecognitionError.kind), or a final owed too long
+RecognitionErrorKind = Literal["unreachable", "unauthorized", "dropped", "closed", "protocol", "provider"]
+
+
+class SttFailover(_Turnless):
+    """The speech recogniser failed during the session, and what followed:
+    the same one reconnected (what was said since its last final is sent
+    again), the fallback took over, or none is left (the utterances waiting
+    fail, their turns end FAILED; the next utterance tries again)."""
+
+    type: Literal["stt.failover"] = "stt.failover"
+    provider: str = Field(description='the recogniser that failed, e.g. "deepgram"')
+    error: RecognitionErrorKind
+    action: Literal["reconnect", "fallback", "failed"]
+    fallback: str | None = Field(description="the recogniser used from now on (null: none)")
+    message: str = Field(description="for humans")
+
+
+class SttUsage(_Turnless):
+    """What the session's speech recognition used, per recogniser, sent as
+    the session ends (each turn's share is in its record's ``usage.recognition``)."""
+
+    type: Literal["stt.usage"] = "stt.usage"
+    provider: str
+    audio_s: float = Field(description="audio sent to it, s (3 decimals; a replay after a reconnect counts again)")
+    connection_s: float = Field(description="how long its connections were open, s (3 decimals)")
+    reported_audio_s: float = Field(description="audio it reported billing, s (0: it reports none)")
+    input_tokens: int = Field(description="tokens it reported")
+    output_tokens: int = Field(description="tokens it reported")
+    cents: float = Field(description="its price by the settings, US cents (4 decimals)")
+
+
 class ErrorEvent(Envelope):
     """Something went wrong, or a client message was refused. Logged ones
     carry the envelope; direct refusals (web.peer) carry none."""
@@ -428,7 +460,7 @@ class Snapshot(CatalogueModel):
 EVENT_MODELS: tuple[type[CatalogueModel], ...] = (
     SessionReady, SessionDraining, Vad, FalseInterruption, Backchannel, BargeIn, StopDeferred,
     TurnEvent, AgentState, Transcript, AgentDelta, AgentDone, AgentRestart, AgentInterrupted, AudioStart, AudioEnd,
-    Usage, ErrorEvent,
+    Usage, SttFailover, SttUsage, ErrorEvent,
     ToolStarted, ToolError, ToolNotStarted, ToolCancelled,
     ToolIntent, ToolDone, ToolCompensated, ToolAbandoned, ToolEffectUnknown, ToolHumanRequired,
     Pong, StreamStart, StreamEnd, Snapshot,

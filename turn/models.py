@@ -160,6 +160,29 @@ class UsageRecord(BaseModel):
     completion_tokens_after_stop_bound: int | None = 0
 
 
+class RecognitionRecord(BaseModel):
+    """What recognising the user's words of a turn cost, per recogniser
+    (a turn whose provider failed mid-utterance has one record for it and
+    one for the recogniser that took over).
+
+    Attributes:
+        provider: the recogniser (``"deepgram"``, ``"pocketsphinx"``, ...).
+        audio_s: audio of the turn's utterance sent to it, s (a replay
+            after a reconnect counts again: it is sent again).
+        input_tokens / output_tokens: tokens it reported for that audio
+            (providers that bill by token), tokens.
+        cents: its price by the settings (``stt.*_cents_*``), US cents.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    provider: str
+    audio_s: float = Field(0.0, ge=0)
+    input_tokens: int = Field(0, ge=0)
+    output_tokens: int = Field(0, ge=0)
+    cents: float = Field(0.0, ge=0)
+
+
 class Usage(BaseModel):
     """Model usage of a turn, honest about stops.
 
@@ -182,6 +205,10 @@ class Usage(BaseModel):
             (must stay 0).
         model_requests: model requests started in all.
         records: one record per model request, in order.
+        recognition: what recognising the user's words cost, one record
+            per recogniser that heard them (its cents count against the
+            turn's money budget; its tokens are not model tokens and do not
+            count against ``budget_tokens``).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -194,6 +221,7 @@ class Usage(BaseModel):
     requests_after_stop: int = 0
     model_requests: int = 0
     records: list[UsageRecord] = Field(default_factory=list)
+    recognition: list[RecognitionRecord] = Field(default_factory=list)
 
 
 class ChildOutcome(StrEnum):

@@ -28,7 +28,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from turn.models import Spent, Usage, UsageRecord
+from turn.models import RecognitionRecord, Spent, Usage, UsageRecord
 
 
 class Pricing(BaseModel):
@@ -176,6 +176,8 @@ class UsageMeter:
         self.stopped = False
         #: the stop request's time as the store recorded it (see :meth:`reconcile_stop`)
         self.stop_at: datetime | None = None
+        #: what recognising the turn's words cost (see :meth:`add_recognition`)
+        self.recognition: list[RecognitionRecord] = []
         self._now = now
 
     def mark_stopped(self) -> None:
@@ -197,6 +199,12 @@ class UsageMeter:
         self.requests.append(req)
         return req
 
+
+    def add_recognition(self, records: list[RecognitionRecord]) -> None:
+        """What recognising the turn's words cost (one record per
+        recogniser); their cents count in :meth:`spent`, so a budget
+        checkpoint sees them before the first model request."""
+        self.recognition.extend(records)
 
     @property
     def total_tokens(self) -> int:
@@ -220,11 +228,13 @@ class UsageMeter:
             requests_after_stop=sum(1 for r in records if r.started_after_stop),
             model_requests=len(records),
             records=records,
+            recognition=list(self.recognition),
         )
 
     def spent(self) -> Spent:
-        """Tokens and cents used so far."""
+        """Model tokens, and cents of the model and of recognition, used so far."""
         return Spent(
             tokens=self.total_tokens,
-            cents=sum(self.pricing.cents(r.prompt_tokens, r.completion_tokens) for r in self._all()),
+            cents=sum(self.pricing.cents(r.prompt_tokens, r.completion_tokens) for r in self._all())
+            + sum(r.cents for r in self.recognition),
         )

@@ -1,14 +1,16 @@
 """Backchannels: short replies a listener gives without taking the turn
 ("uh-huh", "okay", "yeah right") while the agent speaks.
 
-Three parts, each usable alone:
+Two parts, each usable alone:
 
 - :class:`BackchannelConfig`: the thresholds and the word list, and
   :meth:`BackchannelConfig.matches` (is a transcript only backchannel words);
 - :func:`judge`: the rule that turns what the recogniser heard, the
-  utterance's length and its syllable count into a verdict (pure);
-- :func:`recognise`: the one await, the recogniser's transcript of the held
-  audio (16 kHz frames), ``None`` if it failed.
+  utterance's length and its syllable count into a verdict (pure).
+
+What the recogniser heard comes from the session's transcription
+(:meth:`voice.transcription.Utterance.heard`: an interim that covers the
+speech, else its final).
 
 When to ask (an utterance made while the agent speaks ended within
 ``max_ms``) and what a verdict does (resume the paused reply, or commit the
@@ -17,16 +19,9 @@ barge-in) is :mod:`voice.turn_taking`'s business.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections.abc import Iterable
 from typing import Any
 
 from pydantic import BaseModel, Field
-
-from voice.providers import SpeechToText
-
-log = logging.getLogger(__name__)
 
 #: short replies a listener gives without taking the turn (lower case, no
 #: punctuation; hyphens and spaces are equivalent)
@@ -122,25 +117,3 @@ def judge(config: BackchannelConfig, text: str | None, speech_ms: int, syllables
     ):
         return {"text": text, "syllables": syllables}
     return None
-
-
-async def recognise(stt: SpeechToText, pcm: Iterable[bytes]) -> str | None:
-    """What the recogniser hears in ``pcm`` (16 kHz mono s16 frames), on a
-    stream of its own (not the session's adapted one). Returns None, after
-    logging it, if recognition failed.
-
-    Raises:
-        asyncio.CancelledError: when cancelled (the stream is closed first).
-    """
-    stream = stt.open_stream()
-    try:
-        for frame in pcm:
-            stream.feed(frame)
-        return await stream.finish()
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        log.exception("backchannel recognition failed; taking it as a barge-in")
-        return None
-    finally:
-        await stream.aclose()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from turn.models import RecognitionRecord
+
 
 class DtmfConfig(BaseModel):
     """Keypad input settings (env ``TURNKEEPER_SESSION__DTMF__*``).
@@ -25,7 +27,7 @@ class DtmfConfig(BaseModel):
 
 
 class DigitStream:
-    """The keypad's stand-in for a recogniser stream (:class:`voice.providers.SttStream`):
+    """The keypad's stand-in for a recogniser stream (:class:`voice.providers.UtteranceStream`):
     audio fed is ignored, the transcript is the keys pressed.
 
     Attributes:
@@ -44,3 +46,7 @@ class DigitStream:
 
     async def aclose(self) -> None:
         """Nothing to free."""
+
+    def usage(self) -> list[RecognitionRecord]:
+        """Keys cost nothing to recognise: no records."""
+        return []

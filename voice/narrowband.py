@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from voice.providers import SpeechToText, SttAdaptation, SttStream
+from voice.recognition import SttAdaptation, UtteranceRecogniser, UtteranceStream, Word
 
 #: standard deviation of the white noise before differencing (s16 units): about -58 dBFS after
 FILL_LEVEL = 30.0
@@ -28,7 +28,7 @@ FILL_LEVEL = 30.0
 class _FilledStream:
     """One utterance: every chunk fed gets the band fill added."""
 
-    def __init__(self, inner: SttStream, rng: np.random.Generator, level: float) -> None:
+    def __init__(self, inner: UtteranceStream, rng: np.random.Generator, level: float) -> None:
         self._inner = inner
         self._rng = rng
         self._level = level
@@ -45,6 +45,11 @@ class _FilledStream:
         filled = np.clip(audio + np.diff(noise), -32768, 32767).astype(np.int16)
         self._inner.feed(filled.tobytes())
 
+    @property
+    def words(self) -> list[Word]:
+        """The inner stream's words."""
+        return self._inner.words
+
     async def finish(self) -> str:
         """The inner stream's transcript."""
         return await self._inner.finish()
@@ -55,7 +60,7 @@ class _FilledStream:
 
 
 class NarrowbandSpeech:
-    """A recogniser (:class:`voice.providers.SpeechToText`) for telephone
+    """A recogniser (:class:`voice.providers.UtteranceRecogniser`) for telephone
     audio: ``inner``'s, with the empty band above 4 kHz filled (see the
     module doc). The fill is seeded per stream, so a test is repeatable.
 
@@ -64,7 +69,7 @@ class NarrowbandSpeech:
         level: the fill's level (s16 units, before differencing).
     """
 
-    def __init__(self, inner: SpeechToText, level: float = FILL_LEVEL) -> None:
+    def __init__(self, inner: UtteranceRecogniser, level: float = FILL_LEVEL) -> None:
         self.inner = inner
         self.level = level
         self._streams = 0
@@ -73,7 +78,7 @@ class NarrowbandSpeech:
         """Start the inner recogniser."""
         await self.inner.start()
 
-    def open_stream(self, adaptation: SttAdaptation | None = None) -> SttStream:
+    def open_stream(self, adaptation: SttAdaptation | None = None) -> UtteranceStream:
         """An utterance on the inner recogniser, filled."""
         self._streams += 1
         return _FilledStream(self.inner.open_stream(adaptation), np.random.default_rng(self._streams), self.level)

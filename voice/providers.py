@@ -60,52 +60,6 @@ class Message(BaseModel):
     status: str | None = None
 
 
-class SttStream(Protocol):
-    """One utterance being recognised."""
-
-    def feed(self, pcm: bytes) -> None:
-        """Add audio: 16 kHz mono s16 PCM, any length. Never blocks."""
-        ...
-
-    async def finish(self) -> str:
-        """End the utterance and return the final transcript ("" if none)."""
-        ...
-
-    async def aclose(self) -> None:
-        """Abandon the utterance; idempotent, also after ``finish``."""
-        ...
-
-
-class SttAdaptation:
-    """What a recogniser learnt of one session's voice and channel, carried
-    from one of that session's utterances to the next and never to another
-    session's (for pocketsphinx: the cepstral mean it settled at). Opaque
-    to the session: only the recogniser reads and writes ``state``; a new
-    one (``state`` None) starts from the recogniser's fixed starting point.
-    """
-
-    def __init__(self) -> None:
-        self.state: Any = None
-
-
-class SpeechToText(Protocol):
-    """Speech recognition for one session (may hold a loaded model)."""
-
-    async def start(self) -> None:
-        """Load what is needed. Idempotent."""
-        ...
-
-    def open_stream(self, adaptation: SttAdaptation | None = None) -> SttStream:
-        """Begin a new utterance, from ``adaptation`` (the session's) if
-        given, else from the recogniser's fixed starting point; a
-        recognised utterance updates ``adaptation``."""
-        ...
-
-    async def aclose(self) -> None:
-        """Release the model."""
-        ...
-
-
 class LanguageModel(Protocol):
     """A streaming model (one request per :meth:`stream` call).
 

@@ -57,6 +57,7 @@ async def answer(
         Exception: what the recogniser, the model, a tool, TTS or the store raised.
     """
     transcript = await scope.run("stt", run.final_transcript())
+    run.note_recognition()  # before the first model request's budget checkpoint
     earlier = await run.earlier_words()
     run.transcript = transcript = " ".join(t for t in (earlier, transcript) if t)
     turn = await manager.record(turn.id, transcript=transcript)

@@ -7,8 +7,8 @@ events and 16 kHz frames) to the Turn Manager and the providers::
     speech_started   -> pause playout (stage 1), hold the candidate's audio
     speech_confirmed -> commit: advance generation, clear playout, stop the
                         old turn (barge_in), open a new turn fed the audio
-    speech frames    -> STT stream
-    end of utterance -> STT final -> LLM stream -> sentences -> TTS -> playout
+    speech frames    -> the session's recognition stream (voice.transcription)
+    end of utterance -> its final -> LLM stream -> sentences -> TTS -> playout
 
 Who has the floor is decided by :class:`voice.turn_taking.TurnTaking` (pure;
 this class feeds it and carries out its decisions); what a commit does to
@@ -39,23 +39,26 @@ from media.frames import FRAME_MS
 from media.inbound_frame import InboundFrame
 from media.syllables import count_syllable_nuclei
 from media.vad import VadConfig
-from turn.event_catalogue import Backchannel, Envelope, ErrorEvent, FalseInterruption, SessionReady, Vad
+from turn.event_catalogue import Backchannel, Envelope, ErrorEvent, FalseInterruption, SessionReady, SttFailover, SttUsage, Vad
 from turn.events import EventSink
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import Plan, StopReasonKind, Turn
 from turn.scope import TurnScope
-from voice.backchannel import BackchannelConfig, judge, recognise
+from voice.backchannel import BackchannelConfig, judge
 from voice.barge_in import BargeInRecord, barge_in, continues, interrupted_turn
 from voice.controls import SessionControls
 from voice.dtmf import DigitStream
 from voice.endpointing import EndpointConfig
 from voice.heard import Hearing
 from voice.history import earlier_messages, earlier_turns_wait_s, history_after
-from voice.providers import LanguageModel, Message, SpeechToText, SttAdaptation, TextToSpeech
+from voice.providers import LanguageModel, Message, TextToSpeech
+from voice.recognition import Recogniser, RecognitionError, StreamOptions, SttAdaptation
 from voice.reply import answer
 from voice.session_config import SessionConfig
+from voice.stt_failover import Failover, FailoverAction
 from voice.tools import Toolbox
+from voice.transcription import Transcription, Utterance
 from voice.transport import OutputSink, Transport
 from voice.turn_handle import TurnContext, TurnHandle
 from voice.turn_taking import (
@@ -78,12 +81,25 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Providers:
-    """The session's STT, LLM, TTS and the tools the model may call."""
+    """The session's STT, LLM, TTS and the tools the model may call.
 
-    stt: SpeechToText
+    Attributes:
+        stt: the recogniser (``stt.provider``).
+        stt_fallback: the one a failed recogniser falls back to
+            (``stt.fallback = "embedded"``), or None (``"none"``).
+        stt_final_timeout_s: a final the recogniser owes this long after
+            an utterance's end counts as its failure, s.
+        narrowband: the caller's audio is telephone audio (8 kHz): an
+            embedded recogniser fills the empty band.
+    """
+
+    stt: Recogniser
     llm: LanguageModel
     tts: TextToSpeech
     tools: Toolbox | None = None
+    stt_fallback: Recogniser | None = None
+    stt_final_timeout_s: float = 4.0
+    narrowband: bool = False
 
 
 class AgentSession(SessionControls):
@@ -130,6 +146,17 @@ class AgentSession(SessionControls):
         self.providers = providers
         #: the recogniser's state for this session's voice (its requests only)
         self.stt_adaptation = SttAdaptation()
+        #: the session's recognition stream (voice.transcription)
+        self.transcription = Transcription(
+            Failover(providers.stt, providers.stt_fallback),
+            StreamOptions(adaptation=self.stt_adaptation, narrowband=providers.narrowband, session_id=session_id),
+            clock=clock,
+            final_timeout_s=providers.stt_final_timeout_s,
+            on_heard=self._heard,
+            on_failover=self._recognition_failed,
+        )
+        #: the candidate's utterance (what is sent to the recogniser for it)
+        self._utterance: Utterance | None = None
         self.transport = transport
         #: the transport's output sink (the reply's audio, its played position)
         self.playout: OutputSink = transport.output
@@ -193,6 +220,9 @@ class AgentSession(SessionControls):
                 controls: asyncio.Task[None] | None = None
                 try:
                     await self.providers.stt.start()
+                    if self.providers.stt_fallback is not None:
+                        await self.providers.stt_fallback.start()
+                    tg.create_task(self.transcription.run())
                     self._send(SessionReady(generation=self.fence.active, session_id=self.session_id))
                     controls = tg.create_task(self._take_controls())
                     async for frame in self.transport.frames():
@@ -200,12 +230,14 @@ class AgentSession(SessionControls):
                 finally:
                     if controls is not None:
                         controls.cancel()
+                    tg.create_task(self.transcription.aclose())  # the provider's last usage is read meanwhile
                     for run in self._runs:
                         for task in (run.work, run.watch_task):
                             if task is not None:
                                 task.cancel()
         finally:
             self._tg = None
+            self._tell_recognition_usage()
             # Settle even if cancelled again meanwhile: returning earlier would
             # let the caller close the store under the last writes.
             settle = asyncio.ensure_future(self._settle_all())
@@ -233,6 +265,8 @@ class AgentSession(SessionControls):
             self._listening.stt.feed(frame.pcm)
         elif tt.candidate is not None:
             self._held.append(frame.pcm)
+            if self._utterance is not None:
+                self._utterance.feed(frame.pcm)
         else:
             self._preroll.append(frame.pcm)
         self._carry_out(tt.on_frame(frame.at, frame.gated, self._agent_state()))
@@ -246,13 +280,19 @@ class AgentSession(SessionControls):
                 self.playout.pause(trial=d.trial)
                 self._held = [*self._preroll]
                 self._preroll.clear()
+                self._drop_utterance()
+                self._utterance = self.transcription.begin()  # the recogniser hears it from the pre-roll on
+                for pcm in self._held:
+                    self._utterance.feed(pcm)
             elif isinstance(d, PauseStands):
                 self.playout.pause()  # a far end's buffer goes now (media.telephony_playout)
             elif isinstance(d, Resume):
                 self._resume(d)
             elif isinstance(d, ClassifyBackchannel):
                 assert self._tg is not None
-                self._classifying = self._tg.create_task(self._classify_backchannel(d.candidate, self._held))
+                self._classifying = self._tg.create_task(
+                    self._classify_backchannel(d.candidate, self._held, self._utterance)
+                )
             elif isinstance(d, CancelClassification):
                 if self._classifying is not None:
                     self._classifying.cancel()
@@ -283,6 +323,7 @@ class AgentSession(SessionControls):
         its audio goes back to the pre-roll."""
         if d.playout:
             self.playout.resume()
+        self._drop_utterance()  # not a request: the recogniser hears no more of it
         for pcm in self._held[-self._preroll.maxlen :] if self._preroll.maxlen else []:
             self._preroll.append(pcm)
         if d.reason == "false_interruption":
@@ -294,10 +335,12 @@ class AgentSession(SessionControls):
         elif d.report:
             self._send(FalseInterruption(generation=self.fence.active, paused_ms=d.paused_ms))  # no verdict: it had none
 
-    async def _classify_backchannel(self, candidate: int, held: list[bytes]) -> None:
-        """Was candidate ``candidate`` (its audio: ``held``) a backchannel?
-        The recogniser and the syllable count say (:mod:`voice.backchannel`)."""
-        text = await recognise(self.providers.stt, held)
+    async def _classify_backchannel(self, candidate: int, held: list[bytes], utterance: Utterance | None) -> None:
+        """Was candidate ``candidate`` (its audio: ``held``, its recognition:
+        ``utterance``) a backchannel? What the recogniser heard (an interim
+        that covers it, else its final; None if recognition failed) and the
+        syllable count say (:mod:`voice.backchannel`)."""
+        text = await utterance.heard() if utterance is not None else None
         cand = self.turn_taking.candidate
         if cand is None or cand.n != candidate:
             return  # decided meanwhile (the user went on)
@@ -306,6 +349,45 @@ class AgentSession(SessionControls):
         spoken = held[-(cand.lead_ms // FRAME_MS + cand.frames) :]
         verdict = judge(self.config.backchannel, text, cand.speech_ms, count_syllable_nuclei(spoken))
         self._carry_out(self.turn_taking.classified(candidate, self.clock.monotonic(), verdict, self._agent_state()))
+
+    def _heard(self, utterance: Utterance) -> None:
+        """The recogniser's text of ``utterance`` grew (an interim or a
+        final): if it is the candidate's, turn-taking reads it (a real word
+        commits a confirmed candidate at once, :meth:`voice.turn_taking.TurnTaking.heard`)."""
+        cand = self.turn_taking.candidate
+        if cand is None or utterance is not self._utterance:
+            return
+        self._carry_out(self.turn_taking.heard(cand.n, self.clock.monotonic(), utterance.text))
+
+    def _drop_utterance(self) -> None:
+        """The candidate's speech is no request (rejected, a backchannel,
+        replaced): the recogniser hears no more of it."""
+        utterance, self._utterance = self._utterance, None
+        if utterance is not None:
+            utterance.drop()
+
+    def _tell_recognition_usage(self) -> None:
+        """Tell the client what the session's recognition used, per
+        recogniser (event ``stt.usage``), as the session ends."""
+        totals = self.transcription.usage()
+        for name in sorted(set(totals.audio_s) | set(totals.connection_s)):
+            audio_s = totals.audio_s.get(name, 0.0)
+            connection_s = totals.connection_s.get(name, 0.0)
+            i, o = totals.input_tokens.get(name, 0), totals.output_tokens.get(name, 0)
+            pricing = self.transcription.pricing_of(name)
+            cents = pricing.session_cents(audio_s, connection_s, i, o) if pricing is not None else 0.0
+            self._send(SttUsage(
+                generation=self.fence.active, provider=name, audio_s=round(audio_s, 3), connection_s=round(connection_s, 3),
+                reported_audio_s=round(totals.reported_audio_s.get(name, 0.0), 3), input_tokens=i, output_tokens=o,
+                cents=round(cents, 4),
+            ))
+
+    def _recognition_failed(self, failed: str, error: RecognitionError, action: FailoverAction, now: str | None) -> None:
+        """Tell the client the recogniser failed and what follows (event ``stt.failover``)."""
+        self._send(SttFailover(
+            generation=self.fence.active, provider=failed, error=error.kind, action=action, fallback=now,
+            message=str(error),
+        ))
 
     # -- barge-in --------------------------------------------------------------
 
@@ -340,7 +422,15 @@ class AgentSession(SessionControls):
         cleared = self.playout.clear()
         self.playout.resume()
         after: asyncio.Task[None] | None = None
-        stream = DigitStream() if d.initiator in ("dtmf", "wake_word") else self.providers.stt.open_stream(self.stt_adaptation)
+        stream: Utterance | DigitStream
+        if d.initiator in ("dtmf", "wake_word"):
+            stream = DigitStream()
+            self._drop_utterance()
+        elif d.audio and self._utterance is not None:
+            stream, self._utterance = self._utterance, None  # already heard from its pre-roll on
+        else:
+            self._drop_utterance()  # a press: what came before it is not the user's input
+            stream = self.transcription.begin()
         run = TurnHandle(self._turn_context(), generation, stream)
         if old is not None:
             rec, after = barge_in(
@@ -350,8 +440,6 @@ class AgentSession(SessionControls):
             if continues(old, d.onset_at, self.playout.played_samples(old.generation), self.config.endpoint.continue_window_ms):
                 run.continues, old.merged = old, True
             self.barge_ins.append(rec)
-        for pcm in self._held if d.audio else ():
-            run.stt.feed(pcm)
         self._held = []
         self._preroll.clear()
         self._listening = run

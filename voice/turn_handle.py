@@ -43,8 +43,9 @@ from turn.runtime import TurnRuntime
 from turn.scope import TurnScope
 from turn.store import StoreUnavailable, UnknownTurn
 from turn.usage import Pricing
+from voice.dtmf import DigitStream
 from voice.errors import describe_error, stopped_by
-from voice.providers import SttStream
+from voice.transcription import Utterance
 from voice.turn_lifecycle import fail, open_scope, record_late_usage
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,8 @@ class TurnHandle:
 
     ctx: TurnContext
     generation: int
-    stt: SttStream
+    #: the user's input: their utterance as the recogniser hears it, or keys
+    stt: Utterance | DigitStream
     turn_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     utterance_ended: asyncio.Event = field(default_factory=asyncio.Event)
     #: the STT final, started the moment the utterance ends
@@ -153,6 +155,8 @@ class TurnHandle:
     told_interrupted: bool = False
     #: its terminal state is in the store (or it was never written)
     settled: bool = False
+    #: what recognising its words cost is on its meter
+    recognition_noted: bool = False
 
     # -- its record and its work ---------------------------------------------------
 
@@ -229,6 +233,7 @@ class TurnHandle:
                     self.stop(None)
                 return
             if turn is not None:
+                self.note_recognition()
                 self.settled = await fail(manager, turn.id, self.ctx.fence.active, exc, self.ctx.report)
             else:
                 log.exception("turn %s failed", self.turn_id)
@@ -275,6 +280,19 @@ class TurnHandle:
         self.stt_final = asyncio.ensure_future(self.stt.finish())
         # its failure is read by the turn's work; don't also log it as lost
         self.stt_final.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def note_recognition(self) -> None:
+        """Put what recognising the user's words cost on the turn's meter
+        (:meth:`turn.usage.UsageMeter.add_recognition`: its cents count
+        against the budget), once, when the transcript is in or the turn
+        is stopped without it (the audio was sent either way)."""
+        if self.recognition_noted:
+            return
+        runtime = self.runtime or self.ctx.manager.runtime(self.turn_id)
+        if runtime is None:
+            return
+        self.recognition_noted = True
+        runtime.meter.add_recognition(self.stt.usage())
 
     async def final_transcript(self) -> str:
         """The utterance's transcript (the STT final started when it ended).
@@ -440,6 +458,7 @@ class TurnHandle:
         final = self.stt_final
         if transcript is None and final is not None and final.done() and not final.cancelled() and not final.exception():
             transcript = final.result()  # heard, though the turn was stopped before using it
+        self.note_recognition()
         heard, unheard = self.ctx.heard_split(self)
         if transcript is not None or heard or unheard:
             await manager.record(turn_id, transcript=transcript, reply=heard or None, reply_unheard=unheard or None)

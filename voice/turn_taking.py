@@ -24,6 +24,9 @@ The rules (see :mod:`media.bargein` for the detector's two stages):
   :meth:`TurnTaking.classified`): a backchannel resumes playout no sooner
   than ``resume_after_ms`` after its speech ended, and only in a frame the
   gate did not pass; speech commits;
+- a word that is no backchannel, heard by the recogniser in a confirmed
+  candidate's speech (an interim will do), commits it at once
+  (:meth:`TurnTaking.heard`);
 - more speech right after a short one continues it ("front ... left"); speech
   confirmed within ``rejoin_ms`` of a backchannel commits at once;
 - while a committed utterance is listened to, speech_stopped and
@@ -384,6 +387,23 @@ class TurnTaking:
         if at >= cand.release_at:
             return self._let_go(cand, at, agent)
         return []
+
+    def heard(self, candidate: int, at: float, text: str) -> list[Decision]:
+        """The recogniser's text so far (an interim or a final) of candidate
+        ``candidate``'s speech, at ``at`` (clock seconds). A word that is
+        no backchannel in a candidate the detector confirmed commits it at
+        once: it is a request, not "uh-huh", so neither ``max_ms`` nor the
+        final is waited for (issue 28, item 5). Text of a candidate not yet
+        confirmed changes nothing (the detector's second stage, with the
+        echo guard, still decides whether it is speech at all); nor does
+        text made only of backchannel words (the judge decides those when
+        the speech ends)."""
+        cand = self.candidate
+        if cand is None or cand.n != candidate or cand.confirmed_at is None or self.listening or not text.strip():
+            return []
+        if self.backchannel.matches(text):
+            return []
+        return self._commit(at)
 
     def ptt_start(self, at: float, initiator: BargeInInitiator = "ptt") -> list[Decision]:
         """Push-to-talk pressed at ``at``: an immediate, committed barge-in

@@ -37,8 +37,8 @@ from turn.store import StoreUnavailable, TurnStore
 from voice.llm import LocalAgent
 from voice.openai_llm import OpenAiChatModel
 from voice.providers import LanguageModel
+from voice.recognisers import build_recognisers
 from voice.session import Providers
-from voice.stt import PocketsphinxSTT
 from voice.text_turns import TextTurns
 from voice.tools import Toolbox
 from voice.tts import EspeakTTS
@@ -66,9 +66,10 @@ __all__ = [
 
 
 class EmbeddedProviders:
-    """The embedded providers: one pocketsphinx decoder pool shared by all
-    sessions, and per session the local agent and espeak-ng; and the demo
-    shop's tools when ``settings.demo_shop`` is on.
+    """The providers: the speech recogniser ``stt.provider`` names (and the
+    embedded one as its fallback), shared by all sessions, and per session
+    the model and espeak-ng; and the demo shop's tools when
+    ``settings.demo_shop`` is on.
 
     Args:
         settings: provider settings.
@@ -78,7 +79,7 @@ class EmbeddedProviders:
     def __init__(self, settings: Settings, clock: Clock) -> None:
         self.settings = settings
         self.clock = clock
-        self.stt = PocketsphinxSTT(settings.stt)
+        self.stt, self.stt_fallback = build_recognisers(settings.stt)
         self._http: aiohttp.ClientSession | None = None
         #: the demo shop (tools and their in-process external system), or None
         self.shop = demo_shop_for(settings, clock)
@@ -98,6 +99,8 @@ class EmbeddedProviders:
         if not EspeakTTS(self.settings.tts).available():
             raise RuntimeError(f"TTS executable {self.settings.tts.executable!r} not found; install espeak-ng")
         try:
+            if self.stt_fallback is not None:
+                await self.stt_fallback.start()
             await self.stt.start()
         except Exception as exc:
             raise RuntimeError(f"speech recogniser cannot start: {exc}") from exc
@@ -106,7 +109,10 @@ class EmbeddedProviders:
         """Providers for one new voice session (``voice``: its TTS voice
         instead of ``tts.voice``)."""
         tts = self.settings.tts if voice is None else self.settings.tts.model_copy(update={"voice": voice})
-        return Providers(stt=self.stt, llm=self.llm_for_session(), tts=EspeakTTS(tts), tools=self.tools())
+        return Providers(
+            stt=self.stt, llm=self.llm_for_session(), tts=EspeakTTS(tts), tools=self.tools(), stt_fallback=self.stt_fallback,
+            stt_final_timeout_s=self.settings.stt.final_timeout_ms / 1000,
+        )
 
     async def voice_exists(self, voice: str) -> bool:
         """True if the TTS can speak with ``voice``."""
@@ -147,7 +153,10 @@ class EmbeddedProviders:
         return {"message-sender": self.shop.message_sender(store, consumer).run()}
 
     async def aclose(self) -> None:
+        """Close the recognisers, the model's HTTP client and the demo shop."""
         await self.stt.aclose()
+        if self.stt_fallback is not None:
+            await self.stt_fallback.aclose()
         if self._http is not None:
             await self._http.close()
         if self.shop is not None:

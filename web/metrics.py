@@ -148,6 +148,16 @@ class Metrics:
             ["transport"], buckets=STOP_BUCKETS, registry=r,
         )
         self.fenced = Counter("turnkeeper_late_events_fenced", "Late output withheld by the delivery gate", ["type"], registry=r)
+        self.stt_failovers = Counter(
+            "turnkeeper_stt_failovers", "Speech recognisers that failed mid-session, and what followed",
+            ["provider", "error", "action"], registry=r,
+        )
+        self.stt_audio = Counter("turnkeeper_stt_audio_seconds", "Audio sent to each speech recogniser, s (replays included)",
+                                 ["provider"], registry=r)
+        self.stt_connection = Counter("turnkeeper_stt_connection_seconds",
+                                      "How long sessions' connections to each speech recogniser were open, s", ["provider"], registry=r)
+        self.stt_cents = Counter("turnkeeper_stt_cents", "What speech recognition cost by the settings' prices, US cents",
+                                 ["provider"], registry=r)
         self.abandoned = Counter("turnkeeper_abandoned_leases", "Turns whose worker died, found by the lease sweeper",
                                  ["action"], registry=r)
         self.stt = Histogram("turnkeeper_stt_seconds", "End of the utterance to its final transcript, s",
@@ -217,6 +227,14 @@ class Metrics:
             transport = self.transport_of(ev.session_id)
             (self.false_interruptions if ev.type == "false_interruption" else self.backchannels).labels(transport=transport).inc()
             self.noise_pause.labels(kind=ev.type, transport=transport).observe(max(0.0, float(p.get("paused_ms") or 0) / 1000))
+        elif ev.type == "stt.failover":
+            self.stt_failovers.labels(provider=str(p.get("provider", "")), error=str(p.get("error", "")),
+                                      action=str(p.get("action", ""))).inc()
+        elif ev.type == "stt.usage":
+            provider = str(p.get("provider", ""))
+            self.stt_audio.labels(provider=provider).inc(max(0.0, float(p.get("audio_s") or 0)))
+            self.stt_connection.labels(provider=provider).inc(max(0.0, float(p.get("connection_s") or 0)))
+            self.stt_cents.labels(provider=provider).inc(max(0.0, float(p.get("cents") or 0)))
         elif ev.type in EFFECT_OUTCOMES:
             self.effects.labels(outcome=EFFECT_OUTCOMES[ev.type]).inc()
         elif ev.type == "agent.restart":

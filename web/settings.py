@@ -30,8 +30,8 @@ from media.inbound import MIN_STALL_MS
 from media.vad import VadConfig
 from turn.models import Plan
 from voice.llm import LlmConfig
+from voice.recognisers import SttConfig
 from voice.session_config import SessionConfig
-from voice.stt import PocketsphinxConfig
 from voice.tts import EspeakConfig
 from web.limits import LimitSettings
 
@@ -319,7 +319,7 @@ class Settings(BaseSettings):
     vad: VadConfig = VadConfig()
     bargein: BargeInConfig = BargeInConfig()
     session: SessionConfig = SessionConfig()
-    stt: PocketsphinxConfig = PocketsphinxConfig()
+    stt: SttConfig = SttConfig()
     llm: LlmConfig = LlmConfig()
     plans: dict[str, Plan] = Field(default_factory=lambda: {"default": Plan()})
     tts: EspeakConfig = EspeakConfig()

@@ -30,8 +30,8 @@ from turn.manager import TurnManager
 from turn.models import ChildOutcome, StopReasonKind, TurnStatus
 from turn.sqlite_store import SqliteStore
 from voice.llm import LocalAgent, LocalLlmConfig
+from voice.pocketsphinx_stt import PocketsphinxConfig, PocketsphinxSTT
 from voice.session import AgentSession, Providers
-from voice.stt import PocketsphinxConfig, PocketsphinxSTT
 from voice.transport import CloseNotice, Control, ControlInbox
 from voice.tts import EspeakConfig, EspeakTTS
 

@@ -12,8 +12,8 @@ from conftest import requires_espeak
 from media.frames import load_pcm
 from media.g711 import MULAW_FRAME_BYTES, MulawDecoder, pcm_to_mulaw
 from voice.narrowband import NarrowbandSpeech
-from voice.providers import SpeechToText, SttAdaptation
-from voice.stt import PocketsphinxConfig, PocketsphinxSTT
+from voice.pocketsphinx_stt import PocketsphinxConfig, PocketsphinxSTT
+from voice.recognition import SttAdaptation, UtteranceRecogniser
 
 pytestmark = requires_espeak
 
@@ -30,7 +30,7 @@ def telephone(path: Path) -> bytes:
     return b"".join(decoder.decode(mulaw[i : i + MULAW_FRAME_BYTES]) for i in range(0, len(mulaw), MULAW_FRAME_BYTES))
 
 
-async def recognised(stt: SpeechToText, pcm: bytes, adaptation: SttAdaptation) -> str:
+async def recognised(stt: UtteranceRecogniser, pcm: bytes, adaptation: SttAdaptation) -> str:
     stream = stt.open_stream(adaptation)  # one session's utterances in turn, as AgentSession does
     stream.feed(bytes(16000) + pcm + bytes(16000))
     return await stream.finish()

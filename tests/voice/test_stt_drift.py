@@ -14,7 +14,7 @@ import pytest
 from conftest import TEST_PHRASES, requires_espeak
 
 from media.frames import VAD_RATE, load_pcm
-from voice.stt import PocketsphinxConfig, PocketsphinxSTT
+from voice.pocketsphinx_stt import PocketsphinxConfig, PocketsphinxSTT
 
 pytestmark = requires_espeak
 
@@ -94,7 +94,7 @@ async def test_a_session_adapts_to_its_own_voice_and_no_other_session_sees_it(sa
     said (here noise and loud speech, the worst case) only moves its own
     adaptation; a new session's first utterance is heard exactly as on a
     fresh server, on whichever decoder it lands."""
-    from voice.providers import SttAdaptation
+    from voice.recognition import SttAdaptation
 
     async def heard(stt: PocketsphinxSTT, pcm: bytes, adaptation: SttAdaptation | None) -> str:
         stream = stt.open_stream(adaptation)

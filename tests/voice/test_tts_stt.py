@@ -13,7 +13,8 @@ import pytest
 from conftest import requires_espeak
 
 from media.frames import VAD_RATE, load_pcm, rms_dbfs
-from voice.stt import PocketsphinxConfig, PocketsphinxSTT, SttError
+from voice.pocketsphinx_stt import PocketsphinxConfig, PocketsphinxSTT
+from voice.recognition import SttError
 from voice.tts import EspeakConfig, EspeakTTS, TtsError, _read_wav_header
 
 

@@ -14,7 +14,7 @@ from clock import VirtualClock
 from turn.event_catalogue import Envelope
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
-from turn.models import Plan, StopReason, StopReasonKind, TurnStatus
+from turn.models import Plan, RecognitionRecord, StopReason, StopReasonKind, TurnStatus
 from turn.scope import TurnScope
 from turn.sqlite_store import SqliteStore
 from turn.usage import Pricing, RequestMeter
@@ -39,6 +39,9 @@ class Stt:
 
     async def aclose(self) -> None:
         self.closed = True
+
+    def usage(self) -> list[RecognitionRecord]:
+        return [RecognitionRecord(provider="test", audio_s=1.5, cents=0.25)]
 
 
 class Session:
@@ -99,6 +102,9 @@ async def test_the_first_stop_is_the_one_recorded(manager: TurnManager) -> None:
     assert turn.status is TurnStatus.CANCELLED
     assert turn.stop_reason is not None and turn.stop_reason.request_id == barge.request_id
     assert turn.transcript == "hello there"  # heard, though stopped before the reply
+    # its words were recognised (and billed) before the stop: on its record, counted in its spending
+    assert turn.usage.recognition == [RecognitionRecord(provider="test", audio_s=1.5, cents=0.25)]
+    assert turn.spent.cents == 0.25
     assert run.settled and run.finished and run.stt.closed  # type: ignore[attr-defined]
     assert s.told == [run] and s.events[-1][0] == "agent.state"  # the interrupted reply was reported, once
     assert [(c.name, c.outcome.value) for c in turn.stop_report.children] == [("model", "stopped")]  # type: ignore[union-attr]

@@ -26,8 +26,8 @@ from turn.manager import TurnManager
 from turn.models import StopReasonKind, TurnStatus
 from turn.sqlite_store import SqliteStore
 from voice.llm import LocalAgent, LocalLlmConfig
+from voice.pocketsphinx_stt import PocketsphinxConfig, PocketsphinxSTT
 from voice.session import AgentSession, Providers
-from voice.stt import PocketsphinxConfig, PocketsphinxSTT
 from voice.transport import ControlKind
 from voice.tts import EspeakTTS
 

@@ -38,7 +38,6 @@ from turn.event_catalogue import AudioEnd, AudioStart
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
 from turn.models import StopReasonKind, TurnKind
-from voice.narrowband import NarrowbandSpeech
 from voice.session import AgentSession, Providers
 from web.errors import ApiError
 from web.limits import Limits
@@ -100,8 +99,8 @@ class PhoneCall:
         self.connected = False
         self.settings = settings
         self.manager = manager
-        # telephone audio has nothing above 4 kHz: the recogniser gets the band filled
-        self.providers = dataclasses.replace(providers, stt=NarrowbandSpeech(providers.stt))
+        # telephone audio has nothing above 4 kHz: an embedded recogniser gets the band filled
+        self.providers = dataclasses.replace(providers, narrowband=True)
         self.clock = clock
         self.ws = ws
         self.dialect = dialect

@@ -6,7 +6,7 @@ restricts recognition to its phrases, which makes it exact for a known set of
 test phrases.
 
 One :class:`PocketsphinxSTT` serves the whole server with a pool of
-decoders, each in its own worker process (see :mod:`voice.stt_worker`:
+decoders, each in its own worker process (see :mod:`voice.pocketsphinx_worker`:
 pocketsphinx holds the GIL while it works, which in-process would stall every
 session's audio pacing and barge-in for up to half a second). All decoders
 load at :meth:`PocketsphinxSTT.start`, before the server serves anyone. An
@@ -30,8 +30,9 @@ from typing import Any
 from pydantic import BaseModel, Field, field_validator
 
 from media.frames import VAD_RATE
-from voice import stt_worker
-from voice.providers import SttAdaptation
+from voice import pocketsphinx_worker
+from voice.recognition import SpeechPricing, StreamOptions, SttAdaptation, SttError, Word
+from voice.segmented_stt import SegmentedStream
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,10 @@ class PocketsphinxConfig(BaseModel):
         cmn_start: the cepstral mean a session's first utterance starts
             from (later ones start from what the session's last recognised
             utterance settled at), so no other session's audio changes how
-            this one is heard (:mod:`voice.stt_worker`): ``"model"`` (the
+            this one is heard (:mod:`voice.pocketsphinx_worker`): ``"model"`` (the
             acoustic model's own ``cmninit``, the default), ``"speech"``
             (a starting point measured on speech: fewer errors on free-form
-            first words, see :data:`voice.stt_worker.SPEECH_CMN`) or 13
+            first words, see :data:`voice.pocketsphinx_worker.SPEECH_CMN`) or 13
             comma-separated numbers.
     """
 
@@ -65,12 +66,8 @@ class PocketsphinxConfig(BaseModel):
     @field_validator("cmn_start")
     @classmethod
     def _cmn_start_known(cls, value: str) -> str:
-        stt_worker.cmn_vector(value, "")
+        pocketsphinx_worker.cmn_vector(value, "")
         return value
-
-
-class SttError(RuntimeError):
-    """Recognition failed (model not loadable, decoder error, worker died)."""
 
 
 class _Decoder:
@@ -81,11 +78,11 @@ class _Decoder:
         self.executor = ProcessPoolExecutor(
             max_workers=1,
             mp_context=multiprocessing.get_context("spawn"),  # never fork an asyncio process
-            initializer=stt_worker.init,
+            initializer=pocketsphinx_worker.init,
             initargs=(grammar, config.cmn_start),
         )
         self.broken: BaseException | None = None
-        self.loaded = self.submit(stt_worker.ping)
+        self.loaded = self.submit(pocketsphinx_worker.ping)
         self.loaded.add_done_callback(self._note)
 
     def submit(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
@@ -109,12 +106,17 @@ class _Decoder:
 
 
 class PocketsphinxSTT:
-    """:class:`voice.providers.SpeechToText` over a pool of pocketsphinx
-    worker processes.
+    """:class:`voice.providers.UtteranceRecogniser` over a pool of pocketsphinx
+    worker processes, and a :class:`voice.recognition.Recogniser` whose
+    session streams it segments by our endpointing (:meth:`open`).
 
     Args:
         config: grammar and pool size.
     """
+
+    name = "pocketsphinx"
+    #: it runs here: its audio costs nothing but CPU
+    pricing = SpeechPricing()
 
     def __init__(self, config: PocketsphinxConfig | None = None) -> None:
         self.config = config or PocketsphinxConfig()
@@ -163,6 +165,13 @@ class PocketsphinxSTT:
         if self._closed:
             raise RuntimeError("STT is closed")
         return PocketsphinxStream(self, adaptation)
+
+    def open(self, options: StreamOptions) -> SegmentedStream:
+        """One session's recognition stream: each stretch between two
+        ``finalize``/``discard`` calls is one utterance on the pool
+        (:class:`voice.segmented_stt.SegmentedStream`), from the session's
+        adaptation."""
+        return SegmentedStream(self, options)
 
     async def aclose(self) -> None:
         """Stop every worker process, after the calls already queued. Idempotent."""
@@ -234,6 +243,8 @@ class PocketsphinxStream:
         self._batch = bytearray()
         self._ended = False
         self._error: BaseException | None = None
+        #: the words of the finished utterance, seconds from its start (after :meth:`finish`)
+        self.words: list[Word] = []
         self._attached = asyncio.get_running_loop().create_task(self._attach())
         # its failure (STT closed) is reported by finish(); don't also log it
         self._attached.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -241,9 +252,9 @@ class PocketsphinxStream:
     async def _attach(self) -> None:
         dec = await self._owner._acquire()
         self._decoder = dec
-        self._submit(stt_worker.start, self._adaptation.state if self._adaptation is not None else None)
+        self._submit(pocketsphinx_worker.start, self._adaptation.state if self._adaptation is not None else None)
         if self._pending:
-            self._submit(stt_worker.process, b"".join(self._pending))
+            self._submit(pocketsphinx_worker.process, b"".join(self._pending))
         self._pending.clear()
 
     def _submit(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
@@ -278,7 +289,7 @@ class PocketsphinxStream:
             return
         chunk, self._batch = bytes(self._batch), bytearray()
         if self._decoder is not None:
-            self._submit(stt_worker.process, chunk)
+            self._submit(pocketsphinx_worker.process, chunk)
             return
         self._pending.append(chunk)
         self._pending_bytes += len(chunk)
@@ -299,7 +310,7 @@ class PocketsphinxStream:
         self._ended = True
         await asyncio.shield(self._attached)  # raises RuntimeError if STT closed meanwhile
         try:
-            text, cmn = await self._end(stt_worker.end)
+            text, cmn, words = await self._end(pocketsphinx_worker.end)
         except BrokenProcessPool as exc:
             raise SttError(f"speech worker died: {exc}") from exc
         except RuntimeError as exc:
@@ -308,7 +319,25 @@ class PocketsphinxStream:
             raise SttError(f"recognition failed: {self._error}") from self._error
         if text and self._adaptation is not None:
             self._adaptation.state = cmn  # this session's next utterance starts here
+        self.words = [Word(w, start, end, prob) for w, start, end, prob in words]
         return text
+
+    async def partial(self) -> str:
+        """The best hypothesis so far of the utterance being decoded ("" if
+        none yet): after the audio fed so far has been decoded.
+
+        Raises:
+            RuntimeError: finished or closed already.
+            SttError: the decoder or its worker failed.
+        """
+        if self._ended:
+            raise RuntimeError("utterance already finished")
+        self._send_batch()
+        await asyncio.shield(self._attached)
+        try:
+            return str(await self._submit(pocketsphinx_worker.partial))
+        except (BrokenProcessPool, RuntimeError) as exc:
+            raise SttError(f"recognition failed: {exc}") from exc
 
     async def aclose(self) -> None:
         """Abandon the utterance. Idempotent, also after ``finish``."""
@@ -320,7 +349,7 @@ class PocketsphinxStream:
             self._attached.cancel()
         await asyncio.wait({self._attached})  # never raises; we only need it settled
         if self._decoder is not None:
-            await asyncio.wait({self._end(stt_worker.abandon)})
+            await asyncio.wait({self._end(pocketsphinx_worker.abandon)})
 
     def _end(self, fn: Any) -> asyncio.Future[Any]:
         """Run the last call of the utterance and give the decoder back once

@@ -126,9 +126,20 @@ def process(pcm: bytes) -> None:
         _decoder.process_raw(pcm, False, False)
 
 
-def end() -> tuple[str, str]:
-    """End the utterance; return its best hypothesis ("" if none) and the
-    CMN vector it settled at (for the same session's next utterance).
+def partial() -> str:
+    """The best hypothesis of the open utterance so far ("" if none, or
+    no utterance is open): pocketsphinx's partial result."""
+    if not _in_utterance:
+        return ""
+    hyp = _decoder.hyp()
+    return (hyp.hypstr if hyp is not None else "").strip()
+
+
+def end() -> tuple[str, str, list[tuple[str, float, float, float]]]:
+    """End the utterance; return its best hypothesis ("" if none), the CMN
+    vector it settled at (for the same session's next utterance) and its
+    words: ``(word, start_s, end_s, posterior)`` with times in seconds from
+    the utterance's start (silences, noises and sentence marks left out).
 
     Raises:
         RuntimeError: no utterance is open.
@@ -139,7 +150,13 @@ def end() -> tuple[str, str]:
     _in_utterance = False
     _decoder.end_utt()
     hyp = _decoder.hyp()
-    return (hyp.hypstr if hyp is not None else "").strip(), _decoder.get_cmn()
+    frate = float(_decoder.config["frate"])
+    words = [
+        (seg.word.split("(")[0], seg.start_frame / frate, (seg.end_frame + 1) / frate, float(seg.prob))
+        for seg in (_decoder.seg() or ())
+        if seg.word and seg.word[0] not in "<[+"
+    ]
+    return (hyp.hypstr if hyp is not None else "").strip(), _decoder.get_cmn(), words
 
 
 def abandon() -> None:

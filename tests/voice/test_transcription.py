@@ -1,0 +1,336 @@
+"""The session's side of recognition (voice.transcription): which events
+belong to which utterance, when an utterance's transcript is complete, and
+what happens when the recogniser fails, on virtual time.
+
+The recogniser here is a scripted one: it records what the transcription
+sends it and the test says what it answers, so every ordering a provider
+can produce (late finals, answers for discarded audio, silence after a
+finalize, a drop mid-utterance) is played exactly. The providers' own
+clients are tested against fakes of their servers (test_deepgram_stt,
+test_openai_realtime_stt, test_openai_stt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from clock import VirtualClock
+from turn.models import RecognitionRecord
+from voice.recognition import (
+    STREAM_BYTES_PER_S,
+    EndOfUtterance,
+    Final,
+    Interim,
+    RecognitionError,
+    RecognitionEvent,
+    RecognitionUsage,
+    SpeechPricing,
+    StreamOptions,
+    SttError,
+    Word,
+)
+from voice.stt_failover import Failover
+from voice.transcription import Transcription, Utterance
+
+FRAME = bytes(640)  # 20 ms at 16 kHz
+
+
+class ScriptedStream:
+    """A recognition stream that records what it is sent; the test answers."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.sent = bytearray()
+        self.calls: list[str] = []
+        self.queue: asyncio.Queue[RecognitionEvent | RecognitionError | None] = asyncio.Queue()
+        self.closed = False
+
+    @property
+    def sent_s(self) -> float:
+        return len(self.sent) / STREAM_BYTES_PER_S
+
+    def send(self, pcm: bytes) -> None:
+        self.sent += pcm
+
+    def finalize(self) -> None:
+        self.calls.append(f"finalize@{self.sent_s:.2f}")
+
+    def discard(self) -> None:
+        self.calls.append(f"discard@{self.sent_s:.2f}")
+
+    def answer(self, *events: RecognitionEvent | RecognitionError) -> None:
+        for ev in events:
+            self.queue.put_nowait(ev)
+
+    async def events(self) -> AsyncIterator[RecognitionEvent]:
+        while (item := await self.queue.get()) is not None:
+            if isinstance(item, RecognitionError):
+                raise item
+            yield item
+
+    async def aclose(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.queue.put_nowait(None)
+
+
+class ScriptedRecogniser:
+    """Opens scripted streams and keeps them for the test."""
+
+    def __init__(self, name: str, cents_per_minute: float = 0.0) -> None:
+        self.name = name
+        self.pricing = SpeechPricing(cents_per_minute=cents_per_minute)
+        self.streams: list[ScriptedStream] = []
+
+    async def start(self) -> None:
+        pass
+
+    def open(self, options: StreamOptions) -> ScriptedStream:
+        stream = ScriptedStream(self.name)
+        self.streams.append(stream)
+        return stream
+
+    async def aclose(self) -> None:
+        pass
+
+
+class Rig:
+    """A transcription running on a virtual clock over scripted recognisers."""
+
+    def __init__(self, clock: VirtualClock, primary: ScriptedRecogniser, fallback: ScriptedRecogniser | None = None,
+                 timeout_s: float = 2.0) -> None:
+        self.clock = clock
+        self.heard: list[str] = []
+        self.failovers: list[tuple[str, str, str, str | None]] = []
+        self.t = Transcription(
+            Failover(primary, fallback), StreamOptions(), clock=clock, final_timeout_s=timeout_s,
+            on_heard=lambda u: self.heard.append(u.text),
+            on_failover=lambda failed, err, action, nxt: self.failovers.append((failed, err.kind, action, nxt)),
+        )
+        self.task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Rig:
+        self.task = asyncio.create_task(self.t.run())
+        await settle()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.t.aclose()
+        assert self.task is not None
+        await asyncio.wait_for(self.task, 5)
+
+    def say(self, utt: Utterance, seconds: float) -> None:
+        for _ in range(round(seconds / 0.02)):
+            utt.feed(FRAME)
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def finished(utt: Utterance) -> asyncio.Task[str]:
+    task = asyncio.ensure_future(utt.finish())
+    await settle()
+    return task
+
+
+async def test_finals_go_to_the_utterance_whose_audio_they_are(clock: VirtualClock) -> None:
+    p = ScriptedRecogniser("p")
+    async with Rig(clock, p) as rig:
+        a = rig.t.begin()
+        rig.say(a, 1.0)
+        done_a = await finished(a)
+        b = rig.t.begin()
+        rig.say(b, 0.6)
+        done_b = await finished(b)
+        s = p.streams[0]
+        assert s.calls == ["finalize@1.00", "finalize@1.60"]
+        # the second utterance is answered first; each goes to its own audio
+        s.answer(Final("front left", 1.05, 1.6, finalized=True))
+        await settle()
+        assert done_b.done() and done_b.result() == "front left" and not done_a.done()
+        s.answer(Final("tell me", 0.1, 0.5, words=(Word("tell", 0.1, 0.3), Word("me", 0.3, 0.5))),
+                 Final("a story", 0.5, 1.0, finalized=True))
+        await settle()
+        assert done_a.result() == "tell me a story"
+        assert [w.text for w in a.words] == ["tell", "me"]
+
+
+async def test_what_comes_for_discarded_audio_is_dropped(clock: VirtualClock) -> None:
+    p = ScriptedRecogniser("p")
+    async with Rig(clock, p) as rig:
+        noise = rig.t.begin()
+        rig.say(noise, 0.4)
+        noise.drop()
+        speech = rig.t.begin()
+        rig.say(speech, 1.0)
+        done = await finished(speech)
+        s = p.streams[0]
+        assert s.calls == ["discard@0.40", "finalize@1.40"]
+        # a provider that cannot drop audio still answers for it (Deepgram): not the next utterance's words
+        s.answer(Interim("uh", 0.0, 0.4), Final("uh", 0.0, 0.4, finalized=True), Final("hello there", 0.4, 1.4, finalized=True))
+        await settle()
+        assert done.result() == "hello there"
+        assert rig.heard == ["hello there"]
+
+
+async def test_an_empty_answer_to_a_finalize_completes_what_earlier_finals_heard(clock: VirtualClock) -> None:
+    """A provider that had finalized everything itself answers a finalize
+    with an empty final: the utterance is its earlier finals."""
+    p = ScriptedRecogniser("p")
+    async with Rig(clock, p) as rig:
+        a = rig.t.begin()
+        rig.say(a, 1.0)
+        s = p.streams[0]
+        s.answer(Final("right", 0.2, 0.7), EndOfUtterance(0.7))  # its own endpointing, before our finalize
+        await settle()
+        done_a = await finished(a)
+        b = rig.t.begin()
+        rig.say(b, 0.5)
+        s.answer(Interim("count", 1.0, 1.4))
+        await settle()
+        assert not done_a.done()  # later words prove nothing: answers may come out of order
+        s.answer(Final("", 1.0, 1.0, finalized=True))
+        await settle()
+        assert done_a.result() == "right"
+        assert b.text == "count"
+
+
+async def test_a_final_reaching_the_end_completes_it(clock: VirtualClock) -> None:
+    p = ScriptedRecogniser("p")
+    async with Rig(clock, p) as rig:
+        a = rig.t.begin()
+        rig.say(a, 1.0)
+        done = await finished(a)
+        p.streams[0].answer(Final("okay", 0.3, 1.0))
+        await settle()
+        assert done.result() == "okay"
+
+
+async def test_a_final_owed_too_long_reconnects_and_sends_only_what_was_not_heard(clock: VirtualClock) -> None:
+    p = ScriptedRecogniser("p")
+    async with Rig(clock, p, timeout_s=2.0) as rig:
+        a = rig.t.begin()
+        rig.say(a, 1.0)
+        first = p.streams[0]
+        first.answer(Final("what is", 0.0, 0.4))
+        await settle()
+        done = await finished(a)
+        await clock.advance(1.9)
+        assert len(p.streams) == 1 and not done.done()
+        await clock.advance(0.2)
+        assert rig.failovers == [("p", "provider", "reconnect", "p")]
+        second = p.streams[1]
+        assert second.sent_s == pytest.approx(0.6)  # only the audio after the last final
+        assert second.calls == ["finalize@0.60"]
+        second.answer(Final("the weather", 0.0, 0.6, finalized=True))
+        await settle()
+        assert done.result() == "what is the weather"
+        assert first.closed
+
+
+async def test_a_drop_mid_utterance_replays_it_and_it_goes_on(clock: VirtualClock) -> None:
+    p = ScriptedRecogniser("p")
+    async with Rig(clock, p) as rig:
+        a = rig.t.begin()
+        rig.say(a, 0.5)
+        p.streams[0].answer(RecognitionError("dropped", "connection reset"))
+        await settle()
+        rig.say(a, 0.5)  # the user goes on while it reconnects
+        done = await finished(a)
+        second = p.streams[1]
+        assert second.sent_s == pytest.approx(1.0) and second.calls == ["finalize@1.00"]
+        second.answer(Final("count to twenty", 0.0, 1.0, finalized=True))
+        await settle()
+        assert done.result() == "count to twenty"
+        records = a.usage()
+        assert records == [RecognitionRecord(provider="p", audio_s=1.5)]  # the replayed 0.5 s was sent twice
+
+
+async def test_a_second_failure_falls_back_then_a_third_gives_up_and_the_next_utterance_tries_again(clock: VirtualClock) -> None:
+    p, e = ScriptedRecogniser("p", cents_per_minute=60.0), ScriptedRecogniser("embedded")
+    async with Rig(clock, p, e) as rig:
+        a = rig.t.begin()
+        rig.say(a, 1.0)
+        done = await finished(a)
+        p.streams[0].answer(RecognitionError("dropped", "reset"))
+        await settle()
+        p.streams[1].answer(RecognitionError("unreachable", "refused"))
+        await settle()
+        assert e.streams and e.streams[0].calls == ["finalize@1.00"]
+        e.streams[0].answer(RecognitionError("provider", "worker died"))
+        await settle()
+        e.streams[1].answer(RecognitionError("provider", "worker died again"))
+        await settle()
+        assert [f[2] for f in rig.failovers] == ["reconnect", "fallback", "reconnect", "failed"]
+        with pytest.raises(SttError, match="embedded: worker died again"):
+            await done
+        b = rig.t.begin()
+        rig.say(b, 0.3)
+        assert len(p.streams) == 3  # the configured recogniser, afresh
+        done_b = await finished(b)
+        p.streams[2].answer(Final("yeah", 0.0, 0.3, finalized=True))
+        await settle()
+        assert done_b.result() == "yeah"
+        # a's audio reached p once (1 cent a second; the second connection never got through, so
+        # nothing was sent on it) and the fallback twice
+        assert a.usage() == [RecognitionRecord(provider="embedded", audio_s=2.0),
+                             RecognitionRecord(provider="p", audio_s=1.0, cents=1.0)]
+
+
+async def test_a_refused_key_goes_straight_to_the_fallback(clock: VirtualClock) -> None:
+    p, e = ScriptedRecogniser("p"), ScriptedRecogniser("embedded")
+    async with Rig(clock, p, e) as rig:
+        a = rig.t.begin()
+        rig.say(a, 0.4)
+        p.streams[0].answer(RecognitionError("unauthorized", "401"))
+        await settle()
+        assert rig.failovers == [("p", "unauthorized", "fallback", "embedded")]
+        assert len(p.streams) == 1 and e.streams[0].sent_s == pytest.approx(0.4)
+
+
+async def test_a_judge_reads_an_interim_that_covers_the_speech_without_waiting(clock: VirtualClock) -> None:
+    p = ScriptedRecogniser("p")
+    async with Rig(clock, p) as rig:
+        a = rig.t.begin()
+        rig.say(a, 0.6)
+        p.streams[0].answer(Interim("uh huh", 0.05, 0.5))
+        await settle()
+        assert rig.heard == ["uh huh"]
+        heard = asyncio.ensure_future(a.heard())
+        await settle()
+        assert heard.done() and heard.result() == "uh huh"  # no final waited for
+        b = rig.t.begin()
+        rig.say(b, 1.0)
+        p.streams[0].answer(Interim("wait", 0.6, 0.9))  # covers 0.3 s of 1 s
+        await settle()
+        heard_b = asyncio.ensure_future(b.heard())
+        await settle()
+        assert not heard_b.done()
+        p.streams[0].answer(Final("wait a moment", 0.6, 1.6, finalized=True))
+        await settle()
+        assert heard_b.result() == "wait a moment"
+
+
+async def test_usage_per_turn_and_per_session(clock: VirtualClock) -> None:
+    p = ScriptedRecogniser("p", cents_per_minute=6.0)
+    p.pricing = SpeechPricing(cents_per_minute=6.0, input_cents_per_1k=10.0, billed_by="connection")
+    async with Rig(clock, p) as rig:
+        await clock.advance(5.0)
+        a = rig.t.begin()
+        rig.say(a, 2.0)
+        done = await finished(a)
+        p.streams[0].answer(Final("hello there", 0.0, 2.0, finalized=True), RecognitionUsage(input_tokens=50, start_s=0.0, end_s=2.0))
+        await settle()
+        assert await done == "hello there"
+        await clock.advance(3.0)
+        (record,) = a.usage()
+        assert record == RecognitionRecord(provider="p", audio_s=2.0, input_tokens=50, cents=0.7)  # 0.2 for audio, 0.5 for tokens
+    totals = rig.t.usage()
+    assert totals.audio_s == {"p": pytest.approx(2.0)} and totals.input_tokens == {"p": 50}
+    assert totals.connection_s["p"] == pytest.approx(8.0)  # open from the session's start to its end

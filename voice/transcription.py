@@ -1,0 +1,685 @@
+"""A session's transcription: its recognition stream, which audio goes to
+it, which of its events belong to which utterance, and what happens when
+the recogniser fails.
+
+The agent session (:class:`voice.session.AgentSession`) sends audio only
+while its detector says the user may be speaking: from a candidate's onset
+(with the pre-roll) until it is rejected, judged a backchannel, or the
+utterance it became ends (its endpointing). Each such stretch is an
+:class:`Utterance`, and within it each stretch between two
+``finalize``/``discard`` calls of the stream is a :class:`Segment`
+(:mod:`voice.recognition`, "Segments"): a backchannel candidate is
+finalized to be judged, and if the user goes on, what follows is a second
+segment of the same utterance. In silence nothing is sent (a streaming
+provider keeps its connection with KeepAlive): providers bill the audio
+they get.
+
+**Attribution.** Events carry stream seconds; a segment knows the stream
+seconds it spans, so each interim and final is given to the segment its
+audio overlaps most. A segment's transcript is its finals in order, then
+its latest interim. A segment being finalized is *complete* when the
+provider has answered for all of it: a final marked ``finalized`` (the
+answer every finalize is owed, :meth:`voice.recognition.RecognitionStream.finalize`)
+or any final reaching its end. Answers may come out of order (OpenAI
+completes items asynchronously; segmented requests race), so nothing is
+inferred from the order of events. :meth:`Utterance.finish` waits for every
+segment of the utterance to be complete; a segment the provider has not
+answered ``final_timeout_s`` after its finalize counts as a failure of the
+stream.
+
+**Failure** (issue 28, item 6). When the stream fails
+(:class:`voice.recognition.RecognitionError`, or that timeout), the next
+recogniser is chosen by :class:`voice.stt_failover.Failover` (reconnect
+once, then the fallback) and every segment not yet complete is sent to it
+again: the audio after its last final (kept until then), finalized again if
+it was. If none is left, those segments fail: :meth:`Utterance.finish`
+raises :class:`voice.recognition.SttError` with the reason (the turn
+ends FAILED), and the next utterance tries the configured recogniser anew.
+No utterance ever waits without a bound.
+
+**Usage** (item 7). Audio seconds sent (replays too: they are sent again),
+per recogniser and per utterance, the tokens providers report per segment,
+and each connection's lifetime (providers bill one or the other):
+:meth:`Utterance.usage` for a turn, :meth:`Transcription.usage` for the
+session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from clock import Clock, timeout_after
+from turn.models import RecognitionRecord
+from voice.recognition import (
+    STREAM_BYTES_PER_S,
+    EndOfUtterance,
+    Final,
+    Interim,
+    Recogniser,
+    RecognitionError,
+    RecognitionEvent,
+    RecognitionStream,
+    RecognitionUsage,
+    SpeechPricing,
+    SpeechStarted,
+    StreamOptions,
+    SttError,
+    Word,
+    stream_seconds,
+)
+from voice.stt_failover import Failover, FailoverAction
+
+log = logging.getLogger(__name__)
+
+#: events this close to a segment's end (stream s) reach its end: providers
+#: round their times, and report the last few ms of silence or not
+END_TOLERANCE_S = 0.06
+#: how long closing a stream may take (the provider's last usage comes then), s
+CLOSE_TIMEOUT_S = 2.0
+#: a stream that lived this long and was closed with nothing waiting (a
+#: provider's idle close) reconnects afresh, however often it happens, s
+IDLE_RECONNECT_S = 5.0
+
+
+@dataclass(eq=False)
+class Segment:
+    """One stretch of an utterance's audio between two ``finalize``/``discard``
+    calls of the stream.
+
+    Attributes:
+        utterance: whose it is.
+        start_s / end_s: the stream seconds it spans in the current stream
+            (``end_s`` None while it is open; both moved when it is replayed).
+        audio: its audio after its last final (kept for a replay), 16 kHz s16.
+        kept_from_s: where ``audio`` begins, s from the segment's start.
+        state: ``open`` (audio still comes), ``finalizing`` (finalized,
+            waiting for the provider), ``complete``, ``discarded`` (not
+            speech), ``failed`` (no recogniser could answer).
+        finals: its finals, in order of their audio.
+        interim: its latest interim after its last final.
+        sent_s: audio seconds sent, per recogniser (replays count again).
+        tokens: (input, output) tokens reported, per recogniser.
+        finalized_at: clock seconds of its (last) finalize.
+        error: why it failed.
+    """
+
+    utterance: Utterance
+    start_s: float | None = None
+    end_s: float | None = None
+    audio: bytearray = field(default_factory=bytearray)
+    kept_from_s: float = 0.0
+    state: Literal["open", "finalizing", "complete", "discarded", "failed"] = "open"
+    finals: list[Final] = field(default_factory=list)
+    interim: Interim | None = None
+    sent_s: dict[str, float] = field(default_factory=dict)
+    tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
+    finalized_at: float | None = None
+    error: str | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def text(self) -> str:
+        """Its finals, then its interim, as one text."""
+        parts = [f.text for f in self.finals]
+        if self.interim is not None:
+            parts.append(self.interim.text)
+        return " ".join(p.strip() for p in parts if p.strip())
+
+    @property
+    def final_text(self) -> str:
+        """Its finals only."""
+        return " ".join(f.text.strip() for f in self.finals if f.text.strip())
+
+
+class Utterance:
+    """What the user says from a candidate's onset until it is decided: the
+    audio the session sends for it and what the recogniser made of it.
+
+    It stands where a turn's recogniser stream stands
+    (:class:`voice.providers.UtteranceStream`: ``feed``, ``finish``,
+    ``aclose``), so a turn reads its transcript the same way whichever
+    recogniser heard it.
+    """
+
+    def __init__(self, transcription: Transcription) -> None:
+        self._transcription = transcription
+        self.segments: list[Segment] = []
+        #: no more audio is taken (ended, dropped or closed)
+        self.ended = False
+
+    # -- audio -----------------------------------------------------------------
+
+    def feed(self, pcm: bytes) -> None:
+        """Send 16 kHz mono s16 audio of this utterance to the recogniser
+        (never blocks; ignored once it ended)."""
+        if not self.ended:
+            self._transcription._send(self, pcm)
+
+    def end(self) -> None:
+        """The audio so far is complete for now: finalize its open segment
+        (more audio later opens another)."""
+        self._transcription._finalize(self)
+
+    def drop(self) -> None:
+        """It was not speech (noise, echo) or not a request (a backchannel):
+        no more audio is taken, and its open segment is discarded."""
+        self.ended = True
+        self._transcription._discard(self)
+
+    # -- what was heard --------------------------------------------------------
+
+    @property
+    def text(self) -> str:
+        """What the recogniser heard so far: finals, then the latest interim."""
+        return " ".join(t for s in self.segments if s.state != "discarded" and (t := s.text))
+
+    @property
+    def words(self) -> list[Word]:
+        """The word timings of its finals, where the provider gave them."""
+        return [w for s in self.segments for f in s.finals for w in f.words]
+
+    def covered(self) -> bool:
+        """Every segment's text reaches the end of its audio so far: the
+        interims or finals span all that was sent (within 0.3 s). A judge
+        may read :attr:`text` without waiting for the finals."""
+        for s in self.segments:
+            if s.state in ("discarded", "complete"):
+                continue
+            if s.state == "failed" or s.start_s is None:
+                return False
+            reached = max([f.end_s for f in s.finals] + ([s.interim.end_s] if s.interim else []), default=s.start_s)
+            end = s.end_s if s.end_s is not None else self._transcription.position_s
+            if reached < end - 0.3:
+                return False
+        return True
+
+    async def finish(self) -> str:
+        """End it (finalize its open segment) and return its transcript once
+        the recogniser answered for all of it.
+
+        Raises:
+            voice.recognition.SttError: no recogniser could answer
+                (the configured one and its fallback failed); the message
+                names the recogniser and why.
+        """
+        self.ended = True
+        self.end()
+        for seg in list(self.segments):
+            await seg.done.wait()
+        failed = [s.error for s in self.segments if s.state == "failed"]
+        if failed:
+            raise SttError(f"recognition failed: {failed[0]}")
+        return " ".join(t for s in self.segments if s.state == "complete" and (t := s.final_text))
+
+    async def heard(self) -> str | None:
+        """What a judge reads as soon as it can: :attr:`text` if it already
+        covers the audio (an interim heard it), else the finals once
+        complete; None if recognition failed."""
+        self.end()
+        if not self.covered():
+            for seg in list(self.segments):
+                await seg.done.wait()
+            if any(s.state == "failed" for s in self.segments):
+                return None
+        return self.text
+
+    async def aclose(self) -> None:
+        """Abandon it if it was never finished (its open segment discarded). Idempotent."""
+        if not self.ended:
+            self.drop()
+
+    def usage(self) -> list[RecognitionRecord]:
+        """What recognising it cost, one record per recogniser that got its
+        audio (priced by each recogniser's :class:`voice.recognition.SpeechPricing`)."""
+        audio: dict[str, float] = {}
+        tokens: dict[str, tuple[int, int]] = {}
+        for s in self.segments:
+            for name, sec in s.sent_s.items():
+                audio[name] = audio.get(name, 0.0) + sec
+            for name, (i, o) in s.tokens.items():
+                ti, to = tokens.get(name, (0, 0))
+                tokens[name] = (ti + i, to + o)
+        records = []
+        for name in sorted(set(audio) | set(tokens)):
+            sec = audio.get(name, 0.0)
+            i, o = tokens.get(name, (0, 0))
+            pricing = self._transcription.pricing_of(name)
+            records.append(RecognitionRecord(
+                provider=name, audio_s=round(sec, 3), input_tokens=i, output_tokens=o,
+                cents=round(pricing.cents(sec, i, o), 6) if pricing is not None else 0.0,
+            ))
+        return records
+
+
+@dataclass
+class SessionRecognitionUsage:
+    """A session's recognition, for its whole life, per recogniser.
+
+    Attributes:
+        audio_s: audio sent, s (replays included).
+        connection_s: how long its connections were open, s (providers that
+            bill the socket's lifetime bill this).
+        reported_audio_s: audio the provider reported billing, s (Deepgram's
+            closing ``Metadata.duration``); 0 where it reports none.
+        input_tokens / output_tokens: tokens reported.
+    """
+
+    audio_s: dict[str, float] = field(default_factory=dict)
+    connection_s: dict[str, float] = field(default_factory=dict)
+    reported_audio_s: dict[str, float] = field(default_factory=dict)
+    input_tokens: dict[str, int] = field(default_factory=dict)
+    output_tokens: dict[str, int] = field(default_factory=dict)
+
+
+#: called when the recogniser failed: (the failed recogniser's name, the
+#: error, what happens now, the next recogniser's name or None)
+FailoverNotice = Callable[[str, RecognitionError, FailoverAction, str | None], None]
+
+
+class Transcription:
+    """One session's recognition (see the module doc).
+
+    Args:
+        failover: the configured recogniser and its fallback.
+        options: how the session's streams are opened.
+        clock: time source (final timeouts, connection lifetimes).
+        final_timeout_s: a segment the provider has not answered this long
+            after its finalize fails the stream, s.
+        on_heard: called with an utterance each time an interim or final
+            of it arrives (the session's barge-in and backchannel rules
+            read :attr:`Utterance.text`); must not block.
+        on_failover: told each failure and what followed (the session
+            tells the client); must not block.
+    """
+
+    def __init__(
+        self,
+        failover: Failover,
+        options: StreamOptions,
+        *,
+        clock: Clock,
+        final_timeout_s: float = 4.0,
+        on_heard: Callable[[Utterance], None] | None = None,
+        on_failover: FailoverNotice | None = None,
+    ) -> None:
+        self.failover = failover
+        self.options = options
+        self.clock = clock
+        self.final_timeout_s = final_timeout_s
+        self._on_heard = on_heard or (lambda _u: None)
+        self._on_failover = on_failover or (lambda *_a: None)
+        self._stream: RecognitionStream | None = None
+        self._recogniser: Recogniser | None = None
+        self._sent = 0  # bytes sent to the current stream
+        self._opened_at = 0.0
+        self._open: Segment | None = None
+        #: audio seconds sent to the current stream, per segment (taken back
+        #: if the stream never reached the provider)
+        self._pushed: dict[Segment, float] = {}
+        #: segments not complete, discarded or failed, in order
+        self._live: list[Segment] = []
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._gave_up = False
+        self._pricing = {r.name: r.pricing for r in (failover.primary, failover.fallback) if r is not None}
+        self.totals = SessionRecognitionUsage()
+        #: the latest segments completed (their usage may come after their final)
+        self._recent: list[Segment] = []
+        #: provider SpeechStarted / EndOfUtterance times seen, stream s (the latest)
+        self.provider_speech_at: float | None = None
+        self.provider_end_at: float | None = None
+
+    # -- the session's side ------------------------------------------------------
+
+    def begin(self) -> Utterance:
+        """A new utterance (no audio is sent until it is fed)."""
+        return Utterance(self)
+
+    @property
+    def recogniser(self) -> str:
+        """The name of the recogniser in use."""
+        return self.failover.current.name
+
+    @property
+    def position_s(self) -> float:
+        """Stream seconds sent to the current stream."""
+        return stream_seconds(self._sent)
+
+    def pricing_of(self, name: str) -> SpeechPricing | None:
+        """The pricing of the recogniser called ``name`` (None: unknown)."""
+        return self._pricing.get(name)
+
+    def usage(self) -> SessionRecognitionUsage:
+        """The session's recognition so far (connection time up to now)."""
+        if self._stream is not None and self._recogniser is not None:
+            self._count_connection()
+        return self.totals
+
+    async def run(self) -> None:
+        """Run for the session's life: open the stream, read its events,
+        fail over when it fails. Ends after :meth:`aclose`. Never raises
+        but for cancellation (a failure is told through ``on_failover`` and
+        the utterances waiting)."""
+        self._switch(self.failover.current)
+        try:
+            while not self._closing:
+                stream = self._stream
+                if stream is None:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                error = await self._read(stream)
+                if self._closing or stream is not self._stream:
+                    continue
+                if error is None:
+                    error = RecognitionError("closed", f"{self.recogniser} ended the stream")
+                self._fail_over(error)
+        finally:
+            stream, self._stream = self._stream, None
+            if stream is not None:
+                await self._close(stream)
+            for seg in list(self._live):
+                self._fail(seg, "the session ended")
+
+    async def aclose(self) -> None:
+        """The session ends: no more audio; the stream is closed (its last
+        usage read), bounded by ``CLOSE_TIMEOUT_S``; :meth:`run` then ends."""
+        self._closing = True
+        self._wake.set()
+        stream = self._stream
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                async with timeout_after(self.clock, CLOSE_TIMEOUT_S):
+                    await stream.aclose()
+
+    # -- audio ---------------------------------------------------------------
+
+    def _send(self, utt: Utterance, pcm: bytes) -> None:
+        if self._closing or not pcm:
+            return
+        seg = self._open
+        if seg is not None and seg.utterance is not utt:
+            self._finalize(seg.utterance)  # never two utterances in one segment
+            seg = None
+        if seg is None:
+            if self._gave_up:
+                self._gave_up = False
+                self._switch(self.failover.restart())
+            seg = Segment(utt)
+            utt.segments.append(seg)
+            self._live.append(seg)
+            self._open = seg
+            if self._stream is not None:
+                seg.start_s = self.position_s
+        seg.audio += pcm
+        if self._stream is not None:
+            self._push(seg, pcm)
+
+    def _push(self, seg: Segment, pcm: bytes) -> None:
+        assert self._stream is not None and self._recogniser is not None
+        self._stream.send(pcm)
+        self._sent += len(pcm)
+        name = self._recogniser.name
+        sec = len(pcm) / STREAM_BYTES_PER_S
+        seg.sent_s[name] = seg.sent_s.get(name, 0.0) + sec
+        self.totals.audio_s[name] = self.totals.audio_s.get(name, 0.0) + sec
+        self._pushed[seg] = self._pushed.get(seg, 0.0) + sec
+
+    def _unsend(self, name: str) -> None:
+        """The current stream never reached ``name`` (refused, unreachable):
+        the audio given to it was not sent anywhere, and is not billed."""
+        for seg, sec in self._pushed.items():
+            seg.sent_s[name] = max(0.0, seg.sent_s.get(name, 0.0) - sec)
+            if not seg.sent_s[name]:
+                del seg.sent_s[name]
+            self.totals.audio_s[name] = max(0.0, self.totals.audio_s.get(name, 0.0) - sec)
+        self._pushed.clear()
+
+    def _finalize(self, utt: Utterance) -> None:
+        seg = self._open
+        if seg is None or seg.utterance is not utt:
+            return
+        self._open = None
+        seg.state = "finalizing"
+        seg.finalized_at = self.clock.monotonic()
+        if self._stream is not None:
+            seg.end_s = self.position_s
+            self._stream.finalize()
+            if seg.finals and max(f.end_s for f in seg.finals) >= seg.end_s - END_TOLERANCE_S:
+                self._complete(seg)  # its finals already reach its end: the finalize's answer adds nothing
+        self._wake.set()
+
+    def _discard(self, utt: Utterance) -> None:
+        seg = self._open
+        if seg is None or seg.utterance is not utt:
+            return
+        self._open = None
+        seg.state = "discarded"
+        seg.audio = bytearray()
+        self._live.remove(seg)
+        seg.done.set()
+        if self._stream is not None:
+            self._stream.discard()
+
+    # -- the stream ------------------------------------------------------------
+
+    def _switch(self, recogniser: Recogniser) -> None:
+        """Open a stream on ``recogniser`` and send it every segment not yet
+        complete: the audio after its last final, finalized again if it was."""
+        self._recogniser = recogniser
+        self._stream = recogniser.open(self.options)
+        self._pushed.clear()
+        self._sent = 0
+        self._opened_at = self.clock.monotonic()
+        self._wake.set()
+        for seg in self._live:
+            seg.start_s = self.position_s - seg.kept_from_s
+            seg.interim = None
+            if seg.audio:
+                self._push(seg, bytes(seg.audio))
+            if seg.state == "finalizing":
+                seg.end_s = self.position_s
+                seg.finalized_at = self.clock.monotonic()
+                if seg.audio:
+                    self._stream.finalize()
+                else:
+                    self._complete(seg)  # its finals had it all
+        self._live = [s for s in self._live if s.state in ("open", "finalizing")]
+
+    async def _read(self, stream: RecognitionStream) -> RecognitionError | None:
+        """Consume ``stream``'s events until it ends (None), fails or leaves
+        a finalized segment unanswered past ``final_timeout_s`` (the error)."""
+        reader = asyncio.ensure_future(self._consume(stream))
+        try:
+            while True:
+                waits: set[asyncio.Future[object]] = {reader}  # type: ignore[arg-type]
+                overdue_at = self._next_deadline()
+                if overdue_at is not None:
+                    waits.add(asyncio.ensure_future(self.clock.sleep(max(0.0, overdue_at - self.clock.monotonic()))))
+                else:
+                    self._wake.clear()
+                    waits.add(asyncio.ensure_future(self._wake.wait()))
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits - {reader}:
+                        w.cancel()
+                if reader.done():
+                    exc = reader.exception()
+                    if exc is None or isinstance(exc, RecognitionError):
+                        return exc
+                    return RecognitionError("protocol", f"{self.recogniser}: {type(exc).__name__}: {exc}")
+                if self._closing:
+                    await asyncio.wait({reader})
+                    return None
+                deadline = self._next_deadline()
+                if deadline is not None and self.clock.monotonic() >= deadline:
+                    return RecognitionError(
+                        "provider", f"{self.recogniser} gave no final within {self.final_timeout_s:g} s of an utterance's end"
+                    )
+        finally:
+            if not reader.done():
+                reader.cancel()
+                await asyncio.wait({reader})
+
+    def _next_deadline(self) -> float | None:
+        waiting = [s.finalized_at for s in self._live if s.state == "finalizing" and s.finalized_at is not None]
+        return min(waiting) + self.final_timeout_s if waiting else None
+
+    async def _consume(self, stream: RecognitionStream) -> None:
+        async for ev in stream.events():
+            if stream is not self._stream:
+                return
+            self._on_event(ev)
+
+    def _fail_over(self, error: RecognitionError) -> None:
+        failed = self.recogniser
+        if error.kind in ("unauthorized", "unreachable"):
+            self._unsend(failed)
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            self._count_connection()
+            closing = asyncio.ensure_future(self._close(stream))
+            closing.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if not self._live and error.kind in ("closed", "dropped") and self.clock.monotonic() - self._opened_at >= IDLE_RECONNECT_S:
+            # nothing was waiting and the stream had lived a while (an idle close):
+            # a fresh reconnect, not a second failure in a row
+            self.failover.recovered()
+        nxt, action = self.failover.after(error)
+        # a refused key was logged once, naming the setting, when the recogniser started
+        log.log(logging.INFO if error.kind == "unauthorized" else logging.WARNING,
+                "recognition by %s failed (%s: %s); %s", failed, error.kind, error,
+                {"reconnect": "reconnecting", "fallback": "falling back", "failed": "giving up"}[action])
+        self._on_failover(failed, error, action, nxt.name if nxt is not None else None)
+        if nxt is not None:
+            self._switch(nxt)
+            return
+        self._gave_up = True
+        self._recogniser = None
+        self._open = None
+        for seg in list(self._live):
+            seg.utterance.ended = True
+            self._fail(seg, f"{failed}: {error}")
+
+    async def _close(self, stream: RecognitionStream) -> None:
+        try:
+            async with timeout_after(self.clock, CLOSE_TIMEOUT_S):
+                await stream.aclose()
+        except (TimeoutError, RecognitionError, OSError):
+            pass
+        finally:
+            if stream is self._stream or self._stream is None:
+                self._count_connection()
+
+    def _count_connection(self) -> None:
+        if self._recogniser is None:
+            return
+        now = self.clock.monotonic()
+        name = self._recogniser.name
+        self.totals.connection_s[name] = self.totals.connection_s.get(name, 0.0) + max(0.0, now - self._opened_at)
+        self._opened_at = now
+
+    # -- events ----------------------------------------------------------------
+
+    def _on_event(self, ev: RecognitionEvent) -> None:
+        if isinstance(ev, (Interim, Final)):
+            seg = self._segment_for(ev.start_s, ev.end_s)
+            if seg is None:
+                return
+            if isinstance(ev, Interim):
+                seg.interim = ev
+            else:
+                self._add_final(seg, ev)
+            self._on_heard(seg.utterance)
+        elif isinstance(ev, EndOfUtterance):
+            self.provider_end_at = ev.at_s
+        elif isinstance(ev, SpeechStarted):
+            self.provider_speech_at = ev.at_s
+        elif isinstance(ev, RecognitionUsage):
+            self._add_usage(ev)
+
+    def _segment_for(self, start_s: float, end_s: float) -> Segment | None:
+        """The live segment whose audio ``start_s``..``end_s`` overlaps most
+        (an instant: the segment it falls in, or at the end of). None if
+        the audio is none of theirs (a discarded stretch, a segment
+        already complete): such an event is dropped."""
+        best: Segment | None = None
+        best_overlap = 0.0
+        for seg in self._live:
+            if seg.start_s is None:
+                continue
+            seg_end = seg.end_s if seg.end_s is not None else float("inf")
+            if end_s - start_s <= 0:
+                # an instant at a segment's very start is the end of the one before
+                inside = seg.start_s + END_TOLERANCE_S < start_s <= seg_end + END_TOLERANCE_S
+                if inside and best is None:
+                    best = seg
+                continue
+            overlap = min(end_s, seg_end) - max(start_s, seg.start_s)
+            if overlap > best_overlap:
+                best, best_overlap = seg, overlap
+        return best
+
+    def _add_final(self, seg: Segment, ev: Final) -> None:
+        seg.finals.append(ev)
+        seg.finals.sort(key=lambda f: f.start_s)
+        seg.interim = None
+        if seg.start_s is not None:
+            # what a replay needs is only the audio after this final
+            cut_s = min(max(0.0, ev.end_s - seg.start_s), stream_seconds(len(seg.audio)) + seg.kept_from_s)
+            drop = int((cut_s - seg.kept_from_s) * STREAM_BYTES_PER_S) // 2 * 2
+            if drop > 0:
+                del seg.audio[:drop]
+                seg.kept_from_s += drop / STREAM_BYTES_PER_S
+        if seg.state == "finalizing" and seg.end_s is not None and (ev.finalized or ev.end_s >= seg.end_s - END_TOLERANCE_S):
+            self._complete(seg)
+
+    def _add_usage(self, ev: RecognitionUsage) -> None:
+        name = self.recogniser if self._recogniser is None else self._recogniser.name
+        t = self.totals
+        t.reported_audio_s[name] = t.reported_audio_s.get(name, 0.0) + ev.audio_s
+        t.input_tokens[name] = t.input_tokens.get(name, 0) + ev.input_tokens
+        t.output_tokens[name] = t.output_tokens.get(name, 0) + ev.output_tokens
+        if ev.start_s is not None and ev.end_s is not None and (ev.input_tokens or ev.output_tokens):
+            seg = self._segment_for(ev.start_s, ev.end_s) or self._recent_for(ev.start_s, ev.end_s)
+            if seg is not None:
+                i, o = seg.tokens.get(name, (0, 0))
+                seg.tokens[name] = (i + ev.input_tokens, o + ev.output_tokens)
+
+    def _recent_for(self, start_s: float, end_s: float) -> Segment | None:
+        """A segment completed a moment ago whose audio this is (usage often
+        comes with or after the final that completed it)."""
+        for seg in reversed(self._recent):
+            if seg.start_s is not None and seg.end_s is not None and min(end_s, seg.end_s) - max(start_s, seg.start_s) >= 0:
+                return seg
+        return None
+
+    def _complete(self, seg: Segment) -> None:
+        if seg.state not in ("open", "finalizing"):
+            return
+        seg.state = "complete"
+        seg.audio = bytearray()
+        if seg in self._live:
+            self._live.remove(seg)
+        self._recent = [*self._recent[-7:], seg]
+        if self._open is seg:
+            self._open = None
+        seg.done.set()
+        self.failover.recovered()
+
+    def _fail(self, seg: Segment, why: str) -> None:
+        if seg.state not in ("open", "finalizing"):
+            return
+        seg.state = "failed"
+        seg.error = why
+        seg.audio = bytearray()
+        if seg in self._live:
+            self._live.remove(seg)
+        if self._open is seg:
+            self._open = None
+        seg.done.set()
