@@ -42,7 +42,7 @@ from av.audio.frame import AudioFrame
 
 from client.results import BargeInMeasure, CallError, CallResult, TurnView, Utterance, track_turn
 from clock import Clock, SystemClock
-from media.frames import PLAYOUT_RATE, PcmResampler, Reframer, first_sound_sample, rms_dbfs
+from media.frames import PLAYOUT_RATE, PcmResampler, Reframer, first_sound_sample, last_sound_sample, rms_dbfs
 from media.inbound import set_jitter_prefetch
 from media.outbound import PacedAudioTrack
 from media.playout import PlayoutBuffer, PlayoutFrame
@@ -131,6 +131,8 @@ class CallClient:
         self._sound_cond = asyncio.Condition()
         self._onsets: dict[int, int] = {}  # utterance index -> onset sample
         self._onset_sent: dict[int, float] = {}
+        self._ends: dict[int, int] = {}  # utterance index -> sample just past its last sound
+        self._end_sent: dict[int, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(
@@ -224,6 +226,8 @@ class CallClient:
                 receive_task.cancel()
                 await asyncio.gather(receive_task, return_exceptions=True)
         self._measure(measures)
+        opening_end = self._end_sent.get(1)
+        first_reply = self._first_sound_after(opening_end) if opening_end is not None else None
         if out_wav is not None:
             _write_wav(out_wav, bytes(self._pcm_out), PLAYOUT_RATE)
         return CallResult(
@@ -236,7 +240,13 @@ class CallClient:
             server_hung_up=server_hung_up,
             received=list(self._received),
             event_times=list(self._event_times),
+            voice_to_voice_ms=None if first_reply is None or opening_end is None else round((first_reply - opening_end) * 1000, 1),
         )
+
+    def _first_sound_after(self, t: float) -> float | None:
+        """Arrival of the first received frame with agent sound after ``t``
+        (client seconds), None if none came."""
+        return next((at for at, level, _ in self._received if at > t and level > SILENCE_DBFS), None)
 
     async def _client_token(self, http: aiohttp.ClientSession) -> str | None:
         """The client token the offer presents (see ``token``).
@@ -283,6 +293,9 @@ class CallClient:
         onset = first_sound_sample(pcm)
         if onset is not None:
             self._onsets[index] = onset
+        end = last_sound_sample(pcm)
+        if end is not None:
+            self._ends[index] = end
         reframer = Reframer(PLAYOUT_RATE)
         frames = reframer.push(pcm)
         tail = reframer.flush()
@@ -315,6 +328,9 @@ class CallClient:
         onset = self._onsets.get(frame.generation)
         if onset is not None and frame.generation not in self._onset_sent and frame.sample + 960 > onset:
             self._onset_sent[frame.generation] = at + max(0, onset - frame.sample) / PLAYOUT_RATE
+        end = self._ends.get(frame.generation)
+        if end is not None and frame.generation not in self._end_sent and frame.sample + 960 >= end:
+            self._end_sent[frame.generation] = at + max(0, end - frame.sample) / PLAYOUT_RATE
 
     async def _script(
         self,
@@ -456,6 +472,10 @@ class CallClient:
                         m.server_onset_to_fence_ms = ev.get("onset_to_fence_ms")
                     elif ev.get("type") in ("false_interruption", "backchannel") and m.resumed is None:
                         m.resumed = ev["type"]
+            end = self._end_sent.get(k)
+            if m.barged_in and m.kind == "speech" and end is not None:
+                reply = self._first_sound_after(end)
+                m.reply_after_ms = None if reply is None else round((reply - end) * 1000, 1)
             t = self._onset_sent.get(k)
             m.onset_sent_at = t
             if t is None:

@@ -93,6 +93,10 @@ class BargeInMeasure:
     #: ms of sound the server sent after its ``tts stop`` and before the
     #: next reply's ``tts start`` (should be 0)
     old_audio_after_tts_stop_ms: float | None = None
+    #: WebRTC calls: voice-to-voice for speech that barged in, ms: from the
+    #: last sample of it sent to the arrival of the next reply's first sound
+    #: (None: not measured)
+    reply_after_ms: float | None = None
 
     @property
     def stop_ms(self) -> float | None:
@@ -113,6 +117,7 @@ class BargeInMeasure:
             "server_onset_to_fence_ms": self.server_onset_to_fence_ms,
             "gap_ms": self.gap_ms,
             "outcome": self.outcome,
+            "reply_after_ms": self.reply_after_ms,
         } | ({} if self.initiator is not None or (self.played_ms_at_ear is None and self.clear_after_fence_ms is None) else {
             "clear_after_fence_ms": self.clear_after_fence_ms,
             "old_audio_after_clear_ms": self.old_audio_after_clear_ms,
@@ -184,6 +189,10 @@ class CallResult:
     protocol_errors: list[str] = field(default_factory=list)
     #: device calls: protocol version, listening mode, downlink audio
     transport_info: dict[str, Any] = field(default_factory=dict)
+    #: WebRTC calls: voice-to-voice of the opening utterance, ms: from the
+    #: last sample of its speech sent to the arrival of the reply's first
+    #: sound, as a caller hears the wait (None: no reply came)
+    voice_to_voice_ms: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -198,6 +207,7 @@ class CallResult:
             "received_audio_ms": self.received_audio_ms,
             "timed_out": self.timed_out,
             "server_hung_up": self.server_hung_up,
+            "voice_to_voice_ms": self.voice_to_voice_ms,
         } | ({} if self.transport == "webrtc" else {"transport": self.transport, "protocol_errors": self.protocol_errors}) | (
             {"device": self.transport_info} if self.transport_info else {})
 

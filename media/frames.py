@@ -162,6 +162,18 @@ def load_pcm(path: str | Path, rate: int) -> bytes:
     return b"".join(chunks)
 
 
+def last_sound_sample(pcm: bytes, threshold_dbfs: float = -40.0, window: int = 160) -> int | None:
+    """Index (in samples) just past the last window louder than
+    ``threshold_dbfs``, or None if the PCM never gets that loud: where
+    speech ends in a recording (as :func:`first_sound_sample` finds where
+    it begins)."""
+    n = len(pcm) // BYTES_PER_SAMPLE
+    for start in range((max(0, n - 1) // window) * window, -1, -window):
+        if rms_dbfs(pcm[start * 2 : (start + window) * 2]) > threshold_dbfs:
+            return min(n, start + window)
+    return None
+
+
 def first_sound_sample(pcm: bytes, threshold_dbfs: float = -40.0, window: int = 160) -> int | None:
     """Index (in samples) of the first window louder than ``threshold_dbfs``,
     or None if the PCM never gets that loud. Used to find where speech begins
