@@ -736,11 +736,11 @@ def main() -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--interim-ms", type=float, default=150)
     parser.add_argument("--final-ms", type=float, default=300)
-    parser.add_argument("--decoders", type=int, default=2)
+    parser.add_argument("--max-decoders", type=int, default=2)
     a = parser.parse_args()
 
     async def serve() -> None:
-        backend = SttBackend(a.grammar, max_decoders=a.decoders)
+        backend = SttBackend(a.grammar, max_decoders=a.max_decoders)
         await backend.start()
         server = FakeOpenAiRealtime(backend, mode=a.mode, api_key=a.api_key,
                                     latency=Latency(a.interim_ms / 1000, a.final_ms / 1000))

@@ -3,9 +3,10 @@
 ``voice/`` or ``web/``, ``media/`` nothing from the other three, ``voice/``
 nothing from ``web/`` and nothing of aiortc (the agent session knows only
 the transport seam, ``voice.transport``; DESIGN.md "Transports"), the shared
-``clock`` none of them; its modules import each other without a cycle; no
-module of the four packages is longer than 500 lines (the project's
-standard: one concept, one module).
+``clock`` none of them; its modules import each other without a cycle.
+Size follows the concept (one concept, one module; a class is never split
+across files to meet a line count): a module past 800 lines is named in a
+warning, as a place to look for a second concept, not a failure.
 
 Every import counts: at module level, inside functions and under
 ``if TYPE_CHECKING:``, absolute or relative.
@@ -16,13 +17,15 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ("media", "voice", "web")
-MAX_LINES = 500
+#: past this many lines a module is named in a warning (look for its second concept)
+LOOK_AT_LINES = 800
 
 
 def imported_modules(path: Path, package: str) -> set[str]:
@@ -142,14 +145,12 @@ def _long_modules(package: str) -> list[str]:
     return [
         f"{p.relative_to(ROOT)}: {n} lines"
         for p in sorted((ROOT / package).rglob("*.py"))
-        if (n := len(p.read_text().splitlines())) > MAX_LINES
+        if (n := len(p.read_text().splitlines())) > LOOK_AT_LINES
     ]
 
 
-def test_no_turn_module_is_over_500_lines() -> None:
-    assert _long_modules("turn") == []
-
-
-@pytest.mark.parametrize("package", [*LAYERS, "testkit", "client", "demo_shop"])
-def test_no_layer_module_is_over_500_lines(package: str) -> None:
-    assert _long_modules(package) == []
+@pytest.mark.parametrize("package", ["turn", *LAYERS, "testkit", "client", "demo_shop"])
+def test_modules_past_800_lines_are_named(package: str) -> None:
+    long = _long_modules(package)
+    if long:
+        warnings.warn(f"past {LOOK_AT_LINES} lines, look for a second concept: {', '.join(long)}", stacklevel=1)

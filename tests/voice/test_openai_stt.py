@@ -311,8 +311,8 @@ async def test_vllm_stream_of_chat_chunks(servers, recognisers, speech, usage_ch
     ("dialect", "stt", "answer_as", "content_type", "words", "usage_s"),
     [
         ("vllm", {}, None, "application/json", [], "ceil"),  # " text", duration usage in whole seconds
-        ("vllm", {"word_timestamps": True}, None, "application/json", [], None),  # no words, duration as a string
-        ("speaches", {"word_timestamps": True}, None, "application/json", ["okay"], None),  # " okay" words
+        ("vllm", {"word_timestamps": True, "model": "openai/whisper-large-v3"}, None, "application/json", [], None),  # no words, duration as a string
+        ("speaches", {"word_timestamps": True, "model": "Systran/faster-whisper-tiny.en"}, None, "application/json", ["okay"], None),  # " okay" words
         ("speaches", {}, "text", "text/plain", [], None),
         ("openai", {}, "text", "text/plain", [], None),  # "okay\n"
         ("vllm", {}, "text", "application/json", [], "ceil"),  # vLLM answers JSON to text
@@ -473,9 +473,11 @@ async def test_provider_errors(servers, recognisers, speech, status, said) -> No
 
 
 async def test_a_refused_request_is_a_provider_error(servers, recognisers, speech) -> None:
-    """gpt-4o-transcribe has no verbose_json: OpenAI answers 400, which is told as the provider's."""
+    """A model without verbose_json (as gpt-4o-transcribe, which the settings
+    refuse with word_timestamps; a newer one they cannot know): OpenAI answers
+    400, which is told as the provider's."""
     fake = await servers(api_key=KEY)
-    stream = recognisers(fake.url, word_timestamps=True).open(StreamOptions())
+    stream = recognisers(fake.url, model="gpt-5-transcribe", word_timestamps=True).open(StreamOptions())
     reader = Reader(stream)
     feed(stream, speech("yeah"))
     stream.finalize()

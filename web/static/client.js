@@ -497,6 +497,11 @@
       case "stop_deferred":
         onStopDeferred(msg);
         break;
+      case "stt.failover": {
+        const then = { reconnect: "reconnecting", fallback: `now heard by ${msg.fallback}`, failed: "no recogniser left" }[msg.action];
+        addNote(msg, "stt-failover", `speech recogniser ${msg.provider} failed (${msg.error}): ${then || msg.action}`);
+        break;
+      }
       case "agent.state":
         if (msg.generation >= shown.generation) {
           ui.agentPhase.textContent = msg.phase;
