@@ -883,7 +883,7 @@ async def test_fake_runs_standalone(grammar_file: Path, make: Make, speech: Call
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "testkit.fake_openai_realtime", "--port", str(port), "--grammar", str(grammar_file),
-        "--mode", "speaches", "--final-ms", "100", "--decoders", "1",
+        "--mode", "speaches", "--final-ms", "100", "--max-decoders", "1",
         stdout=asyncio.subprocess.PIPE, cwd=str(Path(__file__).resolve().parents[2]),
     )
     try:
