@@ -190,6 +190,8 @@ async def bench_one(rec: Recogniser, calls: int, grammar: Path, port: int, log_d
                 opening, opening_text, clips, request_text = script(n)
                 result = await CallClient(url).run(opening, clips, timeout_s=60, settle_s=0.3)
                 results.append(judge(result, opening_text, request_text))
+                with (log_dir / f"calls-{rec.name}.jsonl").open("a") as f:
+                    f.write(json.dumps({**result.as_dict(), "events": result.events}) + "\n")
                 if not quiet:
                     r = results[-1]
                     print(f"  {rec.name} call {n + 1}/{calls}: heard {[h for _, h in r['said']]} stop {r['stop_ms']} "

@@ -351,13 +351,14 @@ class AgentSession(SessionControls):
         self._carry_out(self.turn_taking.classified(candidate, self.clock.monotonic(), verdict, self._agent_state()))
 
     def _heard(self, utterance: Utterance) -> None:
-        """The recogniser's text of ``utterance`` grew (an interim or a
-        final): if it is the candidate's, turn-taking reads it (a real word
-        commits a confirmed candidate at once, :meth:`voice.turn_taking.TurnTaking.heard`)."""
+        """The recogniser's text of ``utterance`` changed (an interim or a
+        final): if it is the candidate's and settled (said twice, or final),
+        turn-taking reads it (a real word commits a confirmed candidate at
+        once, :meth:`voice.turn_taking.TurnTaking.heard`)."""
         cand = self.turn_taking.candidate
-        if cand is None or utterance is not self._utterance:
-            return
-        self._carry_out(self.turn_taking.heard(cand.n, self.clock.monotonic(), utterance.text))
+        if cand is None or utterance is not self._utterance or utterance.settled_text is None:
+            return  # a first guess is not acted on (Utterance.settled_text)
+        self._carry_out(self.turn_taking.heard(cand.n, self.clock.monotonic(), utterance.settled_text))
 
     def _drop_utterance(self) -> None:
         """The candidate's speech is no request (rejected, a backchannel,

@@ -55,6 +55,7 @@ from typing import Literal
 
 from clock import Clock, timeout_after
 from turn.models import RecognitionRecord
+from voice.backchannel import normalise
 from voice.recognition import (
     STREAM_BYTES_PER_S,
     EndOfUtterance,
@@ -151,6 +152,11 @@ class Utterance:
         self.segments: list[Segment] = []
         #: no more audio is taken (ended, dropped or closed)
         self.ended = False
+        #: the text (normalised) at the last update, to tell a settled one
+        self._last: str | None = None
+        #: :attr:`text` when the recogniser said the same twice in a row, or
+        #: its finals once complete; None while it still changes
+        self.settled_text: str | None = None
 
     # -- audio -----------------------------------------------------------------
 
@@ -216,16 +222,29 @@ class Utterance:
             raise SttError(f"recognition failed: {failed[0]}")
         return " ".join(t for s in self.segments if s.state == "complete" and (t := s.final_text))
 
+    def _updated(self) -> None:
+        """The recogniser's text of it changed (an interim or a final came):
+        it is *settled* when it says the same as at the update before (an
+        interim repeated, or confirmed by its final), or when every segment
+        is complete. A first guess is not acted on: a recogniser's early
+        interims of a short sound are often words it then takes back
+        (pocketsphinx's partials of "uh-huh" were "charge" and "hello")."""
+        now = normalise(self.text)
+        complete = bool(self.segments) and all(s.state in ("complete", "discarded") for s in self.segments)
+        self.settled_text = self.text if complete or (now and now == self._last) else None
+        self._last = now
+
     async def heard(self) -> str | None:
-        """What a judge reads as soon as it can: :attr:`text` if it already
-        covers the audio (an interim heard it), else the finals once
-        complete; None if recognition failed."""
+        """What a judge reads as soon as it can: the settled text if it
+        already covers the audio (an interim heard it, twice), else the
+        finals once complete; None if recognition failed."""
         self.end()
-        if not self.covered():
-            for seg in list(self.segments):
-                await seg.done.wait()
-            if any(s.state == "failed" for s in self.segments):
-                return None
+        if self.settled_text is not None and self.covered():
+            return self.settled_text
+        for seg in list(self.segments):
+            await seg.done.wait()
+        if any(s.state == "failed" for s in self.segments):
+            return None
         return self.text
 
     async def aclose(self) -> None:
@@ -595,6 +614,7 @@ class Transcription:
                 seg.interim = ev
             else:
                 self._add_final(seg, ev)
+            seg.utterance._updated()
             self._on_heard(seg.utterance)
         elif isinstance(ev, EndOfUtterance):
             self.provider_end_at = ev.at_s

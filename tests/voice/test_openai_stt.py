@@ -311,8 +311,10 @@ async def test_vllm_stream_of_chat_chunks(servers, recognisers, speech, usage_ch
     ("dialect", "stt", "answer_as", "content_type", "words", "usage_s"),
     [
         ("vllm", {}, None, "application/json", [], "ceil"),  # " text", duration usage in whole seconds
-        ("vllm", {"word_timestamps": True, "model": "openai/whisper-large-v3"}, None, "application/json", [], None),  # no words, duration as a string
-        ("speaches", {"word_timestamps": True, "model": "Systran/faster-whisper-tiny.en"}, None, "application/json", ["okay"], None),  # " okay" words
+        ("vllm", {"word_timestamps": True, "model": "openai/whisper-large-v3"}, None, "application/json", [],
+         None),  # no words, duration as a string
+        ("speaches", {"word_timestamps": True, "model": "Systran/faster-whisper-tiny.en"}, None, "application/json", ["okay"],
+         None),  # " okay" words
         ("speaches", {}, "text", "text/plain", [], None),
         ("openai", {}, "text", "text/plain", [], None),  # "okay\n"
         ("vllm", {}, "text", "application/json", [], "ceil"),  # vLLM answers JSON to text

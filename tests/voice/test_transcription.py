@@ -294,27 +294,30 @@ async def test_a_refused_key_goes_straight_to_the_fallback(clock: VirtualClock) 
         assert len(p.streams) == 1 and e.streams[0].sent_s == pytest.approx(0.4)
 
 
-async def test_a_judge_reads_an_interim_that_covers_the_speech_without_waiting(clock: VirtualClock) -> None:
+async def test_a_judge_reads_a_settled_interim_that_covers_the_speech_without_waiting(clock: VirtualClock) -> None:
     p = ScriptedRecogniser("p")
     async with Rig(clock, p) as rig:
         a = rig.t.begin()
         rig.say(a, 0.6)
-        p.streams[0].answer(Interim("uh huh", 0.05, 0.5))
+        p.streams[0].answer(Interim("Charge", 0.05, 0.3))  # a first guess, taken back
         await settle()
-        assert rig.heard == ["uh huh"]
+        assert a.settled_text is None
+        p.streams[0].answer(Interim("Uh huh", 0.05, 0.4), Interim("uh-huh.", 0.05, 0.5))
+        await settle()
+        assert rig.heard == ["Charge", "Uh huh", "uh-huh."] and a.settled_text == "uh-huh."  # said twice
         heard = asyncio.ensure_future(a.heard())
         await settle()
-        assert heard.done() and heard.result() == "uh huh"  # no final waited for
+        assert heard.done() and heard.result() == "uh-huh."  # no final waited for
         b = rig.t.begin()
         rig.say(b, 1.0)
-        p.streams[0].answer(Interim("wait", 0.6, 0.9))  # covers 0.3 s of 1 s
+        p.streams[0].answer(Interim("wait", 0.6, 0.9), Interim("wait", 0.6, 1.0))  # settled, but covers 0.4 s of 1 s
         await settle()
         heard_b = asyncio.ensure_future(b.heard())
         await settle()
         assert not heard_b.done()
         p.streams[0].answer(Final("wait a moment", 0.6, 1.6, finalized=True))
         await settle()
-        assert heard_b.result() == "wait a moment"
+        assert heard_b.result() == "wait a moment" and b.settled_text == "wait a moment"  # a final is settled
 
 
 async def test_usage_per_turn_and_per_session(clock: VirtualClock) -> None:

@@ -60,6 +60,8 @@ def play(tt: TurnTaking, rows: list[Row], agent: AgentActivity = SPEAKING, *, an
             got = tt.on_frame(at, what == "gated", agent)
         elif what == "verdict":
             got = tt.classified(args[0], at, args[1], agent)
+        elif what == "heard":
+            got = tt.heard(args[0], at, args[1])
         elif what == "ptt_start":
             got = tt.ptt_start(at)
         elif what == "ptt_end":
@@ -215,6 +217,31 @@ def test_speech_is_no_backchannel_and_commits_on_its_verdict() -> None:
     assert tt.listening
     # the endpoint counts from the end of its speech (1290 ms): 500 ms of silence
     assert tt.endpoint_at == pytest.approx(end_at(EndpointConfig(), 1.5, 1.29)) == pytest.approx(1.79)
+
+
+def test_a_real_word_heard_in_confirmed_speech_commits_at_once() -> None:
+    """Interim text (issue 28, item 5): a word that is no backchannel, in a
+    candidate the detector confirmed while the agent speaks, commits it then
+    and there: not at max_ms (1630 ms here), not after its final."""
+    tt = machine()
+    rows = timeline((1010, "started", 970), (1210, "confirmed", 970), frames(1010, 2000, gated=True), (1300, "heard", 1, "Wait,"))
+    assert norm(play(tt, rows)) == norm([(1010, Pause(1)), (1300, Commit(1.3, "vad", 0.97, 290.0))])
+
+
+@pytest.mark.parametrize("rows", [
+    # backchannel words only: the judge decides when the speech ends
+    [(1300, "heard", 1, "Uh-huh.")],
+    # before the detector confirmed it (its second stage, with the echo guard, still decides whether it is speech)
+    [(1100, "heard", 1, "charge")],
+    # another candidate's text
+    [(1300, "heard", 2, "stop")],
+    # nothing heard
+    [(1300, "heard", 1, "")],
+])
+def test_text_that_commits_nothing(rows: list[Row]) -> None:
+    tt = machine()
+    got = play(tt, timeline((1010, "started", 970), (1210, "confirmed", 970), frames(1010, 1500, gated=True), *rows))
+    assert norm(got) == norm([(1010, Pause(1))])
 
 
 def test_speech_right_after_a_backchannel_commits_at_once() -> None:
