@@ -194,6 +194,9 @@ class DeepgramRecogniser:
 
     name = "deepgram"
 
+    #: the session's bound applies (stt.final_timeout_ms)
+    final_timeout_s: float | None = None
+
     def __init__(self, config: SttConfig) -> None:
         self.config = config
         self.pricing: SpeechPricing = config.pricing

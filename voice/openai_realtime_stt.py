@@ -331,6 +331,9 @@ class OpenAiRealtimeRecogniser:
 
     name = "openai_realtime"
 
+    #: the session's bound applies (stt.final_timeout_ms)
+    final_timeout_s: float | None = None
+
     def __init__(self, config: SttConfig) -> None:
         self.config = config
         self.pricing: SpeechPricing = config.pricing

@@ -144,6 +144,9 @@ class OpenAiTranscriptionRecogniser:
 
     name = "openai"
 
+    #: the session's bound applies (stt.final_timeout_ms)
+    final_timeout_s: float | None = None
+
     def __init__(self, config: SttConfig) -> None:
         self.config = config
         self.pricing: SpeechPricing = config.pricing

@@ -117,6 +117,10 @@ class PocketsphinxSTT:
     name = "pocketsphinx"
     #: it runs here: its audio costs nothing but CPU
     pricing = SpeechPricing()
+    #: a busy pool queues utterances until a decoder is free (a dead worker
+    #: is found and replaced by the pool itself): a long bound, only so
+    #: that nothing ever waits forever, s
+    final_timeout_s: float | None = 30.0
 
     def __init__(self, config: PocketsphinxConfig | None = None) -> None:
         self.config = config or PocketsphinxConfig()

@@ -343,10 +343,15 @@ class Recogniser(Protocol):
         name: the provider's name for logs, metrics and usage
             (``"pocketsphinx"``, ``"deepgram"``, ...).
         pricing: what its audio and tokens cost.
+        final_timeout_s: how long it may owe a final after a finalize
+            before it counts as failed, s; None: the session's setting
+            (``stt.final_timeout_ms``, for providers: a connection that
+            stops answering).
     """
 
     name: str
     pricing: SpeechPricing
+    final_timeout_s: float | None
 
     async def start(self) -> None:
         """Load or check what it needs before the server serves anyone.

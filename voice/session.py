@@ -230,7 +230,7 @@ class AgentSession(SessionControls):
                 finally:
                     if controls is not None:
                         controls.cancel()
-                    tg.create_task(self.transcription.aclose())  # the provider's last usage is read meanwhile
+                    self.transcription.close()  # its run ends once the provider's last usage is read
                     for run in self._runs:
                         for task in (run.work, run.watch_task):
                             if task is not None:

@@ -333,6 +333,8 @@ class Transcription:
         self._on_heard = on_heard or (lambda _u: None)
         self._on_failover = on_failover or (lambda *_a: None)
         self._stream: RecognitionStream | None = None
+        #: the task reading the current stream's events
+        self._reader: asyncio.Task[None] | None = None
         self._recogniser: Recogniser | None = None
         self._sent = 0  # bytes sent to the current stream
         self._opened_at = 0.0
@@ -386,35 +388,67 @@ class Transcription:
         the utterances waiting)."""
         self._switch(self.failover.current)
         try:
+            await self._pump()
+        finally:
+            # Also when cancelled (the session ended at once), and cancelled
+            # again meanwhile (a task group aborting twice): the stream is
+            # closed gracefully and read to its end, so the provider's
+            # closing usage (Deepgram's Metadata) is counted; bounded.
+            ending = asyncio.ensure_future(self._end(self._reader))
+            interrupted = False
+            while not ending.done():
+                try:
+                    await asyncio.shield(ending)
+                except asyncio.CancelledError:
+                    interrupted = True
+            if interrupted:
+                raise asyncio.CancelledError
+
+    async def _pump(self) -> None:
+        """Read the current stream and fail over, until closed."""
+        try:
             while not self._closing:
                 stream = self._stream
                 if stream is None:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                error = await self._read(stream)
+                reader = self._reader = asyncio.ensure_future(self._consume(stream))
+                error = await self._read(reader)
                 if self._closing or stream is not self._stream:
                     continue
+                await _cancelled(reader)
                 if error is None:
                     error = RecognitionError("closed", f"{self.recogniser} ended the stream")
                 self._fail_over(error)
         finally:
-            stream, self._stream = self._stream, None
-            if stream is not None:
-                await self._close(stream)
-            for seg in list(self._live):
-                self._fail(seg, "the session ended")
+            self._closing = True
 
-    async def aclose(self) -> None:
-        """The session ends: no more audio; the stream is closed (its last
-        usage read), bounded by ``CLOSE_TIMEOUT_S``; :meth:`run` then ends."""
-        self._closing = True
-        self._wake.set()
+    async def _end(self, reader: asyncio.Task[None] | None) -> None:
+        """Close the current stream gracefully and let ``reader`` read its
+        last events (both bounded by ``CLOSE_TIMEOUT_S``); the segments
+        still waiting fail."""
         stream = self._stream
         if stream is not None:
-            with contextlib.suppress(Exception):
-                async with timeout_after(self.clock, CLOSE_TIMEOUT_S):
-                    await stream.aclose()
+            await self._close(stream)
+            if reader is not None and not reader.done():
+                with contextlib.suppress(TimeoutError):
+                    async with timeout_after(self.clock, CLOSE_TIMEOUT_S):
+                        await asyncio.wait({reader})
+        if reader is not None:
+            await _cancelled(reader)
+        self._stream = None
+        for seg in list(self._live):
+            self._fail(seg, "the session ended")
+
+    def close(self) -> None:
+        """The session ends: no more audio is taken; :meth:`run` closes the
+        stream gracefully (its last usage read, bounded by
+        ``CLOSE_TIMEOUT_S``) and ends. Nothing here awaits, so a session
+        cancelled while it closes cannot cut the provider's goodbye short:
+        :meth:`run`'s own ending does it, cancelled or not."""
+        self._closing = True
+        self._wake.set()
 
     # -- audio ---------------------------------------------------------------
 
@@ -510,45 +544,45 @@ class Transcription:
                     self._complete(seg)  # its finals had it all
         self._live = [s for s in self._live if s.state in ("open", "finalizing")]
 
-    async def _read(self, stream: RecognitionStream) -> RecognitionError | None:
-        """Consume ``stream``'s events until it ends (None), fails or leaves
-        a finalized segment unanswered past ``final_timeout_s`` (the error)."""
-        reader = asyncio.ensure_future(self._consume(stream))
-        try:
-            while True:
-                waits: set[asyncio.Future[object]] = {reader}  # type: ignore[arg-type]
-                overdue_at = self._next_deadline()
-                if overdue_at is not None:
-                    waits.add(asyncio.ensure_future(self.clock.sleep(max(0.0, overdue_at - self.clock.monotonic()))))
-                else:
-                    self._wake.clear()
-                    waits.add(asyncio.ensure_future(self._wake.wait()))
-                try:
-                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for w in waits - {reader}:
-                        w.cancel()
-                if reader.done():
-                    exc = reader.exception()
-                    if exc is None or isinstance(exc, RecognitionError):
-                        return exc
-                    return RecognitionError("protocol", f"{self.recogniser}: {type(exc).__name__}: {exc}")
-                if self._closing:
-                    await asyncio.wait({reader})
-                    return None
-                deadline = self._next_deadline()
-                if deadline is not None and self.clock.monotonic() >= deadline:
-                    return RecognitionError(
-                        "provider", f"{self.recogniser} gave no final within {self.final_timeout_s:g} s of an utterance's end"
-                    )
-        finally:
-            if not reader.done():
-                reader.cancel()
-                await asyncio.wait({reader})
+    async def _read(self, reader: asyncio.Task[None]) -> RecognitionError | None:
+        """Wait while ``reader`` consumes the stream's events, until it ends
+        (None), fails, the session closes (None; ``reader`` is left to
+        read the stream's last events), or a finalized segment is left
+        unanswered past ``final_timeout_s`` (the error)."""
+        while True:
+            self._wake.clear()
+            waits: set[asyncio.Future[object]] = {reader, asyncio.ensure_future(self._wake.wait())}  # type: ignore[arg-type]
+            overdue_at = self._next_deadline()
+            if overdue_at is not None:
+                waits.add(asyncio.ensure_future(self.clock.sleep(max(0.0, overdue_at - self.clock.monotonic()))))
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits - {reader}:
+                    w.cancel()
+            if reader.done():
+                exc = reader.exception()
+                if exc is None or isinstance(exc, RecognitionError):
+                    return exc
+                return RecognitionError("protocol", f"{self.recogniser}: {type(exc).__name__}: {exc}")
+            if self._closing:
+                return None
+            deadline = self._next_deadline()
+            if deadline is not None and self.clock.monotonic() >= deadline:
+                return RecognitionError(
+                    "provider", f"{self.recogniser} gave no final within {self._timeout_s():g} s of an utterance's end"
+                )
 
     def _next_deadline(self) -> float | None:
         waiting = [s.finalized_at for s in self._live if s.state == "finalizing" and s.finalized_at is not None]
-        return min(waiting) + self.final_timeout_s if waiting else None
+        return min(waiting) + self._timeout_s() if waiting else None
+
+    def _timeout_s(self) -> float:
+        """How long the recogniser in use may owe a final: its own bound
+        (an embedded pool that queues utterances when busy is slow, not
+        broken: replaying to it would only add load), else the session's."""
+        own = self._recogniser.final_timeout_s if self._recogniser is not None else None
+        return own if own is not None else self.final_timeout_s
 
     async def _consume(self, stream: RecognitionStream) -> None:
         async for ev in stream.events():
@@ -703,3 +737,13 @@ class Transcription:
         if self._open is seg:
             self._open = None
         seg.done.set()
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` if it still runs and wait until it has ended (its
+    own exception is the caller's business, read or not)."""
+    if not task.done():
+        task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()  # read: a failed reader was already told as the stream's failure

@@ -659,7 +659,7 @@ async def transcribe(
         took = time.monotonic() - t0
         assert utt.usage()[0].audio_s > 0
     finally:
-        await t.aclose()
+        t.close()
         await asyncio.wait_for(run, 5)
     return text, t, notices, took
 

@@ -770,7 +770,7 @@ async def transcribe(failover: Failover, pcm: bytes, notes: list[FailoverNote]) 
         text = await asyncio.wait_for(utterance.finish(), 15)
         return text, transcription, utterance
     finally:
-        await transcription.aclose()
+        transcription.close()
         await asyncio.wait_for(runner, 5)
 
 
@@ -806,7 +806,7 @@ async def test_through_transcription_two_segments_completed_out_of_order(
             utterance.feed(f)
         text = await asyncio.wait_for(utterance.finish(), 10)
     finally:
-        await transcription.aclose()
+        transcription.close()
         await asyncio.wait_for(runner, 5)
     assert text == "hello there count to twenty"
     (conn,) = fake.connections

@@ -679,7 +679,7 @@ async def session_of() -> AsyncIterator[Callable[..., tuple[Transcription, list[
 
     yield _make
     for t, task in running:
-        await t.aclose()
+        t.close()
         await asyncio.wait_for(task, 5)
 
 

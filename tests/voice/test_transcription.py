@@ -81,9 +81,10 @@ class ScriptedStream:
 class ScriptedRecogniser:
     """Opens scripted streams and keeps them for the test."""
 
-    def __init__(self, name: str, cents_per_minute: float = 0.0) -> None:
+    def __init__(self, name: str, cents_per_minute: float = 0.0, final_timeout_s: float | None = None) -> None:
         self.name = name
         self.pricing = SpeechPricing(cents_per_minute=cents_per_minute)
+        self.final_timeout_s = final_timeout_s
         self.streams: list[ScriptedStream] = []
 
     async def start(self) -> None:
@@ -119,7 +120,7 @@ class Rig:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        await self.t.aclose()
+        self.t.close()
         assert self.task is not None
         await asyncio.wait_for(self.task, 5)
 
@@ -234,6 +235,20 @@ async def test_a_final_owed_too_long_reconnects_and_sends_only_what_was_not_hear
         assert first.closed
 
 
+async def test_a_recogniser_s_own_bound_on_a_final_wins(clock: VirtualClock) -> None:
+    """The embedded pool queues utterances when busy: it is given its own,
+    longer bound, so a busy pool is not taken for a broken one."""
+    p = ScriptedRecogniser("embedded", final_timeout_s=30.0)
+    async with Rig(clock, p, timeout_s=2.0) as rig:
+        a = rig.t.begin()
+        rig.say(a, 1.0)
+        done = await finished(a)
+        await clock.advance(29.0)
+        assert len(p.streams) == 1 and not done.done()
+        await clock.advance(1.5)
+        assert [f[2] for f in rig.failovers] == ["reconnect"]
+
+
 async def test_a_drop_mid_utterance_replays_it_and_it_goes_on(clock: VirtualClock) -> None:
     p = ScriptedRecogniser("p")
     async with Rig(clock, p) as rig:
@@ -337,3 +352,35 @@ async def test_usage_per_turn_and_per_session(clock: VirtualClock) -> None:
     totals = rig.t.usage()
     assert totals.audio_s == {"p": pytest.approx(2.0)} and totals.input_tokens == {"p": 50}
     assert totals.connection_s["p"] == pytest.approx(8.0)  # open from the session's start to its end
+
+
+async def test_a_session_ended_at_once_still_reads_the_providers_closing_usage(clock: VirtualClock) -> None:
+    """A WebRTC session's agent is cancelled when the caller hangs up: the
+    stream is still closed gracefully and read to its end, so the usage the
+    provider sends as it closes (Deepgram's Metadata) is counted."""
+    p = ScriptedRecogniser("p")
+    rig = Rig(clock, p)
+    await rig.__aenter__()
+    a = rig.t.begin()
+    rig.say(a, 0.5)
+    stream = p.streams[0]
+
+    goodbye = asyncio.Event()
+
+    async def closing() -> None:  # the provider's last word comes as it closes, a moment later
+        if not stream.closed:
+            stream.closed = True
+            await goodbye.wait()
+            stream.answer(RecognitionUsage(audio_s=0.5))
+            stream.queue.put_nowait(None)
+
+    stream.aclose = closing  # type: ignore[method-assign]
+    assert rig.task is not None
+    rig.task.cancel()
+    await settle()
+    rig.task.cancel()  # and again while it closes (a task group aborting twice)
+    await settle()
+    goodbye.set()
+    with pytest.raises(asyncio.CancelledError):
+        await rig.task
+    assert stream.closed and rig.t.usage().reported_audio_s == {"p": 0.5}
