@@ -12,7 +12,10 @@ utterance it became ends (its endpointing). Each such stretch is an
 finalized to be judged, and if the user goes on, what follows is a second
 segment of the same utterance. In silence nothing is sent (a streaming
 provider keeps its connection with KeepAlive): providers bill the audio
-they get.
+they get. The stream is opened with the first speech sent, and closed
+after ``idle_close_s`` with nothing sent or waited for; a stream the
+provider ends while nothing waits on it (Deepgram's idle close) is no
+failure: the next utterance opens another.
 
 **Attribution.** Events carry stream seconds; a segment knows the stream
 seconds it spans, so each interim and final is given to the segment its
@@ -82,9 +85,12 @@ log = logging.getLogger(__name__)
 END_TOLERANCE_S = 0.06
 #: how long closing a stream may take (the provider's last usage comes then), s
 CLOSE_TIMEOUT_S = 2.0
-#: a stream that lived this long and was closed with nothing waiting (a
-#: provider's idle close) reconnects afresh, however often it happens, s
-IDLE_RECONNECT_S = 5.0
+#: a stream with nothing waiting and no audio sent this long is closed (the
+#: next utterance opens another: a connection made while the user speaks is
+#: ready long before the utterance ends), s. Deepgram closes one with no
+#: audio in 10 s unless it gets KeepAlive; whether it bills a socket's
+#: lifetime is not known (reference, VERIFY): so a silent session holds none.
+IDLE_CLOSE_S = 20.0
 
 
 @dataclass(eq=False)
@@ -309,6 +315,9 @@ class Transcription:
         clock: time source (final timeouts, connection lifetimes).
         final_timeout_s: a segment the provider has not answered this long
             after its finalize fails the stream, s.
+        idle_close_s: a stream with nothing waiting on it and no audio sent
+            this long is closed (the next utterance opens another), s; None:
+            kept for the session's life.
         on_heard: called with an utterance each time an interim or final
             of it arrives (the session's barge-in and backchannel rules
             read :attr:`Utterance.text`); must not block.
@@ -323,6 +332,7 @@ class Transcription:
         *,
         clock: Clock,
         final_timeout_s: float = 4.0,
+        idle_close_s: float | None = IDLE_CLOSE_S,
         on_heard: Callable[[Utterance], None] | None = None,
         on_failover: FailoverNotice | None = None,
     ) -> None:
@@ -330,6 +340,9 @@ class Transcription:
         self.options = options
         self.clock = clock
         self.final_timeout_s = final_timeout_s
+        self.idle_close_s = idle_close_s
+        #: clock seconds when audio was last sent
+        self._last_audio_at = clock.monotonic()
         self._on_heard = on_heard or (lambda _u: None)
         self._on_failover = on_failover or (lambda *_a: None)
         self._stream: RecognitionStream | None = None
@@ -386,7 +399,6 @@ class Transcription:
         fail over when it fails. Ends after :meth:`aclose`. Never raises
         but for cancellation (a failure is told through ``on_failover`` and
         the utterances waiting)."""
-        self._switch(self.failover.current)
         try:
             await self._pump()
         finally:
@@ -417,9 +429,19 @@ class Transcription:
                 error = await self._read(reader)
                 if self._closing or stream is not self._stream:
                     continue
+                if error == "idle":
+                    await self._retire(stream, reader)  # gracefully: its usage is read
+                    continue
                 await _cancelled(reader)
                 if error is None:
                     error = RecognitionError("closed", f"{self.recogniser} ended the stream")
+                if not self._live and error.kind in ("closed", "dropped"):
+                    # nothing was waiting on it (a provider's idle close, a
+                    # connection lost in a silence): the next utterance opens another
+                    log.debug("recognition stream of %s ended while idle (%s)", self.recogniser, error)
+                    self._count_connection()
+                    self._stream = None
+                    continue
                 self._fail_over(error)
         finally:
             self._closing = True
@@ -430,16 +452,27 @@ class Transcription:
         still waiting fail."""
         stream = self._stream
         if stream is not None:
-            await self._close(stream)
-            if reader is not None and not reader.done():
-                with contextlib.suppress(TimeoutError):
-                    async with timeout_after(self.clock, CLOSE_TIMEOUT_S):
-                        await asyncio.wait({reader})
-        if reader is not None:
+            await self._retire(stream, reader)
+        elif reader is not None:
             await _cancelled(reader)
-        self._stream = None
         for seg in list(self._live):
             self._fail(seg, "the session ended")
+
+    async def _retire(self, stream: RecognitionStream, reader: asyncio.Task[None] | None) -> None:
+        """Close ``stream`` gracefully and let ``reader`` read its last
+        events (its usage), both bounded by ``CLOSE_TIMEOUT_S``; its
+        connection time is counted, and the next audio opens another."""
+        if reader is None:  # closed before anything read it (ended at once after its first audio)
+            reader = asyncio.ensure_future(self._consume(stream))
+        await self._close(stream)
+        if reader is not None and not reader.done():
+            with contextlib.suppress(TimeoutError):
+                async with timeout_after(self.clock, CLOSE_TIMEOUT_S):
+                    await asyncio.wait({reader})
+        if reader is not None:
+            await _cancelled(reader)
+        if self._stream is stream:
+            self._stream = None
 
     def close(self) -> None:
         """The session ends: no more audio is taken; :meth:`run` closes the
@@ -460,9 +493,10 @@ class Transcription:
             self._finalize(seg.utterance)  # never two utterances in one segment
             seg = None
         if seg is None:
-            if self._gave_up:
+            if self._stream is None:  # opened for the first speech, after an idle close, or afresh after giving up
+                recogniser = self.failover.restart() if self._gave_up else self.failover.current
                 self._gave_up = False
-                self._switch(self.failover.restart())
+                self._switch(recogniser)
             seg = Segment(utt)
             utt.segments.append(seg)
             self._live.append(seg)
@@ -477,6 +511,7 @@ class Transcription:
         assert self._stream is not None and self._recogniser is not None
         self._stream.send(pcm)
         self._sent += len(pcm)
+        self._last_audio_at = self.clock.monotonic()
         name = self._recogniser.name
         sec = len(pcm) / STREAM_BYTES_PER_S
         seg.sent_s[name] = seg.sent_s.get(name, 0.0) + sec
@@ -526,6 +561,7 @@ class Transcription:
         complete: the audio after its last final, finalized again if it was."""
         self._recogniser = recogniser
         self._stream = recogniser.open(self.options)
+        self._reader = None
         self._pushed.clear()
         self._sent = 0
         self._opened_at = self.clock.monotonic()
@@ -544,17 +580,21 @@ class Transcription:
                     self._complete(seg)  # its finals had it all
         self._live = [s for s in self._live if s.state in ("open", "finalizing")]
 
-    async def _read(self, reader: asyncio.Task[None]) -> RecognitionError | None:
+    async def _read(self, reader: asyncio.Task[None]) -> RecognitionError | Literal["idle"] | None:
         """Wait while ``reader`` consumes the stream's events, until it ends
         (None), fails, the session closes (None; ``reader`` is left to
-        read the stream's last events), or a finalized segment is left
-        unanswered past ``final_timeout_s`` (the error)."""
+        read the stream's last events), a finalized segment is left
+        unanswered past ``final_timeout_s`` (the error), or nothing was
+        sent nor waited for ``idle_close_s`` (``"idle"``)."""
         while True:
             self._wake.clear()
             waits: set[asyncio.Future[object]] = {reader, asyncio.ensure_future(self._wake.wait())}  # type: ignore[arg-type]
             overdue_at = self._next_deadline()
             if overdue_at is not None:
                 waits.add(asyncio.ensure_future(self.clock.sleep(max(0.0, overdue_at - self.clock.monotonic()))))
+            idle_at = self._idle_at()
+            if idle_at is not None:
+                waits.add(asyncio.ensure_future(self.clock.sleep(max(0.0, idle_at - self.clock.monotonic()))))
             try:
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -567,6 +607,9 @@ class Transcription:
                 return RecognitionError("protocol", f"{self.recogniser}: {type(exc).__name__}: {exc}")
             if self._closing:
                 return None
+            idle_at = self._idle_at()
+            if idle_at is not None and self.clock.monotonic() >= idle_at:
+                return "idle"
             deadline = self._next_deadline()
             if deadline is not None and self.clock.monotonic() >= deadline:
                 return RecognitionError(
@@ -576,6 +619,12 @@ class Transcription:
     def _next_deadline(self) -> float | None:
         waiting = [s.finalized_at for s in self._live if s.state == "finalizing" and s.finalized_at is not None]
         return min(waiting) + self._timeout_s() if waiting else None
+
+    def _idle_at(self) -> float | None:
+        """When the stream may be closed for idleness (None: not now)."""
+        if self.idle_close_s is None or self._live:
+            return None
+        return self._last_audio_at + self.idle_close_s
 
     def _timeout_s(self) -> float:
         """How long the recogniser in use may owe a final: its own bound
@@ -599,10 +648,6 @@ class Transcription:
             self._count_connection()
             closing = asyncio.ensure_future(self._close(stream))
             closing.add_done_callback(lambda f: f.cancelled() or f.exception())
-        if not self._live and error.kind in ("closed", "dropped") and self.clock.monotonic() - self._opened_at >= IDLE_RECONNECT_S:
-            # nothing was waiting and the stream had lived a while (an idle close):
-            # a fresh reconnect, not a second failure in a row
-            self.failover.recovered()
         nxt, action = self.failover.after(error)
         # a refused key was logged once, naming the setting, when the recogniser started
         log.log(logging.INFO if error.kind == "unauthorized" else logging.WARNING,

@@ -351,7 +351,49 @@ async def test_usage_per_turn_and_per_session(clock: VirtualClock) -> None:
         assert record == RecognitionRecord(provider="p", audio_s=2.0, input_tokens=50, cents=0.7)  # 0.2 for audio, 0.5 for tokens
     totals = rig.t.usage()
     assert totals.audio_s == {"p": pytest.approx(2.0)} and totals.input_tokens == {"p": 50}
-    assert totals.connection_s["p"] == pytest.approx(8.0)  # open from the session's start to its end
+    assert totals.connection_s["p"] == pytest.approx(3.0)  # opened with the first speech, not at the session's start
+
+
+async def test_a_stream_is_opened_for_speech_and_closed_when_idle(clock: VirtualClock) -> None:
+    p = ScriptedRecogniser("p")
+    async with Rig(clock, p) as rig:
+        await clock.advance(30.0)
+        assert p.streams == []  # a silent session holds no connection
+        a = rig.t.begin()
+        rig.say(a, 0.5)
+        done = await finished(a)
+        p.streams[0].answer(Final("okay", 0.0, 0.5, finalized=True))
+        await settle()
+        assert done.result() == "okay" and not p.streams[0].closed
+        await clock.advance(19.0)
+        assert not p.streams[0].closed
+        await clock.advance(1.5)
+        assert p.streams[0].closed  # 20 s with nothing sent or waited for
+        b = rig.t.begin()
+        rig.say(b, 0.4)
+        assert len(p.streams) == 2 and p.streams[1].sent_s == pytest.approx(0.4)
+        p.streams[1].answer(RecognitionError("closed", "NET-0001"))  # waited on: a failure
+        await settle()
+        assert [f[2] for f in rig.failovers] == ["reconnect"]
+    assert rig.t.usage().connection_s["p"] == pytest.approx(20.0)  # the first stream's 20 s; the others lived no time
+
+
+async def test_a_stream_the_provider_ends_while_idle_is_no_failure(clock: VirtualClock) -> None:
+    p = ScriptedRecogniser("p")
+    async with Rig(clock, p) as rig:
+        a = rig.t.begin()
+        rig.say(a, 0.5)
+        done = await finished(a)
+        p.streams[0].answer(Final("yeah", 0.0, 0.5, finalized=True))
+        await settle()
+        assert await done == "yeah"
+        await clock.advance(10.0)
+        p.streams[0].answer(RecognitionError("closed", "NET-0001: no audio within the timeout window"))
+        await settle()
+        assert rig.failovers == []  # nothing waited on it: the next utterance opens another
+        b = rig.t.begin()
+        rig.say(b, 0.3)
+        assert len(p.streams) == 2
 
 
 async def test_a_session_ended_at_once_still_reads_the_providers_closing_usage(clock: VirtualClock) -> None:
