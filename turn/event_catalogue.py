@@ -120,7 +120,7 @@ class TurnFields(_Strict):
 
 
 class SessionReady(_Turnless):
-    """The agent session is running (its recogniser started)."""
+    """The agent session is running: it hears the caller from now on."""
 
     type: Literal["session.ready"] = "session.ready"
     session_id: str
@@ -272,7 +272,7 @@ class Usage(Envelope):
 
 
 #: why a recogniser failed (voice.recognition.RecognitionError.kind), or a final owed too long
-RecognitionErrorKind = Literal["unreachable", "unauthorized", "dropped", "closed", "protocol", "provider"]
+RecognitionErrorKind = Literal["unreachable", "unauthorized", "dropped", "closed", "protocol", "provider", "timeout"]
 
 
 class SttFailover(_Turnless):

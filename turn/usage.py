@@ -41,8 +41,8 @@ class Pricing(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    prompt_cents_per_1k: float = Field(0.0, ge=0)
-    completion_cents_per_1k: float = Field(0.0, ge=0)
+    prompt_cents_per_1k: float = Field(0.0, ge=0, allow_inf_nan=False)
+    completion_cents_per_1k: float = Field(0.0, ge=0, allow_inf_nan=False)
 
     def cents(self, prompt_tokens: int, completion_tokens: int) -> float:
         """The price of that many tokens, cents."""

@@ -231,7 +231,9 @@ class DeepgramRecogniser:
         try:
             ws, request_id = await self._connect(probe=True)
         except RecognitionError as exc:
-            if exc.kind != "unauthorized":
+            if exc.kind == "provider":
+                log.warning("%s; sessions will try it, then use %s", exc, self._fallback_words())
+            elif exc.kind != "unauthorized":
                 log.info("Deepgram (stt.base_url %s) is not reachable now (%s); sessions will try it when they start", self.config.url, exc)
             return
         try:
@@ -258,6 +260,9 @@ class DeepgramRecogniser:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
+
+    def _fallback_words(self) -> str:
+        return "the fallback recogniser" if self.config.fallback == "embedded" else "no recogniser (turns fail)"
 
     # -- connecting ----------------------------------------------------------------
 
@@ -320,13 +325,14 @@ class DeepgramRecogniser:
         if exc.status in (401, 403):
             message = f"stt.api_key was refused by Deepgram ({status})"
             if self._refused is None:
-                then = (
-                    "sessions will use the fallback recogniser" if self.config.fallback == "embedded"
-                    else "voice turns will fail (stt.fallback is none)"
-                )
-                log.warning("%s: %s", message, then)
+                log.warning("%s: %s", message, "sessions will use the fallback recogniser" if self.config.fallback == "embedded"
+                            else "voice turns will fail (stt.fallback is none)")
             self._refused = message
             return RecognitionError("unauthorized", message)
+        if 400 <= exc.status < 500:  # it is there, and refuses what was asked (a model or language it does not have)
+            return RecognitionError(
+                "provider", f"Deepgram refused the connection with HTTP {status}: check stt.model, stt.language and stt.keyterms"
+            )
         return RecognitionError(
             "unreachable", f"Deepgram at {self.config.url} (stt.base_url) answered the upgrade with HTTP {status}"
         )
@@ -510,16 +516,19 @@ class DeepgramStream:
             error = await self._converse(ws)
             if error is not None:
                 raise error
-        except RecognitionError as exc:
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        except Exception as exc:
+            if not isinstance(exc, RecognitionError):  # an answer nothing here foresaw: the stream fails, clearly
+                log.warning("Deepgram stream %s: unexpected %s: %s", self._session_id or "-", type(exc).__name__, exc)
+                exc = RecognitionError("protocol", f"Deepgram: {type(exc).__name__}: {exc}")
             if self._closing:
                 log.debug("Deepgram stream %s ended while closing: %s", self._session_id or "-", exc)
             else:
                 self._failed = True
                 self._out.clear()
                 self._events.put_nowait(exc)
-        except asyncio.CancelledError:
-            cancelled = True
-            raise
         finally:
             if ws is not None:
                 await _close_ws(ws, 0.05 if cancelled else WS_CLOSE_TIMEOUT_S)
@@ -621,7 +630,7 @@ class DeepgramStream:
         """
         try:
             msg = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise _bad(f"sent text that is not JSON: {text[:120]!r}") from None
         if not isinstance(msg, dict):
             raise _bad(f"sent JSON that is not an object: {text[:120]!r}")

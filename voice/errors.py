@@ -15,9 +15,15 @@ def stopped_by(exc: BaseException) -> bool:
     return False
 
 
-def describe_error(exc: BaseException) -> str:
-    """``"Type: message"`` of the first real error, looking inside the
-    ExceptionGroups that TaskGroups wrap errors in."""
+def first_error(exc: BaseException) -> BaseException:
+    """The first real error, looking inside the ExceptionGroups that
+    TaskGroups wrap errors in."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
+    return exc
+
+
+def describe_error(exc: BaseException) -> str:
+    """``"Type: message"`` of the first real error (:func:`first_error`)."""
+    exc = first_error(exc)
     return f"{type(exc).__name__}: {exc}"

@@ -98,8 +98,8 @@ class LlmConfig(BaseModel):
     api_key: SecretStr = SecretStr("")
     connect_timeout_s: float = Field(10.0, gt=0, le=600)
     request_timeout_s: float = Field(120.0, gt=0, le=3600)
-    prompt_cents_per_1k: float = Field(0.0, ge=0)
-    completion_cents_per_1k: float = Field(0.0, ge=0)
+    prompt_cents_per_1k: float = Field(0.0, ge=0, allow_inf_nan=False)
+    completion_cents_per_1k: float = Field(0.0, ge=0, allow_inf_nan=False)
     max_tokens: int = Field(1024, ge=1, le=131_072)
     max_tokens_field: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"
 

@@ -983,7 +983,7 @@ def _decode(msg: aiohttp.WSMessage, ws: aiohttp.ClientWebSocketResponse, label: 
     if msg.type == aiohttp.WSMsgType.TEXT:
         try:
             event = json.loads(msg.data)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise RecognitionError("protocol", f"{label} sent a message that is not JSON: {str(msg.data)[:80]!r}") from None
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             raise RecognitionError("protocol", f"{label} sent a message that is not an event: {str(msg.data)[:80]!r}")

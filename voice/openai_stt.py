@@ -108,6 +108,12 @@ MAX_BODY_BYTES = 1 << 20
 #: largest server-sent event line, bytes, and whole event stream, bytes
 MAX_SSE_LINE_BYTES = 1 << 16
 MAX_SSE_BYTES = 4 << 20
+#: the most text one answer may grow to, characters (a minute of speech is
+#: about 1,000); more is not a transcription
+MAX_TEXT_CHARS = 20_000
+#: interims of one answer at most this often, s (a server may send a delta
+#: per character; each interim carries the whole text so far)
+INTERIM_EVERY_S = 0.1
 #: most of an error body kept for a message, characters
 ERROR_TEXT_CHARS = 300
 
@@ -214,7 +220,7 @@ class OpenAiTranscriptionRecogniser:
             return
         self._logged = outcome
         if outcome == "unreachable":
-            log.info("stt.base_url %s is not reachable now (%s): sessions will use %s until it is",
+            log.info("stt.base_url %s is not reachable now (%s): each utterance tries it, then uses %s",
                      self.url, detail, self._fallback_words())
         elif outcome == "unchecked":
             log.info("stt.base_url %s answered GET /models with %s: the key and the server are not checked before use",
@@ -486,6 +492,17 @@ class OpenAiTranscriptionStream:
         shape: str | None = None  # "openai" (type) or "vllm" (choices), from the first event
         finished = False  # vLLM: a choice had its finish_reason
         usage: RecognitionUsage | None = None
+        loop = asyncio.get_running_loop()
+        last_interim = -math.inf
+
+        def interim(text: str) -> None:
+            """The text so far, as an interim now and then (not per delta)."""
+            nonlocal last_interim
+            if len(text) > MAX_TEXT_CHARS:
+                raise RecognitionError("protocol", f"{url} streamed more than {MAX_TEXT_CHARS} characters of text")
+            if text.strip() and loop.time() - last_interim >= INTERIM_EVERY_S:
+                last_interim = loop.time()
+                self._emit(Interim(text.strip(), req.start_s, req.end_s))
         async for name, data in _sse(resp.content, url):
             if data.strip() == "[DONE]":
                 if shape == "openai":
@@ -507,8 +524,7 @@ class OpenAiTranscriptionStream:
                     if not isinstance(delta, str):
                         raise RecognitionError("protocol", f"{url} sent a delta that is not text: {data[:100]!r}")
                     so_far += delta
-                    if so_far.strip():
-                        self._emit(Interim(so_far.strip(), req.start_s, req.end_s))
+                    interim(so_far)
                 elif kind == "transcript.text.done":
                     text, words, usage = _read_transcription(event, req, url)
                     self._end(req, text, words, usage)
@@ -534,8 +550,7 @@ class OpenAiTranscriptionStream:
                     raise RecognitionError("protocol", f"{url} sent a choice without a text delta: {data[:100]!r}")
                 if content:
                     so_far += content
-                    if so_far.strip():
-                        self._emit(Interim(so_far.strip(), req.start_s, req.end_s))
+                    interim(so_far)
                 if choice.get("finish_reason") is not None:
                     finished = True
         if shape == "vllm" and finished:  # tolerated: the text is whole, only [DONE] is missing
@@ -591,7 +606,7 @@ def _no_constant(name: str) -> Any:
 def _parse_json(raw: bytes, url: str) -> Any:
     try:
         return json.loads(_decode(raw, url), parse_constant=_no_constant)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise RecognitionError("protocol", f"{url} answered something that is not JSON: {raw[:100]!r}") from None
 
 
@@ -601,7 +616,7 @@ def _error_message(body: str) -> str:
     FastAPI's (speaches) ``{"detail"}``, or the text itself."""
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return " ".join(body.split())[:ERROR_TEXT_CHARS]
     if isinstance(data, dict):
         err = data.get("error", data)

@@ -116,9 +116,9 @@ class SttConfig(BaseModel):
     connect_timeout_s: float = Field(5.0, gt=0, le=120)
     final_timeout_ms: int = Field(4000, ge=200, le=60_000)
     keepalive_s: float = Field(4.0, gt=0, le=9.0)
-    cents_per_minute: float = Field(0.0, ge=0)
-    input_cents_per_1k: float = Field(0.0, ge=0)
-    output_cents_per_1k: float = Field(0.0, ge=0)
+    cents_per_minute: float = Field(0.0, ge=0, allow_inf_nan=False)
+    input_cents_per_1k: float = Field(0.0, ge=0, allow_inf_nan=False)
+    output_cents_per_1k: float = Field(0.0, ge=0, allow_inf_nan=False)
     billed_by: Literal["audio", "connection"] = "audio"
     grammar: Path | None = None
     max_decoders: int = Field(2, ge=1, le=64)
@@ -128,6 +128,16 @@ class SttConfig(BaseModel):
     @classmethod
     def _cmn_start_known(cls, value: str) -> str:
         pocketsphinx_worker.cmn_vector(value, "")
+        return value
+
+    @field_validator("base_url")
+    @classmethod
+    def _base_url_plain(cls, value: str) -> str:
+        """The client builds the path and the query from the other settings:
+        a query or fragment pasted into the base URL would be dropped or
+        doubled silently."""
+        if "?" in value or "#" in value:
+            raise ValueError("base_url takes no query or fragment (model, language and the rest are settings of their own)")
         return value
 
     @field_validator("keyterms")

@@ -162,11 +162,13 @@ class RecognitionError(RuntimeError):
             help), ``"dropped"`` (the connection broke mid-stream),
             ``"closed"`` (the provider closed it, e.g. an idle close),
             ``"protocol"`` (an answer that is not the provider's protocol),
-            ``"provider"`` (the provider reported an error).
+            ``"provider"`` (the provider reported an error), ``"timeout"``
+            (a final owed too long: raised by the session's transcription,
+            never by a client).
         retryable: reconnecting may help (every kind but ``unauthorized``).
     """
 
-    def __init__(self, kind: Literal["unreachable", "unauthorized", "dropped", "closed", "protocol", "provider"],
+    def __init__(self, kind: Literal["unreachable", "unauthorized", "dropped", "closed", "protocol", "provider", "timeout"],
                  message: str) -> None:
         super().__init__(message)
         self.kind = kind
@@ -318,9 +320,9 @@ class SpeechPricing(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    cents_per_minute: float = Field(0.0, ge=0)
-    input_cents_per_1k: float = Field(0.0, ge=0)
-    output_cents_per_1k: float = Field(0.0, ge=0)
+    cents_per_minute: float = Field(0.0, ge=0, allow_inf_nan=False)
+    input_cents_per_1k: float = Field(0.0, ge=0, allow_inf_nan=False)
+    output_cents_per_1k: float = Field(0.0, ge=0, allow_inf_nan=False)
     billed_by: Literal["audio", "connection"] = "audio"
 
     def cents(self, audio_s: float, input_tokens: int = 0, output_tokens: int = 0) -> float:

@@ -219,9 +219,8 @@ class AgentSession(SessionControls):
                 self._tg = tg
                 controls: asyncio.Task[None] | None = None
                 try:
-                    await self.providers.stt.start()
-                    if self.providers.stt_fallback is not None:
-                        await self.providers.stt_fallback.start()
+                    # the recognisers are started by their owner, once (web.app at
+                    # startup): a provider's key check is not a session's wait
                     tg.create_task(self.transcription.run())
                     self._send(SessionReady(generation=self.fence.active, session_id=self.session_id))
                     controls = tg.create_task(self._take_controls())
@@ -352,13 +351,14 @@ class AgentSession(SessionControls):
 
     def _heard(self, utterance: Utterance) -> None:
         """The recogniser's text of ``utterance`` changed (an interim or a
-        final): if it is the candidate's and settled (said twice, or final),
-        turn-taking reads it (a real word commits a confirmed candidate at
-        once, :meth:`voice.turn_taking.TurnTaking.heard`)."""
+        final): if it is the candidate's, turn-taking reads the words that
+        stayed put across its last two updates (a real word among them
+        commits a confirmed candidate at once,
+        :meth:`voice.turn_taking.TurnTaking.heard`)."""
         cand = self.turn_taking.candidate
-        if cand is None or utterance is not self._utterance or utterance.settled_text is None:
-            return  # a first guess is not acted on (Utterance.settled_text)
-        self._carry_out(self.turn_taking.heard(cand.n, self.clock.monotonic(), utterance.settled_text))
+        if cand is None or utterance is not self._utterance or not utterance.settled_words:
+            return  # a first guess is not acted on (Utterance.settled_words)
+        self._carry_out(self.turn_taking.heard(cand.n, self.clock.monotonic(), utterance.settled_words))
 
     def _drop_utterance(self) -> None:
         """The candidate's speech is no request (rejected, a backchannel,

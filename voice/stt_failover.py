@@ -5,7 +5,12 @@ waiting for a transcript fail with a clear reason (their turns end
 FAILED) and the next utterance tries the configured recogniser afresh.
 
 A failure that retrying cannot mend (a refused key: ``unauthorized``) goes
-straight to the fallback. A reconnect that delivers a final counts as a
+straight to the fallback, and so do a provider that cannot be reached
+(``unreachable``) and one that owed a final too long (``timeout``): trying
+it again at once would only add its connect timeout, or another wait for
+a final, to the caller's wait. A reconnect is for a connection that broke
+(``dropped``, ``closed``, ``protocol``, ``provider``): a new one usually
+works at once. A reconnect that delivers a final counts as a
 recovery (:meth:`Failover.recovered`): a later drop may reconnect once more.
 The audio a new stream needs (everything since the last final) is replayed
 by :class:`voice.transcription.Transcription`; this module only decides.
@@ -40,7 +45,7 @@ class Failover:
     def after(self, error: RecognitionError) -> tuple[Recogniser | None, FailoverAction]:
         """The current recogniser failed with ``error``: which one next
         (None: none is left), and what that is."""
-        if error.retryable and not self._reconnected:
+        if error.retryable and error.kind not in ("unreachable", "timeout") and not self._reconnected:
             self._reconnected = True
             return self.current, "reconnect"
         if self.current is self.primary and self.fallback is not None:

@@ -85,6 +85,11 @@ log = logging.getLogger(__name__)
 END_TOLERANCE_S = 0.06
 #: how long closing a stream may take (the provider's last usage comes then), s
 CLOSE_TIMEOUT_S = 2.0
+#: text longer than this (characters) is never acted on before it is final
+#: (a minute of speech is about 1,000)
+MAX_SETTLE_CHARS = 4000
+#: a final's bound grows by this much per second of the segment's audio, s/s
+FINAL_SLACK_PER_AUDIO_S = 0.25
 #: a stream with nothing waiting and no audio sent this long is closed (the
 #: next utterance opens another: a connection made while the user speaks is
 #: ready long before the utterance ends), s. Deepgram closes one with no
@@ -163,6 +168,9 @@ class Utterance:
         #: :attr:`text` when the recogniser said the same twice in a row, or
         #: its finals once complete; None while it still changes
         self.settled_text: str | None = None
+        #: the words (normalised) the last two updates agree on from the start,
+        #: or all of them once complete: what stayed put as interims grew
+        self.settled_words: str = ""
 
     # -- audio -----------------------------------------------------------------
 
@@ -232,12 +240,19 @@ class Utterance:
         """The recogniser's text of it changed (an interim or a final came):
         it is *settled* when it says the same as at the update before (an
         interim repeated, or confirmed by its final), or when every segment
-        is complete. A first guess is not acted on: a recogniser's early
+        is complete; its *settled words* are those the last two updates
+        agree on from the start (interims grow as the user speaks: "what",
+        "what is"). A first guess is not acted on: a recogniser's early
         interims of a short sound are often words it then takes back
         (pocketsphinx's partials of "uh-huh" were "charge" and "hello")."""
-        now = normalise(self.text)
+        text = self.text
+        now = normalise(text) if len(text) <= MAX_SETTLE_CHARS else None  # a flood of text is no reply to act on
         complete = bool(self.segments) and all(s.state in ("complete", "discarded") for s in self.segments)
-        self.settled_text = self.text if complete or (now and now == self._last) else None
+        self.settled_text = text if complete or (now and now == self._last) else None
+        words, last = (now or "").split(), (self._last or "").split()
+        agreed = len(words) if complete else next((i for i, (a, b) in enumerate(zip(words, last, strict=False)) if a != b),
+                                                  min(len(words), len(last)))
+        self.settled_words = " ".join(words[:agreed])
         self._last = now
 
     async def heard(self) -> str | None:
@@ -348,9 +363,13 @@ class Transcription:
         self._stream: RecognitionStream | None = None
         #: the task reading the current stream's events
         self._reader: asyncio.Task[None] | None = None
+        #: idle streams being closed in the background
+        self._retiring: set[asyncio.Future[None]] = set()
         self._recogniser: Recogniser | None = None
         self._sent = 0  # bytes sent to the current stream
-        self._opened_at = 0.0
+        #: each open stream's recogniser and when its connection time was
+        #: last counted (clock s), until it is closed
+        self._connections: dict[RecognitionStream, tuple[str, float]] = {}
         self._open: Segment | None = None
         #: audio seconds sent to the current stream, per segment (taken back
         #: if the stream never reached the provider)
@@ -390,8 +409,8 @@ class Transcription:
 
     def usage(self) -> SessionRecognitionUsage:
         """The session's recognition so far (connection time up to now)."""
-        if self._stream is not None and self._recogniser is not None:
-            self._count_connection()
+        for stream in list(self._connections):
+            self._count_connection(stream, closed=False)
         return self.totals
 
     async def run(self) -> None:
@@ -430,7 +449,12 @@ class Transcription:
                 if self._closing or stream is not self._stream:
                     continue
                 if error == "idle":
-                    await self._retire(stream, reader)  # gracefully: its usage is read
+                    # speech from now on opens another stream at once; this one
+                    # is closed gracefully meanwhile (its usage is read)
+                    self._stream = None
+                    retiring = asyncio.ensure_future(self._retire(stream, reader))
+                    self._retiring.add(retiring)
+                    retiring.add_done_callback(self._retiring.discard)
                     continue
                 await _cancelled(reader)
                 if error is None:
@@ -439,7 +463,7 @@ class Transcription:
                     # nothing was waiting on it (a provider's idle close, a
                     # connection lost in a silence): the next utterance opens another
                     log.debug("recognition stream of %s ended while idle (%s)", self.recogniser, error)
-                    self._count_connection()
+                    self._count_connection(stream)
                     self._stream = None
                     continue
                 self._fail_over(error)
@@ -455,6 +479,8 @@ class Transcription:
             await self._retire(stream, reader)
         elif reader is not None:
             await _cancelled(reader)
+        if self._retiring:  # idle streams still saying goodbye (each bounded)
+            await asyncio.wait(set(self._retiring))
         for seg in list(self._live):
             self._fail(seg, "the session ended")
 
@@ -564,7 +590,7 @@ class Transcription:
         self._reader = None
         self._pushed.clear()
         self._sent = 0
-        self._opened_at = self.clock.monotonic()
+        self._connections[self._stream] = (recogniser.name, self.clock.monotonic())
         self._wake.set()
         for seg in self._live:
             seg.start_s = self.position_s - seg.kept_from_s
@@ -613,12 +639,19 @@ class Transcription:
             deadline = self._next_deadline()
             if deadline is not None and self.clock.monotonic() >= deadline:
                 return RecognitionError(
-                    "provider", f"{self.recogniser} gave no final within {self._timeout_s():g} s of an utterance's end"
+                    "timeout", f"{self.recogniser} gave no final within {self._timeout_s():g} s of an utterance's end"
                 )
 
     def _next_deadline(self) -> float | None:
-        waiting = [s.finalized_at for s in self._live if s.state == "finalizing" and s.finalized_at is not None]
-        return min(waiting) + self._timeout_s() if waiting else None
+        """When the earliest final owed is overdue: its finalize, plus the
+        recogniser's bound, plus a quarter of the segment's length (a
+        whole-file recogniser uploads and decodes a 60 s utterance for
+        longer than a 1 s one)."""
+        due = [
+            s.finalized_at + self._timeout_s() + FINAL_SLACK_PER_AUDIO_S * stream_seconds(len(s.audio))
+            for s in self._live if s.state == "finalizing" and s.finalized_at is not None
+        ]
+        return min(due) if due else None
 
     def _idle_at(self) -> float | None:
         """When the stream may be closed for idleness (None: not now)."""
@@ -634,10 +667,12 @@ class Transcription:
         return own if own is not None else self.final_timeout_s
 
     async def _consume(self, stream: RecognitionStream) -> None:
+        name = self.recogniser
         async for ev in stream.events():
-            if stream is not self._stream:
-                return
-            self._on_event(ev)
+            if stream is self._stream:
+                self._on_event(ev)
+            elif isinstance(ev, RecognitionUsage):
+                self._add_usage(ev, name)  # a stream being closed tells what it billed; its words are for no one now
 
     def _fail_over(self, error: RecognitionError) -> None:
         failed = self.recogniser
@@ -645,7 +680,6 @@ class Transcription:
             self._unsend(failed)
         stream, self._stream = self._stream, None
         if stream is not None:
-            self._count_connection()
             closing = asyncio.ensure_future(self._close(stream))
             closing.add_done_callback(lambda f: f.cancelled() or f.exception())
         nxt, action = self.failover.after(error)
@@ -671,16 +705,19 @@ class Transcription:
         except (TimeoutError, RecognitionError, OSError):
             pass
         finally:
-            if stream is self._stream or self._stream is None:
-                self._count_connection()
+            self._count_connection(stream)
 
-    def _count_connection(self) -> None:
-        if self._recogniser is None:
+    def _count_connection(self, stream: RecognitionStream, *, closed: bool = True) -> None:
+        """Add ``stream``'s connection time since it was last counted;
+        ``closed``: it is over (counted no more)."""
+        entry = self._connections.pop(stream, None) if closed else self._connections.get(stream)
+        if entry is None:
             return
+        name, since = entry
         now = self.clock.monotonic()
-        name = self._recogniser.name
-        self.totals.connection_s[name] = self.totals.connection_s.get(name, 0.0) + max(0.0, now - self._opened_at)
-        self._opened_at = now
+        self.totals.connection_s[name] = self.totals.connection_s.get(name, 0.0) + max(0.0, now - since)
+        if not closed:
+            self._connections[stream] = (name, now)
 
     # -- events ----------------------------------------------------------------
 
@@ -738,10 +775,11 @@ class Transcription:
         if seg.state == "finalizing" and seg.end_s is not None and (ev.finalized or ev.end_s >= seg.end_s - END_TOLERANCE_S):
             self._complete(seg)
 
-    def _add_usage(self, ev: RecognitionUsage) -> None:
-        name = self.recogniser if self._recogniser is None else self._recogniser.name
+    def _add_usage(self, ev: RecognitionUsage, name: str | None = None) -> None:
+        name = name or (self.recogniser if self._recogniser is None else self._recogniser.name)
         t = self.totals
-        t.reported_audio_s[name] = t.reported_audio_s.get(name, 0.0) + ev.audio_s
+        if ev.source == "provider":  # what it reported billing; what a client counted is audio_s's business
+            t.reported_audio_s[name] = t.reported_audio_s.get(name, 0.0) + ev.audio_s
         t.input_tokens[name] = t.input_tokens.get(name, 0) + ev.input_tokens
         t.output_tokens[name] = t.output_tokens.get(name, 0) + ev.output_tokens
         if ev.start_s is not None and ev.end_s is not None and (ev.input_tokens or ev.output_tokens):

@@ -41,10 +41,11 @@ from turn.manager import TurnManager
 from turn.models import Plan, StopReason, StopReasonKind, Turn, TurnStatus
 from turn.runtime import TurnRuntime
 from turn.scope import TurnScope
+from turn.stopped import TurnStopped
 from turn.store import StoreUnavailable, UnknownTurn
 from turn.usage import Pricing
 from voice.dtmf import DigitStream
-from voice.errors import describe_error, stopped_by
+from voice.errors import describe_error, first_error, stopped_by
 from voice.transcription import Utterance
 from voice.turn_lifecycle import fail, open_scope, record_late_usage
 
@@ -226,8 +227,13 @@ class TurnHandle:
         except Exception as exc:
             if stopped_by(exc):
                 # A checkpoint found the stop in the store (its signal was
-                # missed): stop here as a signal would have.
+                # missed), or a limit (deadline, budget, steps, loop) the
+                # turn hit itself: stop here as a signal would have, with
+                # the limit as the reason (it was told as user_cancel).
                 self.ctx.tell_interrupted(self)
+                limit = first_error(exc)
+                if self.scope is not None and isinstance(limit, TurnStopped) and limit.kind is not None:
+                    self.scope.stop_self(limit)
                 if self.stop_task is None:
                     self.ctx.silence(self)
                     self.stop(None)

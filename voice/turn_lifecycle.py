@@ -44,7 +44,8 @@ from turn.log_content import error_text
 from turn.manager import TurnManager
 from turn.runtime import TurnRuntime
 from turn.scope import TurnScope
-from voice.errors import describe_error
+from voice.errors import describe_error, first_error
+from voice.recognition import SttError
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,12 @@ async def fail(manager: TurnManager, turn_id: str, generation: int, exc: BaseExc
     write. Returns whether the failure was recorded (False: the store
     refused it, logged; the caller's settle tries again)."""
     error = describe_error(exc)
-    log.error("turn %s failed: %s", turn_id, error_text(exc), exc_info=exc)  # the traceback without its message unless log_content
+    if isinstance(first_error(exc), SttError):
+        # no recogniser could answer: told as it happened (stt.failover, one
+        # warning each), an outcome of the service, not a fault of the code
+        log.warning("turn %s failed: %s", turn_id, error_text(exc))
+    else:
+        log.error("turn %s failed: %s", turn_id, error_text(exc), exc_info=exc)  # the traceback without its message unless log_content
     recorded = True
     try:
         await manager.fail(turn_id, error)

@@ -149,6 +149,7 @@ class Harness:
 
     async def start(self, inbound: InboundAudio | None = None) -> None:
         await self.manager.ensure_session("sess-1")
+        await self.session.providers.stt.start()
         self.inbound = self.transport.inbound = inbound or InboundAudio(self.mic, self.clock)
         self.run_task = asyncio.create_task(self.session.run())
         self.drain_task = asyncio.create_task(self._drain())

@@ -460,9 +460,10 @@ def results(**fields: Any) -> str:
     (json.dumps({"type": "UtteranceEnd", "channel": [0, 1], "last_word_end": "late"}), "last_word_end="),
     (b"\x00\x01binary", "binary frame"),
     (json.dumps({"type": "Results", "padding": "x" * (2 * 1024 * 1024)}), "bad WebSocket message"),
+    ("[" * 200_000, "not JSON"),  # nested beyond Python's recursion limit (a reviewer's find: it ended the stream silently)
 ], ids=["not-json", "array", "no-type", "alternatives-not-list", "channel-string", "start-string", "negative-duration",
         "is-final-string", "transcript-number", "word-start-string", "speech-started-no-timestamp",
-        "utterance-end-string", "binary-frame", "2-MB-message"])
+        "utterance-end-string", "binary-frame", "2-MB-message", "deeply-nested"])
 async def test_answers_that_are_not_the_protocol(rig: Callable[..., Any], frame: str | bytes, says: str) -> None:
     r = await rig(inject=[(0.0, SPEECH_STARTED), (0.0, frame)])
     stream = r.recogniser().open(StreamOptions())

@@ -23,7 +23,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
-from conftest import free_port, requires_espeak
+from aiohttp import web
+from conftest import free_port, requires_espeak, start_app
 
 from clock import SystemClock
 from media.frames import load_pcm
@@ -150,6 +151,13 @@ class Reader:
         return [e for e in self.events if isinstance(e, kind)]
 
 
+def interims_grow_to(texts: list[str], final: str) -> bool:
+    """The deltas came as interims of the text so far: at least one, each a
+    growing prefix of the final text (not one per delta: at most one every
+    ``openai_stt.INTERIM_EVERY_S``; the fake sends a word every 40 ms)."""
+    return bool(texts) and all(final.startswith(t) for t in texts) and all(len(a) < len(b) for a, b in zip(texts, texts[1:], strict=False))
+
+
 def feed(stream: OpenAiTranscriptionStream, pcm: bytes) -> None:
     for i in range(0, len(pcm), FRAME):
         stream.send(pcm[i : i + FRAME])
@@ -253,8 +261,7 @@ async def test_openai_stream_gives_interims_then_the_final(servers, recognisers,
     assert fake.requests[0].content_type == "text/event-stream"
     end = len(pcm) / 32000
     interims = reader.of(Interim)
-    assert [i.text for i in interims] == ["what", "what is", "what is the", "what is the weather", "what is the weather like",
-                                          "what is the weather like today"]
+    assert interims_grow_to([i.text for i in interims], "what is the weather like today")
     assert all((i.start_s, i.end_s) == (0.0, end) for i in interims)
     i, o = FakeTranscriptions.token_usage(end, "", "what is the weather like today")
     assert reader.events[len(interims):] == [
@@ -297,7 +304,7 @@ async def test_vllm_stream_of_chat_chunks(servers, recognisers, speech, usage_ch
     assert fake.requests[0].sent[-1] == "[DONE]"
     assert '"object": "transcription.chunk"' in fake.requests[0].sent[0]
     end = len(pcm) / 32000
-    assert [i.text for i in reader.of(Interim)] == ["please", "please order", "please order a", "please order a coffee"]
+    assert interims_grow_to([i.text for i in reader.of(Interim)], "please order a coffee")
     assert reader.of(Final) == [Final("please order a coffee", 0.0, end, finalized=True)]
     (usage,) = reader.of(RecognitionUsage)
     if usage_chunk:
@@ -761,3 +768,52 @@ async def test_the_fake_runs_standalone(grammar_file, recognisers, speech) -> No
         async with asyncio.timeout(10):
             await proc.wait()
     assert proc.returncode == 0
+
+
+async def _flood(n_deltas: int, delta: str) -> tuple[web.AppRunner, str]:
+    """A server that streams ``n_deltas`` tiny deltas, then done (a
+    reviewer's find: 4 MB of one-character deltas froze the event loop for
+    32 s, the client making an interim of the whole text for each)."""
+
+    async def transcriptions(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = "".join(f'data: {{"type":"transcript.text.delta","delta":"{delta}"}}\n\n' for _ in range(1000))
+        for _ in range(n_deltas // 1000):
+            await resp.write(chunk.encode())
+        text = delta * n_deltas
+        await resp.write(f'data: {{"type":"transcript.text.done","text":"{text[:100]}"}}\n\n'.encode())
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/audio/transcriptions", transcriptions)
+    return await start_app(app)
+
+
+async def test_a_flood_of_deltas_makes_few_interims_and_too_much_text_is_refused(recognisers, speech) -> None:
+    runner, url = await _flood(3000, "a ")  # 6,000 characters: answered, its interims at most every 0.1 s
+    try:
+        stream = recognisers(f"{url}/v1", stream=True).open(StreamOptions())
+        reader = Reader(stream)
+        feed(stream, speech("yeah"))
+        t0 = asyncio.get_running_loop().time()
+        stream.finalize()
+        await reader.ends()
+        took = asyncio.get_running_loop().time() - t0
+        assert reader.error is None and len(reader.of(Final)) == 1
+        assert len(reader.of(Interim)) <= took / 0.1 + 1
+        await stream.aclose()
+    finally:
+        await runner.cleanup()
+    runner, url = await _flood(11_000, "a ")  # 22,000 characters: no transcription
+    try:
+        stream = recognisers(f"{url}/v1", stream=True).open(StreamOptions())
+        reader = Reader(stream)
+        feed(stream, speech("yeah"))
+        stream.finalize()
+        error = await reader.failure()
+        assert error.kind == "protocol" and "20000 characters" in str(error)
+        await stream.aclose()
+    finally:
+        await runner.cleanup()

@@ -72,8 +72,8 @@ async def manager(store: SqliteStore) -> AsyncIterator[TurnManager]:
     yield m
 
 
-def start(run: TurnHandle, tg: asyncio.TaskGroup, answer: Any) -> None:
-    run.open_task = tg.create_task(run.write(None, plan=Plan(), pricing=Pricing()))
+def start(run: TurnHandle, tg: asyncio.TaskGroup, answer: Any, plan: Plan | None = None) -> None:
+    run.open_task = tg.create_task(run.write(None, plan=plan or Plan(), pricing=Pricing()))
     run.work = tg.create_task(run.work_on(answer))
     run.end_utterance(1.0)
 
@@ -281,3 +281,31 @@ async def test_a_tool_call_cut_off_by_the_deadline_is_cancelled_not_an_error(man
     tools = [name for name, _ in s.events if name.startswith("tool.")]
     assert tools == ["tool.started", "tool.cancelled"], tools
     assert (await manager.get(run.turn_id)).is_terminal
+
+
+async def test_a_limit_the_turn_hits_is_its_stop_reason(manager: TurnManager) -> None:
+    """What recognising the words cost (0.25 cents) is over the plan's
+    budget (0.1): the first model request's checkpoint stops the turn, and
+    it ends FAILED budget_exceeded, as a text turn does (a voice turn told
+    it as a user_cancel from a "signal": a reviewer's find)."""
+    model_called = False
+
+    async def answer(run: TurnHandle, scope: TurnScope, turn: Any) -> None:
+        nonlocal model_called
+        await run.final_transcript()
+        run.note_recognition()
+        await manager.checkpoint(turn.id, "before_model", expected_tokens=10)
+        model_called = True
+
+    async with asyncio.TaskGroup() as tg:
+        s = Session(manager, manager.clock, tg)  # type: ignore[arg-type]
+        run = s.turn()
+        start(run, tg, answer, Plan(budget_cents=0.1))
+        await run.work
+        assert run.stop_task is not None
+        await run.stop_task
+    turn = await manager.get(run.turn_id)
+    assert not model_called
+    assert turn.status is TurnStatus.FAILED and turn.stop_reason is not None
+    assert turn.stop_reason.kind is StopReasonKind.BUDGET_EXCEEDED and turn.stop_reason.initiator == "checkpoint"
+    assert turn.spent.cents == 0.25

@@ -74,6 +74,7 @@ class Call:
 
     async def start(self) -> None:
         await self.manager.ensure_session("wav-1")
+        await self.session.providers.stt.start()
         self.run_task = asyncio.create_task(self.session.run())
         self.follow_task = asyncio.create_task(self._follow())
         await self.wait_for(lambda: any(e["type"] == "session.ready" for e in self.events))

@@ -124,6 +124,32 @@ def test_new_barge_in_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.delenv(name)
 
 
+def test_speech_recognition_settings_are_checked(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """stt.*: each bad value is refused naming the setting, never echoing the key."""
+    monkeypatch.setenv("TURNKEEPER_STT__PROVIDER", "deepgram")
+    monkeypatch.setenv("TURNKEEPER_STT__API_KEY", "dg-secret-key-123")
+    monkeypatch.setenv("TURNKEEPER_STT__KEYTERMS", '["Ada", "Turnkeeper"]')
+    s = load_settings()
+    assert s.stt.provider == "deepgram" and s.stt.url == "wss://api.deepgram.com" and s.stt.model_name == "nova-3"
+    assert "dg-secret-key-123" not in repr(s)
+    for name, bad in (("TURNKEEPER_STT__PROVIDER", "watson"), ("TURNKEEPER_STT__CENTS_PER_MINUTE", "inf"),
+                      ("TURNKEEPER_STT__CENTS_PER_MINUTE", "nan"), ("TURNKEEPER_STT__INPUT_CENTS_PER_1K", "-1"),
+                      ("TURNKEEPER_STT__BASE_URL", "api.deepgram.com"),
+                      ("TURNKEEPER_STT__BASE_URL", "wss://api.deepgram.com/v1/listen?model=nova-2"),
+                      ("TURNKEEPER_STT__FALLBACK", "whisper"), ("TURNKEEPER_STT__KEEPALIVE_S", "12"),
+                      ("TURNKEEPER_STT__KEYTERMS", '["' + "x" * 101 + '"]'), ("TURNKEEPER_STT__FINAL_TIMEOUT_MS", "50")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name.removeprefix("TURNKEEPER_STT__").lower()):
+            load_settings()
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TURNKEEPER_STT__PROVIDER", "openai")
+    monkeypatch.setenv("TURNKEEPER_STT__WORD_TIMESTAMPS", "true")
+    with pytest.raises(ValueError, match="word_timestamps"):  # gpt-4o-transcribe, the default, has no verbose_json
+        load_settings()
+    monkeypatch.setenv("TURNKEEPER_STT__MODEL", "whisper-1")
+    assert load_settings().stt.word_timestamps
+
+
 def _setting_names(model: type[BaseModel], prefix: str = "") -> set[str]:
     """Dotted names of every leaf setting (``session.endpoint.silence_ms``)."""
     out: set[str] = set()
