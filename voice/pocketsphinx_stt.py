@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ from media.frames import VAD_RATE
 from voice import pocketsphinx_worker
 from voice.recognition import SpeechPricing, StreamOptions, SttAdaptation, SttError, Word
 from voice.segmented_stt import SegmentedStream
+from voice.worker_pool import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -70,41 +69,6 @@ class PocketsphinxConfig(BaseModel):
         return value
 
 
-class _Decoder:
-    """One worker process holding one pocketsphinx decoder."""
-
-    def __init__(self, config: PocketsphinxConfig) -> None:
-        grammar = str(config.grammar) if config.grammar is not None else None
-        self.executor = ProcessPoolExecutor(
-            max_workers=1,
-            mp_context=multiprocessing.get_context("spawn"),  # never fork an asyncio process
-            initializer=pocketsphinx_worker.init,
-            initargs=(grammar, config.cmn_start),
-        )
-        self.broken: BaseException | None = None
-        self.loaded = self.submit(pocketsphinx_worker.ping)
-        self.loaded.add_done_callback(self._note)
-
-    def submit(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
-        try:
-            return asyncio.wrap_future(self.executor.submit(fn, *args))
-        except (BrokenProcessPool, RuntimeError) as exc:
-            self.broken = exc
-            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            fut.set_exception(SttError(f"speech worker is gone: {exc}"))
-            return fut
-
-    def _note(self, fut: asyncio.Future[Any]) -> None:
-        if fut.cancelled():
-            return
-        exc = fut.exception()
-        if exc is not None:
-            self.broken = exc
-
-    def shutdown(self) -> None:
-        self.executor.shutdown(wait=True, cancel_futures=True)
-
-
 class PocketsphinxSTT:
     """:class:`voice.providers.UtteranceRecogniser` over a pool of pocketsphinx
     worker processes, and a :class:`voice.recognition.Recogniser` whose
@@ -124,15 +88,16 @@ class PocketsphinxSTT:
 
     def __init__(self, config: PocketsphinxConfig | None = None) -> None:
         self.config = config or PocketsphinxConfig()
-        self._all: list[_Decoder] = []
-        self._free: asyncio.Queue[_Decoder] | None = None
-        self._closed = False
-        self._started = False
+        grammar = str(self.config.grammar) if self.config.grammar is not None else None
+        self.pool = WorkerPool(
+            self.config.max_decoders,
+            lambda: Worker(pocketsphinx_worker.init, (grammar, self.config.cmn_start), pocketsphinx_worker.ping),
+        )
 
     @property
     def decoders(self) -> int:
         """Decoders loaded (or loading) now."""
-        return len(self._all)
+        return len(self.pool)
 
     async def start(self) -> None:
         """Load every decoder now (in parallel worker processes), so
@@ -143,19 +108,11 @@ class PocketsphinxSTT:
             FileNotFoundError: the configured grammar file is missing.
             RuntimeError: pocketsphinx cannot load the model or grammar.
         """
-        if self._started:
+        if self.pool.started:
             return
         if self.config.grammar is not None and not self.config.grammar.is_file():
             raise FileNotFoundError(f"JSGF grammar not found: {self.config.grammar}")
-        while len(self._all) < self.config.max_decoders:
-            dec = _Decoder(self.config)
-            self._all.append(dec)
-            self._queue().put_nowait(dec)
-        results = await asyncio.gather(*(d.loaded for d in self._all), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise RuntimeError(f"speech model failed to load: {errors[0]}") from errors[0]
-        self._started = True
+        await self.pool.start()
 
     def open_stream(self, adaptation: SttAdaptation | None = None) -> PocketsphinxStream:
         """Begin an utterance (never blocks; audio waits if no decoder is
@@ -166,7 +123,7 @@ class PocketsphinxSTT:
         Raises:
             RuntimeError: after :meth:`aclose`.
         """
-        if self._closed:
+        if self.pool.closed:
             raise RuntimeError("STT is closed")
         return PocketsphinxStream(self, adaptation)
 
@@ -179,55 +136,7 @@ class PocketsphinxSTT:
 
     async def aclose(self) -> None:
         """Stop every worker process, after the calls already queued. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        loop = asyncio.get_running_loop()
-        for dec in self._all:
-            await loop.run_in_executor(None, dec.shutdown)
-        self._all.clear()
-
-    # -- the pool ------------------------------------------------------------------
-
-    def _queue(self) -> asyncio.Queue[_Decoder]:
-        if self._free is None:
-            self._free = asyncio.Queue()
-        return self._free
-
-    def _acquire_nowait(self) -> _Decoder | None:
-        free = self._queue()
-        if not free.empty():
-            return free.get_nowait()
-        if len(self._all) < self.config.max_decoders:
-            dec = _Decoder(self.config)
-            self._all.append(dec)
-            return dec
-        return None
-
-    async def _acquire(self) -> _Decoder:
-        if self._closed:
-            raise RuntimeError("STT is closed")
-        dec = self._acquire_nowait()
-        if dec is not None:
-            return dec
-        # No suspension between get() returning and the caller storing it,
-        # so a cancelled waiter never loses a decoder.
-        return await self._queue().get()
-
-    def _release(self, dec: _Decoder) -> None:
-        if self._closed:
-            return
-        if dec.broken is not None:
-            # A worker that failed (crashed, could not load) is replaced.
-            log.warning("speech worker failed (%s); replacing it", dec.broken)
-            self._all.remove(dec)
-            asyncio.get_running_loop().run_in_executor(None, dec.shutdown)
-            if not self._closed and len(self._all) < self.config.max_decoders and self._started:
-                fresh = _Decoder(self.config)
-                self._all.append(fresh)
-                self._queue().put_nowait(fresh)
-            return
-        self._queue().put_nowait(dec)
+        await self.pool.aclose()
 
 
 class PocketsphinxStream:
@@ -241,7 +150,7 @@ class PocketsphinxStream:
     def __init__(self, owner: PocketsphinxSTT, adaptation: SttAdaptation | None = None) -> None:
         self._owner = owner
         self._adaptation = adaptation
-        self._decoder: _Decoder | None = None
+        self._decoder: Worker | None = None
         self._pending: list[bytes] = []
         self._pending_bytes = 0
         self._batch = bytearray()
@@ -254,7 +163,7 @@ class PocketsphinxStream:
         self._attached.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _attach(self) -> None:
-        dec = await self._owner._acquire()
+        dec = await self._owner.pool.acquire()
         self._decoder = dec
         self._submit(pocketsphinx_worker.start, self._adaptation.state if self._adaptation is not None else None)
         if self._pending:
@@ -361,5 +270,5 @@ class PocketsphinxStream:
         dec = self._decoder
         assert dec is not None
         fut = self._submit(fn)
-        fut.add_done_callback(lambda _: self._owner._release(dec))
+        fut.add_done_callback(lambda _: self._owner.pool.release(dec))
         return fut

@@ -69,7 +69,7 @@ def init(grammar: str | None, cmn_start: str = "model") -> None:
 
     from pocketsphinx import Decoder
 
-    _exit_with_parent(os.getppid())
+    exit_with_parent(os.getppid())
 
     kwargs: dict[str, Any] = {"samprate": SAMPLE_RATE, "loglevel": "FATAL"}
     if grammar is not None:
@@ -167,7 +167,7 @@ def abandon() -> None:
         _decoder.end_utt()
 
 
-def _exit_with_parent(parent: int, every_s: float = 0.5) -> None:
+def exit_with_parent(parent: int, every_s: float = 0.5) -> None:
     """Exit this worker once the server that started it is gone.
 
     A server killed outright (SIGKILL, an OOM kill) runs no cleanup, and a

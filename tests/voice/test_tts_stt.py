@@ -297,7 +297,7 @@ async def test_a_dead_worker_is_replaced(say: Callable[..., Path], grammar_file:
     stt = PocketsphinxSTT(PocketsphinxConfig(grammar=grammar_file, max_decoders=1))
     try:
         await stt.start()
-        [dec] = stt._all
+        [dec] = stt.pool._all
         s = stt.open_stream()
         await asyncio.sleep(0.1)
         for pid in list(dec.executor._processes):  # kill the worker mid-utterance
