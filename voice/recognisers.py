@@ -3,8 +3,11 @@ recognisers they name (issue 28).
 
 ``stt.provider`` picks one:
 
-- ``pocketsphinx``: the embedded recogniser (offline, no key), segmented by
-  our own endpointing (:mod:`voice.pocketsphinx_stt`);
+- ``whisper`` (the default): Whisper tiny.en, embedded (offline, no key,
+  weights from a pinned package), segmented by our own endpointing
+  (:mod:`voice.whisper_stt`);
+- ``pocketsphinx``: the light embedded recogniser for the smallest
+  machines, far less accurate (:mod:`voice.pocketsphinx_stt`);
 - ``deepgram``: Deepgram's live WebSocket (:mod:`voice.deepgram_stt`);
 - ``openai_realtime``: an OpenAI Realtime transcription session, GA or the
   older beta shape that speaches speaks (:mod:`voice.openai_realtime_stt`);
@@ -13,8 +16,9 @@ recognisers they name (issue 28).
   its path remapped; :mod:`voice.openai_stt`).
 
 With a provider, ``stt.fallback = "embedded"`` (the default) keeps the
-embedded recogniser loaded and takes over when the provider fails
-(:mod:`voice.stt_failover`); ``"none"`` ends the waiting turns FAILED.
+embedded recogniser ``stt.embedded`` (Whisper unless set) loaded and
+takes over when the provider fails (:mod:`voice.stt_failover`); ``"none"``
+ends the waiting turns FAILED.
 Wire formats: shared/reference/speech-providers.md.
 """
 
@@ -28,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from voice import pocketsphinx_worker
 from voice.pocketsphinx_stt import PocketsphinxConfig, PocketsphinxSTT
 from voice.recognition import Recogniser, SpeechPricing
+from voice.whisper_stt import WhisperConfig, WhisperSTT
 
 #: each provider's base URL when ``stt.base_url`` is empty
 DEFAULT_BASE_URL = {
@@ -47,8 +52,9 @@ class SttConfig(BaseModel):
     """Speech recognition settings (env ``TURNKEEPER_STT__*``, TOML ``[stt]``).
 
     Attributes:
-        provider: ``"pocketsphinx"`` (embedded), ``"deepgram"``,
-            ``"openai_realtime"`` or ``"openai"`` (see the module doc).
+        provider: ``"whisper"`` or ``"pocketsphinx"`` (embedded),
+            ``"deepgram"``, ``"openai_realtime"`` or ``"openai"`` (see the
+            module doc).
         base_url: where the provider is. Deepgram: the host
             (``wss://api.deepgram.com``; the client adds ``/v1/listen``);
             the OpenAI ones: the URL up to ``/v1``, as ``llm.base_url``
@@ -93,14 +99,20 @@ class SttConfig(BaseModel):
             audio input / text output tokens, for providers that bill tokens.
         billed_by: ``"audio"`` or ``"connection"``: what a session's
             minutes are priced on (see :class:`voice.recognition.SpeechPricing`).
-        grammar / max_decoders / cmn_start: the embedded pocketsphinx
-            recogniser's (:class:`voice.pocketsphinx_stt.PocketsphinxConfig`);
-            it also serves as the fallback.
+        embedded: the embedded recogniser a provider falls back to.
+        max_decoders: utterances an embedded recogniser decodes at once,
+            across sessions: its worker processes (Whisper: about 150 MB each).
+        threads: CPU threads of each Whisper decode.
+        beam_size: Whisper's beam search width (1: greedy).
+        model_dir: a faster-whisper model directory to load instead of the
+            pinned package's tiny.en (not checked: it is yours).
+        grammar / cmn_start: the embedded pocketsphinx recogniser's
+            (:class:`voice.pocketsphinx_stt.PocketsphinxConfig`).
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    provider: Literal["pocketsphinx", "deepgram", "openai_realtime", "openai"] = "pocketsphinx"
+    provider: Literal["whisper", "pocketsphinx", "deepgram", "openai_realtime", "openai"] = "whisper"
     base_url: str = Field("", max_length=2000, pattern=r"^((https?|wss?)://\S+)?$")
     api_key: SecretStr = SecretStr("")
     model: str = Field("", max_length=200)
@@ -120,8 +132,12 @@ class SttConfig(BaseModel):
     input_cents_per_1k: float = Field(0.0, ge=0, allow_inf_nan=False)
     output_cents_per_1k: float = Field(0.0, ge=0, allow_inf_nan=False)
     billed_by: Literal["audio", "connection"] = "audio"
-    grammar: Path | None = None
+    embedded: Literal["whisper", "pocketsphinx"] = "whisper"
     max_decoders: int = Field(2, ge=1, le=64)
+    threads: int = Field(1, ge=1, le=32)
+    beam_size: int = Field(5, ge=1, le=16)
+    model_dir: Path | None = None
+    grammar: Path | None = None
     cmn_start: str = "model"
 
     @field_validator("cmn_start")
@@ -157,10 +173,42 @@ class SttConfig(BaseModel):
                              f"not {self.model_name}")
         return self
 
+    @model_validator(mode="after")
+    def _pocketsphinx_settings_for_pocketsphinx(self) -> SttConfig:
+        """A grammar set for a recogniser that does not read one would be
+        ignored silently: the transcripts would not be what it promises."""
+        if self.embedded_name != "pocketsphinx" and (self.grammar is not None or self.cmn_start != "model"):
+            raise ValueError("grammar and cmn_start are pocketsphinx settings: set stt.provider (or, with a provider, "
+                             "stt.embedded) to pocketsphinx to use them")
+        return self
+
+    @model_validator(mode="after")
+    def _embedded_hears_the_language(self) -> SttConfig:
+        """The packaged Whisper model hears English only: say so now, not
+        as English words made of another language's speech."""
+        if self.embedded_name == "whisper" and (self.provider == "whisper" or self.fallback == "embedded"):
+            self.whisper  # noqa: B018 (validates)
+        return self
+
     @property
     def pocketsphinx(self) -> PocketsphinxConfig:
         """The embedded recogniser's settings."""
         return PocketsphinxConfig(grammar=self.grammar, max_decoders=self.max_decoders, cmn_start=self.cmn_start)
+
+    @property
+    def whisper(self) -> WhisperConfig:
+        """The embedded Whisper recogniser's settings."""
+        return WhisperConfig(
+            model_dir=self.model_dir, workers=self.max_decoders, threads=self.threads, language=self.language or "en",
+            beam_size=self.beam_size, keyterms=tuple(self.keyterms),
+        )
+
+    @property
+    def embedded_name(self) -> Literal["whisper", "pocketsphinx"]:
+        """The embedded recogniser in use: the provider if it is one, else ``embedded``."""
+        if self.provider in ("whisper", "pocketsphinx"):
+            return self.provider
+        return self.embedded
 
     @property
     def pricing(self) -> SpeechPricing:
@@ -184,12 +232,15 @@ class SttConfig(BaseModel):
 def build_recognisers(config: SttConfig) -> tuple[Recogniser, Recogniser | None]:
     """The configured recogniser and its fallback (None: none), unstarted.
 
-    With ``provider = "pocketsphinx"`` the embedded one is the recogniser
-    and there is no fallback.
+    With an embedded provider (``whisper``, ``pocketsphinx``) it is the
+    recogniser and there is no fallback; with another, the fallback is the
+    ``embedded`` one (or none).
     """
-    embedded = PocketsphinxSTT(config.pocketsphinx)
+    embedded: Recogniser = (
+        WhisperSTT(config.whisper) if config.embedded_name == "whisper" else PocketsphinxSTT(config.pocketsphinx)
+    )
     primary: Recogniser
-    if config.provider == "pocketsphinx":
+    if config.provider in ("whisper", "pocketsphinx"):
         return embedded, None
     if config.provider == "deepgram":
         from voice.deepgram_stt import DeepgramRecogniser

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -210,6 +210,40 @@ class SttAdaptation:
 
     def __init__(self) -> None:
         self.state: Any = None
+
+
+@runtime_checkable
+class TentativeStream(UtteranceStream, Protocol):
+    """An utterance stream that can decode what it has so far without
+    ending (Whisper: a whole-utterance decoder, so the decode it would do at
+    the end can start at the user's pause instead)."""
+
+    async def decode_so_far(self) -> str:
+        """The transcript of the audio fed so far ("" if none was heard);
+        the stream stays open. Cancelling the wait leaves the decode to
+        finish on its own.
+
+        Raises:
+            SttError: the decode failed.
+        """
+        ...
+
+
+@runtime_checkable
+class PauseHints(Protocol):
+    """A :class:`RecognitionStream` that takes hints of the user's pauses
+    within an utterance (a recogniser of whole utterances starts a
+    tentative decode at a pause; one that streams has no use for them)."""
+
+    def speech_paused(self) -> None:
+        """The user stopped speaking (our detector's speech_stopped): the
+        audio sent after this is silence unless :meth:`speech_resumed`
+        comes before the finalize."""
+        ...
+
+    def speech_resumed(self) -> None:
+        """The user speaks again in the same utterance."""
+        ...
 
 
 class UtteranceRecogniser(Protocol):

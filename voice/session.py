@@ -275,6 +275,12 @@ class AgentSession(SessionControls):
         for d in decisions:
             if isinstance(d, Announce):
                 self._send(Vad(generation=self.fence.active, event=d.event))
+                heard = self._listening.stt if self._listening is not None else None
+                if isinstance(heard, Utterance):  # a pause in the utterance listened to, or the user going on
+                    if d.event in ("speech_stopped", "speech_rejected"):
+                        heard.speech_paused()
+                    elif d.event == "speech_started":
+                        heard.speech_resumed()
             elif isinstance(d, Pause):
                 self.playout.pause(trial=d.trial)
                 self._held = [*self._preroll]

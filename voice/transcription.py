@@ -64,6 +64,7 @@ from voice.recognition import (
     EndOfUtterance,
     Final,
     Interim,
+    PauseHints,
     Recogniser,
     RecognitionError,
     RecognitionEvent,
@@ -184,6 +185,16 @@ class Utterance:
         """The audio so far is complete for now: finalize its open segment
         (more audio later opens another)."""
         self._transcription._finalize(self)
+
+    def speech_paused(self) -> None:
+        """The user paused in it (speech_stopped while it is listened to):
+        a recogniser of whole utterances may decode it so far now
+        (:class:`voice.recognition.PauseHints`)."""
+        self._transcription._hint(self, paused=True)
+
+    def speech_resumed(self) -> None:
+        """The user speaks again in it."""
+        self._transcription._hint(self, paused=False)
 
     def drop(self) -> None:
         """It was not speech (noise, echo) or not a request (a backchannel):
@@ -567,6 +578,16 @@ class Transcription:
             if seg.finals and max(f.end_s for f in seg.finals) >= seg.end_s - END_TOLERANCE_S:
                 self._complete(seg)  # its finals already reach its end: the finalize's answer adds nothing
         self._wake.set()
+
+    def _hint(self, utt: Utterance, *, paused: bool) -> None:
+        """Pass a pause hint on, if ``utt`` is being sent and the stream takes them."""
+        seg = self._open
+        if seg is None or seg.utterance is not utt or not isinstance(self._stream, PauseHints):
+            return
+        if paused:
+            self._stream.speech_paused()
+        else:
+            self._stream.speech_resumed()
 
     def _discard(self, utt: Utterance) -> None:
         seg = self._open

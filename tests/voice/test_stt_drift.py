@@ -1,8 +1,8 @@
 """Issue 11.1 (shared/cases/recognition-drift.md): the same audio is heard
 the same way in a server's first utterance and its two-hundredth, and no
 utterance (another session's speech, noise, a tone) changes how a later one
-is heard. Through the real decoder pool (worker processes), free-form and
-with a grammar."""
+is heard. Through the real decoder pool (worker processes): Whisper (the
+default), and pocketsphinx free-form and with a grammar."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TEST_PHRASES, requires_espeak
+from conftest import TEST_PHRASES, plain, requires_espeak
 
 from media.frames import VAD_RATE, load_pcm
 from voice.pocketsphinx_stt import PocketsphinxConfig, PocketsphinxSTT
+from voice.recognition import UtteranceRecogniser
+from voice.whisper_stt import WhisperConfig, WhisperSTT
 
 pytestmark = requires_espeak
 
@@ -54,7 +56,7 @@ def stimuli(say: Callable[..., Path], n: int) -> list[bytes]:
     return out
 
 
-async def recognise(stt: PocketsphinxSTT, pcm: bytes) -> str:
+async def recognise(stt: UtteranceRecogniser, pcm: bytes) -> str:
     stream = stt.open_stream()
     for i in range(0, len(pcm), 640):  # 20 ms frames, as a session feeds them
         stream.feed(pcm[i : i + 640])
@@ -77,6 +79,26 @@ async def test_the_same_clips_are_heard_the_same_after_200_other_utterances(
         assert after == before
         if grammar:  # and what is heard is right, for the phrases the grammar has
             assert [h for h, p in zip(before[0::2], PROBES, strict=True) if p in TEST_PHRASES] == [p for p in PROBES if p in TEST_PHRASES]
+    finally:
+        await stt.aclose()
+
+
+async def test_whisper_hears_the_same_clips_the_same_after_100_other_utterances(say: Callable[..., Path]) -> None:
+    """Whisper is stateless per utterance (no earlier text as its prompt,
+    the same fixed prompt for all): the probes are heard the same before
+    and after 100 other utterances, noise and tones, on both workers; and
+    heard right."""
+    stt = WhisperSTT(WhisperConfig(workers=2))
+    await stt.start()
+    try:
+        probes = [speech(say(p)) for p in PROBES]
+        before = [await recognise(stt, p) for p in probes for _ in range(2)]  # on both workers
+        assert before[0::2] == before[1::2]
+        for pcm in stimuli(say, 100):
+            await recognise(stt, pcm)
+        after = [await recognise(stt, p) for p in probes for _ in range(2)]
+        assert after == before
+        assert [plain(h) for h in before[0::2]] == PROBES
     finally:
         await stt.aclose()
 

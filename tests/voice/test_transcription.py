@@ -81,8 +81,10 @@ class ScriptedStream:
 class ScriptedRecogniser:
     """Opens scripted streams and keeps them for the test."""
 
-    def __init__(self, name: str, cents_per_minute: float = 0.0, final_timeout_s: float | None = None) -> None:
+    def __init__(self, name: str, cents_per_minute: float = 0.0, final_timeout_s: float | None = None,
+                 stream_type: type[ScriptedStream] = ScriptedStream) -> None:
         self.name = name
+        self.stream_type = stream_type
         self.pricing = SpeechPricing(cents_per_minute=cents_per_minute)
         self.final_timeout_s = final_timeout_s
         self.streams: list[ScriptedStream] = []
@@ -91,7 +93,7 @@ class ScriptedRecogniser:
         pass
 
     def open(self, options: StreamOptions) -> ScriptedStream:
-        stream = ScriptedStream(self.name)
+        stream = self.stream_type(self.name)
         self.streams.append(stream)
         return stream
 
@@ -485,3 +487,49 @@ async def test_words_that_stay_put_as_interims_grow_are_settled(clock: VirtualCl
             await settle()
             seen.append(a.settled_words)
         assert seen == ["", "", "wait", "wait a"] and a.settled_text is None
+
+
+class HintedStream(ScriptedStream):
+    """A scripted stream that takes pause hints (as the embedded Whisper's does)."""
+
+    def speech_paused(self) -> None:
+        self.calls.append(f"paused@{self.sent_s:.2f}")
+
+    def speech_resumed(self) -> None:
+        self.calls.append(f"resumed@{self.sent_s:.2f}")
+
+
+async def test_pause_hints_reach_a_stream_that_takes_them_for_the_utterance_being_sent(clock: VirtualClock) -> None:
+    """The session's pause hints go to the stream while the utterance's
+    audio is being sent, and never for an utterance already finalized or
+    dropped; a stream without hints (a provider's) is simply not told."""
+    primary = ScriptedRecogniser("whisper", stream_type=HintedStream)
+    async with Rig(clock, primary) as rig:
+        utt = rig.t.begin()
+        rig.say(utt, 1.0)
+        utt.speech_paused()
+        rig.say(utt, 0.2)
+        utt.speech_resumed()
+        rig.say(utt, 0.4)
+        utt.speech_paused()
+        task = await finished(utt)
+        utt.speech_paused()  # finalized: not passed on
+        [stream] = primary.streams
+        assert stream.calls == ["paused@1.00", "resumed@1.20", "paused@1.60", "finalize@1.60"]
+        stream.answer(Final("what is the weather", 0.0, 1.6, finalized=True))
+        assert await asyncio.wait_for(task, 1) == "what is the weather"
+        other = rig.t.begin()
+        rig.say(other, 0.3)
+        other.drop()
+        other.speech_paused()
+        assert stream.calls[-1] == "discard@1.90"
+    plain_recogniser = ScriptedRecogniser("deepgram")
+    async with Rig(clock, plain_recogniser) as rig:
+        utt = rig.t.begin()
+        rig.say(utt, 0.5)
+        utt.speech_paused()  # no such method on its stream: nothing happens
+        utt.speech_resumed()
+        task = await finished(utt)
+        assert plain_recogniser.streams[0].calls == ["finalize@0.50"]
+        plain_recogniser.streams[0].answer(Final("okay", 0.0, 0.5, finalized=True))
+        assert await asyncio.wait_for(task, 1) == "okay"

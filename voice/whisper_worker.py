@@ -1,0 +1,115 @@
+"""What runs inside one Whisper worker process (:mod:`voice.worker_pool`).
+
+faster-whisper (CTranslate2) holds Python's GIL while it loads the model
+and for much of a decode, so the model lives in worker processes and only
+these functions run there. They import faster-whisper only here, so the
+server's own process never loads it.
+
+Nothing is ever fetched from a hub: the model is loaded by path from the
+pinned package's directory, with ``local_files_only`` and the Hugging Face
+hub offline (``HF_HUB_OFFLINE=1`` before faster-whisper imports
+``huggingface_hub``), so a missing file is an error, never a download.
+
+Every utterance is decoded on its own: beam search (``stt.beam_size``, 5
+by default), ``temperature=0`` (no sampling), ``condition_on_previous_text
+=False``, no VAD of faster-whisper's own (our endpointing segmented it),
+and always the same prompt, :data:`PROMPT` and the server's keyterms: the
+same audio gives the same text in a server's first and thousandth session,
+whatever any other session said (shared/cases/recognition-drift.md).
+
+On the 68 spoken utterances of tests/recognition_corpus.py, decoded here
+directly (2 threads): greedy 21.6% word errors, beam 5 15.7% for 30 ms
+more per utterance (p50 304 -> 331 ms); beam 8 15.1%. The demo shop's
+item names as keyterms: 13.5%.
+
+The prompt is there for backchannels: without it tiny.en hears espeak-ng's
+"mhm" as "M-H-M." and "mm hmm" as "Mm-mm." or "And then, then." (words the
+backchannel judge cannot let go), with it as "Mm-hmm."; "two" becomes
+"Two." rather than "2". Its cost: on noise or silence the model then says
+"Mm-hmm." with a no-speech probability of about 0.8 (without it, nothing),
+so segments above :data:`NO_SPEECH_MAX` are dropped (real speech measured
+0.02 to 0.3).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+_model: Any = None
+_language: str = "en"
+_beam_size: int = 5
+_prompt: str = ""
+
+#: 16 kHz mono s16, as voice.recognition.STREAM_RATE
+SAMPLE_RATE = 16_000
+#: the prompt every decode gets, the same for all (see the module doc)
+PROMPT = "Mm-hmm, uh-huh."
+#: a segment whose no-speech probability is above this is dropped
+NO_SPEECH_MAX = 0.6
+
+
+def init(model_dir: str, threads: int, language: str, beam_size: int = 5, keyterms: tuple[str, ...] = ()) -> None:
+    """Load the model from ``model_dir`` in this process, on the CPU, int8,
+    with ``threads`` threads for its decodes, beam search of ``beam_size``,
+    and :data:`PROMPT` followed by ``keyterms`` (names and products to
+    listen for) as every decode's prompt.
+
+    Raises:
+        RuntimeError / OSError: the model cannot be loaded from that directory.
+    """
+    global _model, _language, _beam_size, _prompt
+    import os
+
+    os.environ["HF_HUB_OFFLINE"] = "1"  # before huggingface_hub is imported: never a download
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    from voice.pocketsphinx_worker import exit_with_parent
+
+    exit_with_parent(os.getppid())
+    from faster_whisper import WhisperModel
+
+    _model = WhisperModel(
+        model_dir, device="cpu", compute_type="int8", cpu_threads=threads, num_workers=1, local_files_only=True
+    )
+    _language = language.split("-")[0].split("_")[0].lower() or "en"
+    _beam_size = beam_size
+    _prompt = PROMPT + (" " + ", ".join(keyterms) + "." if keyterms else "")
+
+
+def ping() -> bool:
+    """True once the model is loaded (the pool awaits this)."""
+    return _model is not None
+
+
+def transcribe(pcm: bytes) -> tuple[str, float | None]:
+    """Recognise one utterance: 16 kHz mono s16 ``pcm``. Returns its text
+    ("" if none was heard) and its confidence (the mean token probability,
+    0 to 1; None with no text). No word timings: asking faster-whisper for
+    them costs a second alignment pass per utterance.
+
+    Raises:
+        RuntimeError: the model is not loaded.
+    """
+    if _model is None:
+        raise RuntimeError("the Whisper model is not loaded in this worker")
+    import numpy as np
+
+    audio = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
+    if audio.size == 0:
+        return "", None
+    segments, _info = _model.transcribe(
+        audio,
+        language=_language,
+        task="transcribe",
+        beam_size=_beam_size,
+        temperature=0.0,
+        condition_on_previous_text=False,
+        initial_prompt=_prompt,
+        without_timestamps=True,
+        vad_filter=False,
+    )
+    kept = [s for s in segments if s.text.strip() and s.no_speech_prob <= NO_SPEECH_MAX]
+    if not kept:
+        return "", None
+    text = " ".join(s.text.strip() for s in kept)
+    return text, math.exp(sum(s.avg_logprob for s in kept) / len(kept))
