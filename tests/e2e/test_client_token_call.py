@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import requires_espeak, start_app
+from conftest import plain, requires_espeak, start_app
 
 from client.call import CallClient
 from client.results import Utterance
@@ -51,9 +51,9 @@ class RecordingProviders(EmbeddedProviders):
 
 
 @pytest.fixture
-async def server(tmp_path: Path, grammar_file: Path) -> AsyncIterator[tuple[Any, str, RecordingProviders]]:
+async def server(tmp_path: Path) -> AsyncIterator[tuple[Any, str, RecordingProviders]]:
     settings = Settings(
-        store=f"sqlite:///{tmp_path}/t.db", stt={"grammar": grammar_file},
+        store=f"sqlite:///{tmp_path}/t.db",
         api_tokens=f"acme:{TOKEN_A},globex:{TOKEN_B}",
         plans={"acme": {"deadline_s": 120, "budget_tokens": 5000, "budget_cents": 50, "max_steps": 6}},
     )
@@ -89,7 +89,7 @@ async def test_a_client_token_call_runs_under_its_tenant_plan_and_instructions(
     assert providers.sent, "no model request"
     first = providers.sent[0]
     assert first[0].role == "system" and first[0].content == "You are the Acme helpdesk. Answer briefly."
-    assert first[-1].role == "user" and first[-1].content == "what is the weather like today"
+    assert first[-1].role == "user" and plain(first[-1].content) == "what is the weather like today"
     # the token is used: a second call with it is refused
     again = CallClient(url, token=minted["client_token"])
     with pytest.raises(Exception, match="invalid_client_token"):

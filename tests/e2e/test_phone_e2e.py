@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-from conftest import requires_espeak, start_app
+from conftest import plain, requires_espeak, start_app
 
 from client.phone_call import FENCE_CLEAR_SLACK_S, PhoneCallClient
 from client.results import Utterance
@@ -39,9 +39,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-async def phone_server(tmp_path: Path, grammar_file: Path) -> AsyncIterator[str]:
+async def phone_server(tmp_path: Path) -> AsyncIterator[str]:
     app = create_app(
-        Settings(store=f"sqlite:///{tmp_path}/var/t.db", stt={"grammar": grammar_file}, api_tokens=f"default:{TOKEN}")
+        Settings(store=f"sqlite:///{tmp_path}/var/t.db", api_tokens=f"default:{TOKEN}")
     )
     runner, url = await start_app(app)
     yield url
@@ -68,7 +68,7 @@ async def test_a_twilio_caller_asks_and_hears_the_answer(phone_server: str, say:
     )
     assert result.ok and result.protocol_errors == [], result.as_dict()
     [turn] = result.turns
-    assert turn.transcript == "what is the weather like today"
+    assert "weather" in plain(turn.transcript)
     assert turn.status == "COMPLETED" and "sunny" in turn.reply
     # the caller heard the answer: a second or more of agent audio at the ear
     assert result.received_audio_ms >= 1000 and out.stat().st_size > 16_000
@@ -83,7 +83,7 @@ async def test_a_barge_in_over_twilio_clears_what_the_caller_would_still_hear(
     assert result.ok and result.protocol_errors == [], result.as_dict()
     old, new = result.turns
     assert old.status == "CANCELLED" and old.stop_reason == "barge_in"
-    assert new.transcript == "what is the weather like today" and new.status == "COMPLETED"
+    assert "weather" in plain(new.transcript) and new.status == "COMPLETED"
     [m] = result.barge_ins
     assert m.barged_in and m.speaking_at_onset
     # the clear came with the fence, at once, and nothing old played after it
@@ -103,29 +103,27 @@ async def test_a_telnyx_caller_with_frames_out_of_order_is_understood(phone_serv
     )
     assert result.ok and result.protocol_errors == [], result.as_dict()
     [turn] = result.turns
-    assert turn.transcript == "what is the weather like today" and turn.status == "COMPLETED"
+    assert "weather" in plain(turn.transcript) and turn.status == "COMPLETED"
     assert result.received_audio_ms >= 1000
 
 
 def test_the_readme_phone_call_prints_a_timeline_with_its_stop_time(say: Callable[..., Path], tmp_path: Path) -> None:
-    gram = tmp_path / "demo.gram"
-    gram.write_text("#JSGF V1.0;\ngrammar demo;\npublic <utt> = tell me a story | what is the weather like today;\n")
     proc = run(
         ["call", "--local", "--phone", "twilio", "--wav", str(say("tell me a story")),
          "--barge-in", str(say("what is the weather like today")), "--at", "1.0"],
-        tmp_path, env={"TURNKEEPER_STT__GRAMMAR": str(gram)}, timeout=120,
+        tmp_path, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert out.startswith("phone call (twilio media stream)\nsession ")
-    assert "CANCELLED (barge_in)" in out and "user:  'what is the weather like today'" in out
+    assert "CANCELLED (barge_in)" in out and re.search(r"user:  '[^']*weather[^']*'", out), out
     assert re.search(r"audible stop at the caller's ear \d+ ms", out), out
     assert re.search(r"clear \+\d+ ms after the fence", out), out
     assert (tmp_path / "heard.wav").stat().st_size > 16_000
 
 
 def test_a_phone_call_to_nowhere_is_one_clear_error(say: Callable[..., Path], tmp_path: Path) -> None:
-    proc = run(["call", "--server", "http://127.0.0.1:1", "--phone", "twilio", "--wav", str(say("hello there"))], tmp_path)
+    proc = run(["call", "--server", "http://127.0.0.1:1", "--phone", "twilio", "--wav", str(say("hello again"))], tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith("turnkeeper: ") and "cannot reach" in proc.stderr
 

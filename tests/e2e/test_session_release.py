@@ -79,8 +79,8 @@ class Tracker:
 
 
 @pytest.fixture
-async def served(tmp_path: Path, grammar_file: Path) -> AsyncIterator[tuple[web.Application, str]]:
-    app = create_app(Settings(store=f"sqlite:///{tmp_path}/var/t.db", stt={"grammar": grammar_file}))
+async def served(tmp_path: Path) -> AsyncIterator[tuple[web.Application, str]]:
+    app = create_app(Settings(store=f"sqlite:///{tmp_path}/var/t.db"))
     runner, url = await start_app(app)
     yield app, url
     await runner.cleanup()

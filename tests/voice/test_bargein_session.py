@@ -15,7 +15,7 @@ import corpus as C
 import numpy as np
 import pytest
 from av.audio.frame import AudioFrame
-from conftest import requires_espeak
+from conftest import plain, requires_espeak
 from test_agent_session import Harness, Mic, pcm48
 
 from demo_shop.service import DemoService
@@ -54,10 +54,10 @@ async def story_playing(h: Harness, say: Callable[..., Path], frames: int = 25) 
     await h.wait_for(lambda: 1 in h.track.audit.per_generation and h.track.audit.per_generation[1].frames > frames)
 
 
-def paying_harness(store: SqliteStore, grammar_file: Path, slow_s: float) -> tuple[Harness, DemoService]:
+def paying_harness(store: SqliteStore, slow_s: float) -> tuple[Harness, DemoService]:
     """A harness whose agent has the demo tools, with payments that take
     ``slow_s`` seconds to commit."""
-    h = Harness(store, grammar_file)
+    h = Harness(store)
     service = DemoService(h.clock, latency_s=0.02)
     service.slow_s = slow_s
     service.inject("payment", "slow")
@@ -68,8 +68,8 @@ def paying_harness(store: SqliteStore, grammar_file: Path, slow_s: float) -> tup
 
 
 @pytest.fixture
-async def h(store: SqliteStore, grammar_file: Path):  # type: ignore[no-untyped-def]
-    harness = Harness(store, grammar_file)
+async def h(store: SqliteStore):  # type: ignore[no-untyped-def]
+    harness = Harness(store)
     await harness.start()
     yield harness
     if not harness.run_task.done():
@@ -159,14 +159,14 @@ class QuietMic(Mic):
 
 
 async def test_a_client_that_goes_quiet_during_a_pause_gets_the_reply_back(
-    store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+    store: SqliteStore, say: Callable[..., Path]
 ) -> None:
     """A tone pauses the reply (stage 1 on the gate alone: the speech-onset
     check would not pause for a tone); the client's audio then stops
     altogether before the detector could reject it. The stretch without
     audio is filled with silence, so the rejection comes on time and the
     reply resumes; the turn goes on."""
-    h = Harness(store, grammar_file)
+    h = Harness(store)
     h.mic = QuietMic()
     await h.start(InboundAudio(h.mic, h.clock, bargein=BargeInConfig(pause_speech_threshold=0)))
     try:
@@ -193,7 +193,7 @@ async def test_a_backchannel_cancels_nothing_and_is_not_the_next_turn(
     h.mic.say(pcm48(say("uh-huh")))
     await h.wait_for(lambda: "backchannel" in types(h), timeout=10)
     [bc] = [e for e in h.events if e["type"] == "backchannel"]
-    assert bc["text"] in ("uh-huh", "") and bc["paused_ms"] > 0  # heard as such, or as no word at all
+    assert plain(bc["text"]) == "uh huh" and bc["paused_ms"] > 0  # heard as such
     assert "barge_in" not in types(h) and h.playout.cleared_frames == 0
     [turn] = await store.list_session("sess-1")
     assert turn.status is TurnStatus.RUNNING
@@ -202,8 +202,8 @@ async def test_a_backchannel_cancels_nothing_and_is_not_the_next_turn(
     await h.wait_for(lambda: any(e.get("status") == "COMPLETED" for e in h.turn_events()), timeout=30)
     story, weather = await store.list_session("sess-1")
     assert story.stop_reason is not None and story.stop_reason.kind is StopReasonKind.BARGE_IN
-    assert weather.transcript == "what is the weather like today"  # the "uh-huh" is not in it
-    assert [m.content for m in (await h.session.history()) if m.role == "user"] == ["tell me a story", weather.transcript]
+    assert plain(weather.transcript) == "what is the weather like today"  # the "uh-huh" is not in it
+    assert [plain(m.content) for m in (await h.session.history()) if m.role == "user"] == ["tell me a story", plain(weather.transcript)]
 
 
 @pytest.mark.parametrize(("voice", "wpm"), [("en+m3", 270), ("en-gb", 300), ("en-us+f3", 300)])
@@ -250,9 +250,9 @@ async def test_the_reply_does_not_play_between_two_words(
 
 
 async def test_with_backchannels_off_confirmed_speech_commits_at_once(
-    store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+    store: SqliteStore, say: Callable[..., Path]
 ) -> None:
-    h = Harness(store, grammar_file)
+    h = Harness(store)
     h.session.config = h.session.config.model_copy(update={"backchannel": BackchannelConfig(enabled=False)})
     await h.start()
     try:
@@ -330,23 +330,23 @@ async def test_a_short_pause_inside_an_utterance_gives_one_turn(
     h.mic.say(first + bytes(1920 * 15) + second)  # 300 ms pause < 500 ms endpoint silence
     await h.wait_for(lambda: any(e.get("status") == "COMPLETED" for e in h.turn_events()), timeout=30)
     [turn] = await store.list_session("sess-1")
-    assert turn.transcript == "what is the weather like today"
+    assert plain(turn.transcript) == "what is the weather like today"
     assert [e.get("event") for e in h.events if e["type"] == "vad"].count("end_of_turn") == 1
 
 
 async def test_going_on_after_the_endpoint_cancels_the_unheard_reply_and_answers_the_whole(
-    store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+    store: SqliteStore, say: Callable[..., Path]
 ) -> None:
-    h = Harness(store, grammar_file)
+    h = Harness(store)
     # a slow model: the reply to the first part cannot start playing in time
     h.session.providers.llm = LocalAgent(LocalLlmConfig(tokens_per_second=3), h.clock)
     await h.start()
     try:
-        h.mic.say(pcm48(say("hello there")) + bytes(1920 * 40) + pcm48(say("what is the weather like today")))
+        h.mic.say(pcm48(say("hello again")) + bytes(1920 * 40) + pcm48(say("what is the weather like today")))
         await h.wait_for(lambda: any(e.get("status") == "COMPLETED" for e in h.turn_events()), timeout=60)
         first, whole = await store.list_session("sess-1")
         assert first.status is TurnStatus.CANCELLED and first.stop_reason.kind is StopReasonKind.BARGE_IN  # type: ignore[union-attr]
-        assert whole.transcript == "hello there what is the weather like today"
+        assert plain(whole.transcript) == "hello again what is the weather like today"
         assert 1 not in h.track.audit.per_generation  # the first reply never played
         assert [m.content for m in (await h.session.history()) if m.role == "user"] == [whole.transcript]
         replies = [m for m in await h.session.history() if m.role == "assistant" and not m.tool_calls]
@@ -385,7 +385,7 @@ async def test_push_to_talk_barges_in_at_once_and_ends_the_turn_on_release(
     await h.wait_for(lambda: any(e.get("status") == "COMPLETED" for e in h.turn_events()), timeout=30)
     story, weather = await store.list_session("sess-1")
     assert story.stop_reason.kind is StopReasonKind.BARGE_IN and story.stop_reason.initiator == "ptt"  # type: ignore[union-attr]
-    assert weather.transcript == "what is the weather like today"
+    assert plain(weather.transcript) == "what is the weather like today"
     [ev] = [e for e in h.events if e["type"] == "barge_in"]
     assert ev["initiator"] == "ptt"
 
@@ -394,7 +394,7 @@ async def test_push_to_talk_ignores_the_detector_while_held(
     h: Harness, say: Callable[..., Path], store: SqliteStore
 ) -> None:
     await h.wait_for(lambda: h.session.ptt_start() != "session_not_ready")  # nothing playing: opens a turn
-    h.mic.say(pcm48(say("hello there")) + bytes(1920 * 50) + pcm48(say("tell me a story")))
+    h.mic.say(pcm48(say("hello again")) + bytes(1920 * 50) + pcm48(say("what is the weather like today")))
     await h.wait_for(h.mic.idle.is_set, timeout=15)
     # a 1 s pause did not end it: only the release does
     [turn] = await store.list_session("sess-1")
@@ -407,14 +407,14 @@ async def test_push_to_talk_ignores_the_detector_while_held(
 
 
 async def test_a_barge_in_during_a_payment_silences_at_once_and_stops_after_the_commit(
-    store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+    store: SqliteStore, say: Callable[..., Path]
 ) -> None:
-    h, service = paying_harness(store, grammar_file, slow_s=2.5)
+    h, service = paying_harness(store, slow_s=2.5)
     await h.start()
     try:
         h.mic.say(pcm48(say("charge my card")))
         await h.wait_for(lambda: any(r.scope is not None and r.scope.committing for r in h.session._runs), timeout=30)
-        h.mic.say(pcm48(say("hello there")))
+        h.mic.say(pcm48(say("hello again")))
         await h.wait_for(lambda: "stop_deferred" in types(h), timeout=10)
         # the audio is silent now, but the turn is not stopped yet
         paying = h.session._runs[0]
@@ -429,8 +429,8 @@ async def test_a_barge_in_during_a_payment_silences_at_once_and_stops_after_the_
         assert row.done_at is not None and row.done_at <= old.stop_reason.at
         assert old.status is TurnStatus.CANCELLED
         assert old.usage.requests_after_stop == 0
-        # then the new turn started; it answers "hello there" alone (the paying turn acted: no merge)
-        assert new.transcript == "hello there"
+        # then the new turn started; it answers "hello again" alone (the paying turn acted: no merge)
+        assert plain(new.transcript) == "hello again"
         order = [(e["turn_id"], e["status"]) for e in h.turn_events()]
         assert order.index((old.id, "CANCELLED")) < order.index((new.id, "RUNNING"))
     finally:
@@ -466,9 +466,9 @@ class SpeakerphoneMic(Mic):
 
 @pytest.mark.serial  # the echo path is aligned in real time: a loaded CPU skews it
 async def test_the_agent_does_not_interrupt_itself_on_a_speakerphone(
-    store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+    store: SqliteStore, say: Callable[..., Path]
 ) -> None:
-    h = Harness(store, grammar_file)
+    h = Harness(store)
     h.mic = mic = SpeakerphoneMic(gain_db=-6, delay_frames=6)
     echo = EchoReference(500)
 
@@ -500,11 +500,11 @@ async def test_the_agent_does_not_interrupt_itself_on_a_speakerphone(
 
 
 async def test_a_disconnect_during_a_deferred_stop_leaves_no_turn_open(
-    store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+    store: SqliteStore, say: Callable[..., Path]
 ) -> None:
     """The reviewer's case: push-to-talk during a payment's commit, then the
     client goes away. Every turn ends, each with its own stop request."""
-    h, service = paying_harness(store, grammar_file, slow_s=2.0)
+    h, service = paying_harness(store, slow_s=2.0)
     await h.start()
     try:
         h.mic.say(pcm48(say("charge my card")))
@@ -525,14 +525,14 @@ async def test_a_disconnect_during_a_deferred_stop_leaves_no_turn_open(
 
 
 async def test_push_to_talk_held_too_long_ends_the_utterance(
-    store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+    store: SqliteStore, say: Callable[..., Path]
 ) -> None:
-    h = Harness(store, grammar_file)
+    h = Harness(store)
     h.session.config = h.session.config.model_copy(update={"endpoint": EndpointConfig(max_utterance_ms=1000)})
     await h.start()
     try:
         await h.wait_for(lambda: h.session.ptt_start() != "session_not_ready")
-        h.mic.say(pcm48(say("hello there")))
+        h.mic.say(pcm48(say("hello again")))
         await h.wait_for(lambda: not h.session.ptt_active, timeout=5)
         # the event reaches the test through the store's event log, a poll later
         await h.wait_for(lambda: any(e["type"] == "error" for e in h.events), timeout=5)

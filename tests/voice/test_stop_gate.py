@@ -134,12 +134,12 @@ async def test_nothing_is_delivered_after_a_stop_from_another_instance(two_insta
 
 @requires_espeak
 async def test_a_voice_turn_stopped_from_outside_sends_nothing_after_its_stop(
-    store: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+    store: SqliteStore, say: Callable[..., Path]
 ) -> None:
     """The same rule for voice: a stop request (the REST API's path) while
     the story plays. From the moment the stop is recorded no audio frame of
     the turn leaves the track and no output of it is deliverable."""
-    h = Harness(store, grammar_file)
+    h = Harness(store)
     await h.start()
     try:
         h.mic.say(pcm48(say("tell me a story")))

@@ -81,12 +81,12 @@ def record(turn: Turn) -> dict[str, Any]:
 
 
 async def by_voice(
-    store: SqliteStore, grammar: Path, say: Callable[..., Path], text: str, *, model: Callable[[LanguageModel], LanguageModel],
+    store: SqliteStore, say: Callable[..., Path], text: str, *, model: Callable[[LanguageModel], LanguageModel],
     cancel_after_frames: int | None = None,
 ) -> tuple[Turn, list[dict[str, Any]]]:
     """``text`` spoken into a WAV-transport call; returns its turn once
     terminal and the events the client was delivered."""
-    call = Call(store, grammar)
+    call = Call(store)
     call.session.providers.llm = model(call.session.providers.llm)
     await call.start()
     try:
@@ -154,9 +154,9 @@ async def store2(tmp_path: Path) -> AsyncIterator[SqliteStore]:
 
 
 async def test_a_completed_turn_ends_the_same_way_by_voice_and_by_text(
-    store: SqliteStore, store2: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+    store: SqliteStore, store2: SqliteStore, say: Callable[..., Path]
 ) -> None:
-    spoken, heard = await by_voice(store, grammar_file, say, "what is the weather like today", model=same)
+    spoken, heard = await by_voice(store, say, "what is the weather like today", model=same)
     typed, shown = await by_text(store2, "what is the weather like today", model=same)
     assert statuses(heard, spoken.id) == statuses(shown, typed.id) == ["QUEUED", "RUNNING", "COMPLETED"]
     assert record(spoken) == record(typed) == {
@@ -167,12 +167,12 @@ async def test_a_completed_turn_ends_the_same_way_by_voice_and_by_text(
 
 
 async def test_a_model_failure_fails_the_turn_the_same_way_by_voice_and_by_text(
-    store: SqliteStore, store2: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+    store: SqliteStore, store2: SqliteStore, say: Callable[..., Path]
 ) -> None:
     """The provider fails mid-reply: FAILED with its description, and the
     client is told (``error`` turn_failed) on both transports; before issue
     12.3 a text client only saw the state change."""
-    spoken, heard = await by_voice(store, grammar_file, say, "tell me a story", model=BrokenModel)
+    spoken, heard = await by_voice(store, say, "tell me a story", model=BrokenModel)
     typed, shown = await by_text(store2, "tell me a story", model=BrokenModel)
     assert statuses(heard, spoken.id) == statuses(shown, typed.id) == ["QUEUED", "RUNNING", "FAILED"]
     assert record(spoken) == record(typed)
@@ -181,13 +181,13 @@ async def test_a_model_failure_fails_the_turn_the_same_way_by_voice_and_by_text(
 
 
 async def test_a_user_cancel_mid_reply_ends_the_same_way_by_voice_and_by_text(
-    store: SqliteStore, store2: SqliteStore, grammar_file: Path, say: Callable[..., Path]
+    store: SqliteStore, store2: SqliteStore, say: Callable[..., Path]
 ) -> None:
     """A stop from the REST API while the reply is going out: CANCEL_REQUESTED
     then CANCELLED, reason user_cancel, a stop report, and the reply stored
     is a true beginning of what was generated (what was received), the rest
     kept apart (voice: the synthesised audio not yet played)."""
-    spoken, heard = await by_voice(store, grammar_file, say, "tell me a story", model=same, cancel_after_frames=40)
+    spoken, heard = await by_voice(store, say, "tell me a story", model=same, cancel_after_frames=40)
     typed, shown = await by_text(store2, "tell me a story", model=same, cancel_after_chars=30)
     assert statuses(heard, spoken.id) == statuses(shown, typed.id) == ["QUEUED", "RUNNING", "CANCEL_REQUESTED", "CANCELLED"]
     assert record(spoken) == record(typed) == {

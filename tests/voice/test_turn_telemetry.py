@@ -26,8 +26,8 @@ pytestmark = requires_espeak
 
 
 @pytest.fixture
-async def traced(store: SqliteStore, grammar_file: Path) -> AsyncIterator[tuple[Call, InMemorySpanExporter, Metrics]]:
-    c = Call(store, grammar_file)
+async def traced(store: SqliteStore) -> AsyncIterator[tuple[Call, InMemorySpanExporter, Metrics]]:
+    c = Call(store)
     tracing = Tracing(Settings(store="sqlite:///:memory:"), c.clock, c.manager)
     exporter = InMemorySpanExporter()
     tracing.provider.add_span_processor(SimpleSpanProcessor(exporter))

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from conftest import start_app
-from test_browser import GRAMMAR, _require, collect_page_errors, launch, make_mic_wav, wait_peers
+from test_browser import _require, collect_page_errors, launch, make_mic_wav, wait_peers
 
 from web.app import PEERS, create_app
 from web.drain import DRAIN, drain_app
@@ -55,10 +55,8 @@ def balancer(backends: list[str]) -> web.Application:
 
 
 def settings(tmp_path: Path, name: str) -> Settings:
-    grammar = tmp_path / "test.gram"
-    grammar.write_text(GRAMMAR)
     return Settings(
-        store=f"sqlite:///{tmp_path}/{name}.db", stt={"grammar": grammar},
+        store=f"sqlite:///{tmp_path}/{name}.db",
         shutdown={"lb_delay_s": 0, "drain_timeout_s": 30, "turn_wait_s": 1, "grace_s": 40},
     )
 
@@ -126,7 +124,7 @@ async def test_a_page_in_a_turn_moves_only_once_the_turn_has_ended(  # type: ign
     whole), then moves to B."""
     _require("espeak-ng", "sox")
     a, b, url = fleet
-    mic = make_mic_wav(tmp_path, (1.0, "count to twenty"), tail_s=60)
+    mic = make_mic_wav(tmp_path, (1.0, "please count to twenty"), tail_s=60)
     browser = await launch(playwright, [f"--use-file-for-fake-audio-capture={mic}%noloop"])
     try:
         page = await browser.new_page()

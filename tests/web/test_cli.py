@@ -64,7 +64,8 @@ def test_serve_bad_settings(tmp_path: Path) -> None:
 
 
 def test_serve_bad_grammar_fails_before_serving(tmp_path: Path) -> None:
-    proc = run(["serve", "--port", "0"], tmp_path, {"TURNKEEPER_STT__GRAMMAR": "/nonexistent.gram"})
+    env = {"TURNKEEPER_STT__PROVIDER": "pocketsphinx", "TURNKEEPER_STT__GRAMMAR": "/nonexistent.gram"}
+    proc = run(["serve", "--port", "0"], tmp_path, env)
     assert_clean_error(proc, "grammar not found")
     assert "serving on" not in proc.stdout
 

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from conftest import GRAMMAR, requires_espeak, start_app
+from conftest import plain, requires_espeak, start_app
 from telephony_provider import FakeProvider, wait_until
 
 from turn.events import EventFollower, event_json
@@ -52,9 +52,7 @@ class Server:
 
 @pytest.fixture
 async def server(tmp_path: Path) -> AsyncIterator[Server]:
-    grammar = tmp_path / "test.gram"
-    grammar.write_text(GRAMMAR)
-    app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db", stt={"grammar": grammar}))
+    app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db"))
     runner, url = await start_app(app)
     try:
         yield Server(app, url)
@@ -86,9 +84,9 @@ async def settled(server: Server, session_id: str, n: int, timeout: float = 30) 
 
 async def test_a_call_is_answered_over_the_phone(server: Server, phone: FakeProvider, say: Callable[..., Path]) -> None:
     call = server.call()
-    phone.play(say("count to twenty"))
+    phone.play(say("please count to twenty"))
     [turn] = await settled(server, call.id, 1)
-    assert turn.status is TurnStatus.COMPLETED and turn.transcript == "count to twenty"
+    assert turn.status is TurnStatus.COMPLETED and "count" in plain(turn.transcript)
     assert turn.reply and turn.reply.startswith("One, two, three")
     # the reply reached the caller's ear: seconds of sound, 160-byte messages,
     # and every mark echoed back (so completion waited for the far end)
@@ -122,7 +120,7 @@ async def test_a_barge_in_clears_the_far_end_and_history_keeps_what_was_heard(
     assert old.status is TurnStatus.CANCELLED
     assert old.stop_reason is not None and old.stop_reason.kind is StopReasonKind.BARGE_IN
     assert old.stop_reason.initiator == "vad"
-    assert new.transcript == "what is the weather like today"
+    assert "weather" in plain(new.transcript)
     # clear left in the fence's own step, and nothing of the old generation after it
     wire = list(call.transport.wire)
     clears = [i for i, w in enumerate(wire) if w.kind == "clear"]
@@ -195,11 +193,11 @@ async def test_a_telnyx_call_with_frames_out_of_order_is_answered(server: Server
         await phone.start()
         await wait_until(lambda: any(isinstance(p, PhoneCall) and p.agent for p in server.app[PEERS].values()))
         call = server.call()
-        phone.play(say("count to twenty"))
+        phone.play(say("please count to twenty"))
         [turn] = await settled(server, call.id, 1)
         reorder = call.transport._reorder
         assert reorder is not None and reorder.reordered > 50 and reorder.lost == 0 and reorder.late == 0
-        assert turn.status is TurnStatus.COMPLETED and turn.transcript == "count to twenty"
+        assert turn.status is TurnStatus.COMPLETED and "count" in plain(turn.transcript)
         assert len(phone.audible()) > 50
         out = phone.of("media")[0].msg
         assert set(out) == {"event", "media"} and set(out["media"]) == {"payload"}  # Telnyx's outbound shape
