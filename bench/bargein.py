@@ -77,7 +77,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import corpus as C  # noqa: E402  (the tests' labelled corpus)
 import listening as L  # noqa: E402  (the inserted-gap measure)
 import phone_figures as P  # noqa: E402  (the phone path's own figures)
-from local_server import server  # noqa: E402  (its own process, the tests' grammar)
+from local_server import server  # noqa: E402  (its own process, the embedded defaults)
 
 from client.call import CallClient  # noqa: E402
 from client.command import issue_device_token  # noqa: E402

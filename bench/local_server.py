@@ -1,7 +1,7 @@
 """A turnkeeper server for a benchmark: its own process on a free loopback
-port, a temporary SQLite store, the tests' JSGF grammar (tests/conftest.py
-GRAMMAR), logs at WARNING and its stdout discarded (so a bench's ``--json``
-prints one object). Tooling for bench/, not part of the product."""
+port, a temporary SQLite store, the embedded defaults (Whisper hears free
+form: no grammar), logs at WARNING and its stdout discarded (so a bench's
+``--json`` prints one object). Tooling for bench/, not part of the product."""
 
 from __future__ import annotations
 
@@ -61,12 +61,8 @@ async def server(
     Raises:
         RuntimeError: it exited or was not healthy within 30 s.
     """
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import GRAMMAR  # the tests' grammar: test phrases and backchannels
-
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         d = Path(tmp)
-        (d / "bench.gram").write_text(GRAMMAR)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         env = {
@@ -74,7 +70,6 @@ async def server(
             **(env or {}),
             "PYTHONPATH": str(ROOT),
             "TURNKEEPER_STORE": f"sqlite:///{d}/bench.db",
-            "TURNKEEPER_STT__GRAMMAR": str(d / "bench.gram"),
             "TURNKEEPER_LOG_LEVEL": "WARNING",
         }
         out = log_path.open("ab") if log_path is not None else None

@@ -7,13 +7,11 @@ hears it (issue 11.6).
                          [--dump DIR] [--json]
 
 Starts one turnkeeper server in its own process on loopback (embedded
-defaults: SQLite store in a temporary directory, pocketsphinx, espeak-ng,
+defaults: SQLite store in a temporary directory, Whisper, espeak-ng,
 the local agent) and makes N sequential calls with the headless aiortc
-client (client/call.py). Recognition uses the tests' JSGF grammar (tests/
-conftest.py GRAMMAR), as bench/bargein.py does: the embedded free-form
-language model does not hear espeak-ng's "tell me a story" as anything with
-"story" in it (through WebRTC it hears "do you still really"), so the agent
-would never tell the long reply a soak needs.
+client (client/call.py). Recognition is free-form (Whisper hears "tell me
+a story"; pocketsphinx without the tests' JSGF grammar did not, so the
+agent never told the long reply a soak needs).
 
 Each call asks for the story, then plays one stimulus at a random moment
 (``--min-at`` to ``--max-at`` seconds after the agent's audio starts) while
@@ -290,7 +288,7 @@ def summarise(
         "seed": args.seed,
         "at_s": [args.min_at, args.max_at],
         "hangup_after_s": args.hangup_after,
-        "stt": "tests grammar (tests/conftest.py GRAMMAR)",
+        "stt": "whisper (embedded default, free-form)",
         "classes": by_class,
         "transcript": {
             "first": first,

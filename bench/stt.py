@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Speech recognisers through the product's own path, side by side (issue 28).
 
-For each recogniser: the embedded one (pocketsphinx) and each provider's
+For each recogniser: the light embedded one (pocketsphinx) and each provider's
 fake (testkit/fake_deepgram.py, fake_openai_realtime.py in its GA shape,
 fake_openai_transcriptions.py in OpenAI's dialect with ``stream`` on), each
 fake in its own process at a realistic latency (interim 150 ms, final
-300 ms after the audio) with the embedded recogniser underneath. Every one
-uses the tests' JSGF grammar (tests/conftest.py GRAMMAR), so the word error
+300 ms after the audio) with pocketsphinx underneath (and as the fallback).
+Every one uses the tests' JSGF grammar (tests/conftest.py GRAMMAR), so the word error
 rate shows what the plumbing adds (nothing, if it works), not a provider's
 quality. A server (bench/local_server.py, demo shop off: no tool time in
 the replies) is started for each, and WebRTC calls (client/call.py) are
@@ -37,7 +37,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import socket
 import subprocess
 import sys
@@ -53,6 +52,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import corpus as C  # noqa: E402  (the tests' corpus)
+import recognition_corpus as R  # noqa: E402  (its word error rate)
 from bargein import stats, up  # noqa: E402
 from conftest import GRAMMAR  # noqa: E402
 from local_server import free_port, server, stop_process  # noqa: E402
@@ -90,7 +90,7 @@ def recognisers(port: int, grammar: Path) -> list[Recogniser]:
     common = ["--port", str(port), "--grammar", str(grammar), "--api-key", BENCH_KEY, *[x for kv in LATENCY.items() for x in kv]]
     key = {"TURNKEEPER_STT__API_KEY": BENCH_KEY}
     return [
-        Recogniser("pocketsphinx", None),
+        Recogniser("pocketsphinx", None, {"TURNKEEPER_STT__PROVIDER": "pocketsphinx"}),
         Recogniser("deepgram", [*py, "testkit.fake_deepgram", *common],
                    {"TURNKEEPER_STT__PROVIDER": "deepgram", "TURNKEEPER_STT__BASE_URL": f"ws://127.0.0.1:{port}", **key}),
         Recogniser("openai_realtime", [*py, "testkit.fake_openai_realtime", *common, "--mode", "ga"],
@@ -116,22 +116,6 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30) -
                 return
         time.sleep(0.1)
     raise RuntimeError(f"nothing listens on port {port}")
-
-
-def words(text: str | None) -> list[str]:
-    """Lower case words, punctuation dropped ("Tell me a story." -> tell me a story)."""
-    return re.sub(r"[^a-z0-9' ]+", " ", (text or "").lower().replace("-", " ")).split()
-
-
-def edits(ref: list[str], hyp: list[str]) -> int:
-    """Word-level Levenshtein distance (substitutions, deletions, insertions)."""
-    prev = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, 1):
-        cur = [i]
-        for j, h in enumerate(hyp, 1):
-            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (r != h)))
-        prev = cur
-    return prev[-1]
 
 
 def script(n: int) -> tuple[Utterance, str, list[Utterance], str]:
@@ -182,7 +166,9 @@ async def bench_one(rec: Recogniser, calls: int, grammar: Path, port: int, log_d
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
         out.close()
         wait_port(port, fake)
-    env = {"TURNKEEPER_DEMO_SHOP": "false", **rec.env}
+    # pocketsphinx with the grammar under every one (the fakes' and the fallback's)
+    env = {"TURNKEEPER_DEMO_SHOP": "false", "TURNKEEPER_STT__EMBEDDED": "pocketsphinx", "TURNKEEPER_STT__GRAMMAR": str(grammar),
+           **rec.env}
     results = []
     try:
         async with server(f"tk-bench-stt-{rec.name}-", env, log_path=log_dir / f"server-{rec.name}.log") as (url, _proc):
@@ -200,8 +186,9 @@ async def bench_one(rec: Recogniser, calls: int, grammar: Path, port: int, log_d
         if fake is not None:
             stop_process(fake)
     said = [pair for r in results for pair in r["said"]]
-    ref_words = sum(len(words(s)) for s, _ in said)
-    errors = sum(edits(words(s), words(h)) for s, h in said)
+    counts = [R.word_errors(s, h) for s, h in said]
+    ref_words = sum(w for _, w in counts)
+    errors = sum(e for e, _ in counts)
     return {
         "recogniser": rec.name,
         "calls": len(results),
@@ -211,10 +198,10 @@ async def bench_one(rec: Recogniser, calls: int, grammar: Path, port: int, log_d
         "voice_to_voice_ms": stats([v for r in results for v in r["v2v_ms"]]),
         "labelled_utterances": len(said),
         "word_error_rate": round(errors / ref_words, 4) if ref_words else None,
-        "exact": sum(words(s) == words(h) for s, h in said),
+        "exact": sum(e == 0 for e, _ in counts),
         "failovers": sum(len(r["failovers"]) for r in results),
         "timed_out": sum(r["timed_out"] for r in results),
-        "misheard": [(s, h) for s, h in said if words(s) != words(h)],
+        "misheard": [(s, h) for (s, h), (e, _) in zip(said, counts, strict=True) if e],
     }
 
 

@@ -47,28 +47,14 @@ TEST_PHRASES = [
     "right",
 ]
 
-_ONES = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen " \
-    "seventeen eighteen nineteen".split()
-_TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
-
-
-def _number_words(digits: str) -> str:
-    n = int(digits)
-    if n < 20:
-        return _ONES[n]
-    if n < 100:
-        return _TENS[n // 10] + ("" if n % 10 == 0 else " " + _ONES[n % 10])
-    return " ".join(_ONES[int(d)] for d in digits)  # read digit by digit
-
-
 def plain(text: str) -> str:
     """A transcript as the tests compare it: lower case, no punctuation,
-    hyphens as spaces (voice.backchannel.normalise), numbers written as
-    words ("Count to 20." -> "count to twenty"). Whisper writes sentences,
-    the tests' phrases are words."""
-    from voice.backchannel import normalise
+    hyphens as spaces, numbers written as words ("Count to 20." -> "count
+    to twenty"; :func:`recognition_corpus.normalise`). Whisper writes
+    sentences; the tests' phrases are words."""
+    from recognition_corpus import normalise
 
-    return " ".join(_number_words(w) if w.isdigit() else w for w in normalise(text).split())
+    return normalise(text)
 
 
 GRAMMAR = "#JSGF V1.0;\ngrammar turnkeeper_test;\npublic <utt> = " + " | ".join(TEST_PHRASES) + ";\n"

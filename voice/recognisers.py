@@ -134,7 +134,7 @@ class SttConfig(BaseModel):
     billed_by: Literal["audio", "connection"] = "audio"
     embedded: Literal["whisper", "pocketsphinx"] = "whisper"
     max_decoders: int = Field(2, ge=1, le=64)
-    threads: int = Field(1, ge=1, le=32)
+    threads: int = Field(2, ge=1, le=32)
     beam_size: int = Field(5, ge=1, le=16)
     model_dir: Path | None = None
     grammar: Path | None = None

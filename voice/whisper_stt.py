@@ -59,7 +59,7 @@ class WhisperConfig(BaseModel):
 
     model_dir: Path | None = None
     workers: int = Field(2, ge=1, le=64)
-    threads: int = Field(1, ge=1, le=32)
+    threads: int = Field(2, ge=1, le=32)
     language: str = "en"
     beam_size: int = Field(5, ge=1, le=16)
     keyterms: tuple[str, ...] = ()

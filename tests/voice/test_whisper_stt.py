@@ -242,7 +242,7 @@ async def test_a_discarded_segment_cancels_its_tentative_decode(say: Callable[..
 def test_whisper_is_the_default_and_pocketsphinx_the_light_option() -> None:
     stt, fallback = build_recognisers(SttConfig())
     assert isinstance(stt, WhisperSTT) and fallback is None
-    assert stt.config.workers == 2 and stt.config.threads == 1
+    assert stt.config.workers == 2 and stt.config.threads == 2
     light, _ = build_recognisers(SttConfig(provider="pocketsphinx"))
     assert light.name == "pocketsphinx"
     primary, fallback = build_recognisers(SttConfig(provider="deepgram", api_key="k"))
