@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from voice.recognition import SttAdaptation, UtteranceRecogniser, UtteranceStream, Word
+from voice.recognition import SttAdaptation, TentativeStream, UtteranceRecogniser, UtteranceStream, Word
 
 #: standard deviation of the white noise before differencing (s16 units): about -58 dBFS after
 FILL_LEVEL = 30.0
@@ -50,6 +50,11 @@ class _FilledStream:
         """The inner stream's words."""
         return self._inner.words
 
+    @property
+    def confidence(self) -> float | None:
+        """The inner stream's confidence, if it gives one."""
+        return getattr(self._inner, "confidence", None)
+
     async def finish(self) -> str:
         """The inner stream's transcript."""
         return await self._inner.finish()
@@ -57,6 +62,17 @@ class _FilledStream:
     async def aclose(self) -> None:
         """Close the inner stream."""
         await self._inner.aclose()
+
+
+class _FilledTentativeStream(_FilledStream):
+    """A filled utterance whose inner stream decodes at a pause
+    (:class:`voice.recognition.TentativeStream`: Whisper's): so can it."""
+
+    _inner: TentativeStream
+
+    async def decode_so_far(self) -> str:
+        """The inner stream's transcript so far."""
+        return await self._inner.decode_so_far()
 
 
 class NarrowbandSpeech:
@@ -81,7 +97,9 @@ class NarrowbandSpeech:
     def open_stream(self, adaptation: SttAdaptation | None = None) -> UtteranceStream:
         """An utterance on the inner recogniser, filled."""
         self._streams += 1
-        return _FilledStream(self.inner.open_stream(adaptation), np.random.default_rng(self._streams), self.level)
+        inner = self.inner.open_stream(adaptation)
+        kind = _FilledTentativeStream if isinstance(inner, TentativeStream) else _FilledStream
+        return kind(inner, np.random.default_rng(self._streams), self.level)
 
     async def aclose(self) -> None:
         """Nothing of its own: the inner recogniser is shared and closed by its owner."""

@@ -344,15 +344,24 @@ class AgentSession(SessionControls):
         """Was candidate ``candidate`` (its audio: ``held``, its recognition:
         ``utterance``) a backchannel? What the recogniser heard (an interim
         that covers it, else its final; None if recognition failed) and the
-        syllable count say (:mod:`voice.backchannel`)."""
-        text = await utterance.heard() if utterance is not None else None
+        syllable count say (:mod:`voice.backchannel`). More syllables than a
+        backchannel has is speech whatever the words: decided at once,
+        without waiting for the recogniser (Whisper's decode takes about
+        300 ms; a fast "tell me a story" would wait for it)."""
         cand = self.turn_taking.candidate
         if cand is None or cand.n != candidate:
-            return  # decided meanwhile (the user went on)
+            return
         # the user's speech only: the gate's run and what followed it, not
         # the older pre-roll (which can hold the agent's echo)
-        spoken = held[-(cand.lead_ms // FRAME_MS + cand.frames) :]
-        verdict = judge(self.config.backchannel, text, cand.speech_ms, count_syllable_nuclei(spoken))
+        syllables = count_syllable_nuclei(held[-(cand.lead_ms // FRAME_MS + cand.frames) :])
+        if syllables > self.config.backchannel.max_syllables:
+            text: str | None = ""  # not read: judge() calls it speech on the syllables alone
+        else:
+            text = await utterance.heard() if utterance is not None else None
+            cand = self.turn_taking.candidate
+            if cand is None or cand.n != candidate:
+                return  # decided meanwhile (the user went on)
+        verdict = judge(self.config.backchannel, text, cand.speech_ms, syllables)
         self._carry_out(self.turn_taking.classified(candidate, self.clock.monotonic(), verdict, self._agent_state()))
 
     def _heard(self, utterance: Utterance) -> None:

@@ -172,15 +172,17 @@ async def test_short_answers_and_backchannels_are_heard_as_words(say: Callable[.
 
 
 @requires_espeak
-async def test_the_decode_at_the_pause_is_the_final_when_nothing_follows(say: Callable[..., Path]) -> None:
+@pytest.mark.parametrize("narrowband", [False, True], ids=["wideband", "telephone"])
+async def test_the_decode_at_the_pause_is_the_final_when_nothing_follows(say: Callable[..., Path], narrowband: bool) -> None:
     """The session hints the user's pause: the segment is decoded then, and
     the finalize after the endpoint wait takes that decode (no second one);
-    the final is the same text a decode at the end gives."""
+    the final is the same text a decode at the end gives. Also for a phone
+    call's stream (the band fill wraps the utterance stream)."""
     stt = WhisperSTT(WhisperConfig(workers=1))
     await stt.start()
     try:
         speech = pcm16(say("what is the weather like today"), pad_s=0.2)
-        stream = stt.open(StreamOptions())
+        stream = stt.open(StreamOptions(narrowband=narrowband))
         stream.send(speech)
         stream.speech_paused()
         stream.send(bytes(int(0.5 * VAD_RATE) * 2))  # the endpoint's silence
