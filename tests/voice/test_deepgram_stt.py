@@ -42,6 +42,7 @@ from voice.recognition import (
 )
 from voice.stt_failover import Failover
 from voice.transcription import Transcription
+from voice.whisper_stt import WhisperSTT
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -743,8 +744,10 @@ async def test_transcription_when_finalize_has_nothing_left(
 async def test_build_recognisers_makes_this_one() -> None:
     primary, fallback = build_recognisers(SttConfig(provider="deepgram", api_key="k"))
     assert isinstance(primary, DeepgramRecogniser) and primary.name == "deepgram"
-    assert isinstance(fallback, PocketsphinxSTT)
+    assert isinstance(fallback, WhisperSTT)  # the embedded default
     assert primary.pricing == SttConfig(provider="deepgram").pricing
+    _, light = build_recognisers(SttConfig(provider="deepgram", api_key="k", embedded="pocketsphinx"))
+    assert isinstance(light, PocketsphinxSTT)
 
 
 async def test_aclose_while_connecting_still_sends_what_was_queued(rig: Callable[..., Any]) -> None:

@@ -605,7 +605,7 @@ async def test_recogniser_closes_its_http_session(servers, recognisers, speech) 
 
 
 async def test_build_recognisers_makes_this_one(grammar_file: Path) -> None:
-    primary, fallback = build_recognisers(SttConfig(provider="openai", grammar=grammar_file))
+    primary, fallback = build_recognisers(SttConfig(provider="openai", embedded="pocketsphinx", grammar=grammar_file))
     assert isinstance(primary, OpenAiTranscriptionRecogniser) and fallback is not None and fallback.name == "pocketsphinx"
 
 
