@@ -140,7 +140,8 @@ class WhisperSTT:
         for a load. Idempotent.
 
         Raises:
-            RuntimeError: the package is missing, its model file altered,
+            RuntimeError: the package is missing, its model file altered, stt.model_dir
+                no model directory,
                 or faster-whisper cannot load it.
         """
         if self.pool.started:
@@ -149,6 +150,8 @@ class WhisperSTT:
         if model_dir is None:
             model_dir = packaged_model_dir()
             await asyncio.to_thread(check_model, model_dir)
+        elif not (model_dir / "model.bin").is_file():  # faster-whisper would take it for a hub repo id
+            raise RuntimeError(f"stt.model_dir {model_dir} is no faster-whisper model directory (it has no model.bin)")
         self._model_dir = model_dir
         await self.pool.start()
 

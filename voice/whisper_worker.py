@@ -40,6 +40,9 @@ _model: Any = None
 _language: str = "en"
 _beam_size: int = 5
 _prompt: str = ""
+#: why the model did not load (reported by :func:`ping`: an initializer that
+#: raised would only break the pool, its reason lost)
+_load_error: str | None = None
 
 #: 16 kHz mono s16, as voice.recognition.STREAM_RATE
 SAMPLE_RATE = 16_000
@@ -58,7 +61,7 @@ def init(model_dir: str, threads: int, language: str, beam_size: int = 5, keyter
     Raises:
         RuntimeError / OSError: the model cannot be loaded from that directory.
     """
-    global _model, _language, _beam_size, _prompt
+    global _model, _language, _beam_size, _prompt, _load_error
     import os
 
     os.environ["HF_HUB_OFFLINE"] = "1"  # before huggingface_hub is imported: never a download
@@ -68,16 +71,26 @@ def init(model_dir: str, threads: int, language: str, beam_size: int = 5, keyter
     exit_with_parent(os.getppid())
     from faster_whisper import WhisperModel
 
-    _model = WhisperModel(
-        model_dir, device="cpu", compute_type="int8", cpu_threads=threads, num_workers=1, local_files_only=True
-    )
+    try:
+        _model = WhisperModel(
+            model_dir, device="cpu", compute_type="int8", cpu_threads=threads, num_workers=1, local_files_only=True
+        )
+    except Exception as exc:  # told by ping(), in the server's process
+        _load_error = f"{type(exc).__name__}: {exc}"
+        return
     _language = language.split("-")[0].split("_")[0].lower() or "en"
     _beam_size = beam_size
     _prompt = PROMPT + (" " + ", ".join(keyterms) + "." if keyterms else "")
 
 
 def ping() -> bool:
-    """True once the model is loaded (the pool awaits this)."""
+    """True once the model is loaded (the pool awaits this).
+
+    Raises:
+        RuntimeError: it could not be loaded (why, from faster-whisper).
+    """
+    if _load_error is not None:
+        raise RuntimeError(f"the Whisper model did not load: {_load_error}")
     return _model is not None
 
 

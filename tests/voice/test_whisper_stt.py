@@ -84,6 +84,24 @@ async def test_an_altered_model_stops_the_server_at_startup(tmp_path: Path, monk
     await stt.aclose()
 
 
+async def test_a_model_dir_that_is_no_model_is_a_clear_error(tmp_path: Path) -> None:
+    """stt.model_dir pointing nowhere is refused before any worker starts
+    (faster-whisper would take it for a hub repo id); one with a model.bin
+    that does not load says faster-whisper's reason, not only that a
+    process died."""
+    stt = WhisperSTT(WhisperConfig(model_dir=tmp_path / "nowhere", workers=1))
+    with pytest.raises(RuntimeError, match="no faster-whisper model directory"):
+        await stt.start()
+    await stt.aclose()
+    broken = tmp_path / "broken"
+    shutil.copytree(packaged_model_dir(), broken)
+    (broken / "model.bin").write_bytes(b"not a model")
+    stt = WhisperSTT(WhisperConfig(model_dir=broken, workers=1))
+    with pytest.raises(RuntimeError, match="the Whisper model did not load: RuntimeError"):
+        await stt.start()
+    await stt.aclose()
+
+
 @requires_espeak
 def test_nothing_is_fetched_with_the_network_unreachable(tmp_path: Path, say: Callable[..., Path]) -> None:
     """A server process and its Whisper workers with every internet socket
