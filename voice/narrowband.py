@@ -52,8 +52,8 @@ class _FilledStream:
 
     @property
     def confidence(self) -> float | None:
-        """The inner stream's confidence, if it gives one."""
-        return getattr(self._inner, "confidence", None)
+        """The inner stream's confidence."""
+        return self._inner.confidence
 
     async def finish(self) -> str:
         """The inner stream's transcript."""

@@ -126,6 +126,7 @@ from voice.recognition import (
     SpeechPricing,
     SpeechStarted,
     StreamOptions,
+    language_code,
     stream_seconds,
 )
 
@@ -200,12 +201,6 @@ def realtime_url(base_url: str, model: str) -> str:
     if url.host != OPENAI_HOST:
         query["model"] = model
     return str(url.with_scheme(scheme).with_path(url.path.rstrip("/") + "/realtime").with_query(query))
-
-
-def language_code(language: str) -> str:
-    """``stt.language`` as the ISO-639-1 code the transcription ``language``
-    field takes (``en-US`` -> ``en``; empty stays empty)."""
-    return language.replace("_", "-").split("-")[0].lower()
 
 
 def session_update(shape: Shape, config: SttConfig) -> dict[str, Any]:

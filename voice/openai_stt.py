@@ -94,6 +94,7 @@ from voice.recognition import (
     SpeechPricing,
     StreamOptions,
     Word,
+    language_code,
     stream_seconds,
 )
 
@@ -126,12 +127,6 @@ def wav_bytes(pcm: bytes, rate: int = STREAM_RATE) -> bytes:
         w.setframerate(rate)
         w.writeframes(pcm)
     return out.getvalue()
-
-
-def api_language(language: str) -> str:
-    """The ISO-639-1 code the transcription API takes for a BCP-47 tag
-    (``en-US`` -> ``en``; "" stays "")."""
-    return language.replace("_", "-").split("-")[0].lower()
 
 
 class OpenAiTranscriptionRecogniser:
@@ -410,7 +405,7 @@ class OpenAiTranscriptionStream:
         form = aiohttp.FormData()
         form.add_field("file", wav_bytes(audio), filename="audio.wav", content_type="audio/wav")
         form.add_field("model", cfg.model_name)
-        if language := api_language(cfg.language):
+        if language := language_code(cfg.language):
             form.add_field("language", language)
         if cfg.keyterms:
             form.add_field("prompt", ", ".join(t.strip() for t in cfg.keyterms))

@@ -158,6 +158,8 @@ class PocketsphinxStream:
         self._error: BaseException | None = None
         #: the words of the finished utterance, seconds from its start (after :meth:`finish`)
         self.words: list[Word] = []
+        #: pocketsphinx gives no confidence of a whole transcript here
+        self.confidence: float | None = None
         self._attached = asyncio.get_running_loop().create_task(self._attach())
         # its failure (STT closed) is reported by finish(); don't also log it
         self._attached.add_done_callback(lambda t: t.cancelled() or t.exception())

@@ -63,6 +63,13 @@ def stream_seconds(nbytes: int) -> float:
     return nbytes / STREAM_BYTES_PER_S
 
 
+
+def language_code(language: str) -> str:
+    """``stt.language`` (a BCP-47 tag) as the ISO-639-1 code recognisers
+    take: ``en-US`` and ``en_GB`` -> ``en``; "" stays "" (the provider
+    detects it)."""
+    return language.replace("_", "-").split("-")[0].lower()
+
 @dataclass(frozen=True)
 class Word:
     """One recognised word.
@@ -185,6 +192,12 @@ class UtteranceStream(Protocol):
     def words(self) -> list[Word]:
         """Once finished, its words with seconds from its start (empty if
         the recogniser gives none)."""
+        ...
+
+    @property
+    def confidence(self) -> float | None:
+        """Once finished, the transcript's confidence, 0..1 (None if the
+        recogniser gives none)."""
         ...
 
     def feed(self, pcm: bytes) -> None:

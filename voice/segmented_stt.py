@@ -144,8 +144,7 @@ class SegmentedStream:
         words = tuple(
             Word(w.text, start_s + w.start_s, start_s + w.end_s, w.confidence) for w in stream.words
         )
-        confidence = getattr(stream, "confidence", None)  # Whisper gives one, pocketsphinx none
-        self._events.put_nowait(Final(text, start_s, end_s, words=words, confidence=confidence, finalized=True))
+        self._events.put_nowait(Final(text, start_s, end_s, words=words, confidence=stream.confidence, finalized=True))
         self._events.put_nowait(EndOfUtterance(end_s))
 
     async def events(self) -> AsyncIterator[RecognitionEvent]:

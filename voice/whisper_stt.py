@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import BaseModel, Field, model_validator
 
 from voice import whisper_worker
-from voice.recognition import SpeechPricing, StreamOptions, SttAdaptation, SttError, Word
+from voice.recognition import SpeechPricing, StreamOptions, SttAdaptation, SttError, Word, language_code
 from voice.segmented_stt import SegmentedStream
 from voice.worker_pool import Worker, WorkerPool
 
@@ -68,7 +68,7 @@ class WhisperConfig(BaseModel):
     def _english_model(self) -> WhisperConfig:
         """tiny.en hears English only: another language would be
         transcribed as English words, silently."""
-        if self.model_dir is None and self.language.split("-")[0].split("_")[0].lower() != "en":
+        if self.model_dir is None and language_code(self.language) != "en":
             raise ValueError(f"the packaged Whisper model (tiny.en) hears English only, not {self.language!r}: "
                              "set stt.model_dir to a multilingual faster-whisper model "
                              "(with a provider, or stt.fallback = \"none\")")

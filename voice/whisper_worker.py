@@ -36,6 +36,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from voice.recognition import language_code
+
 _model: Any = None
 _language: str = "en"
 _beam_size: int = 5
@@ -78,7 +80,7 @@ def init(model_dir: str, threads: int, language: str, beam_size: int = 5, keyter
     except Exception as exc:  # told by ping(), in the server's process
         _load_error = f"{type(exc).__name__}: {exc}"
         return
-    _language = language.split("-")[0].split("_")[0].lower() or "en"
+    _language = language_code(language) or "en"
     _beam_size = beam_size
     _prompt = PROMPT + (" " + ", ".join(keyterms) + "." if keyterms else "")
 

@@ -32,7 +32,6 @@ from voice.openai_realtime_stt import (
     OpenAiRealtimeRecogniser,
     OpenAiRealtimeStream,
     guess_shape,
-    language_code,
     realtime_url,
 )
 from voice.pocketsphinx_stt import PocketsphinxConfig, PocketsphinxSTT
@@ -46,6 +45,7 @@ from voice.recognition import (
     RecognitionUsage,
     SpeechStarted,
     StreamOptions,
+    language_code,
 )
 from voice.stt_failover import Failover
 from voice.transcription import Transcription
