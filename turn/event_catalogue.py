@@ -289,6 +289,45 @@ class SttFailover(_Turnless):
     message: str = Field(description="for humans")
 
 
+#: why a speech synthesiser failed (voice.synthesis.SynthesisError.kind)
+SynthesisErrorKind = Literal["unreachable", "unauthorized", "dropped", "closed", "protocol", "provider"]
+
+
+class TtsFailover(_Turnless):
+    """The speech synthesiser failed during a reply, and what followed: the
+    same one reconnected (the clauses not yet spoken whole are sent again),
+    espeak-ng took over for the rest of the reply, or none is left (the
+    reply ends with the error; what was not heard is not in the history)."""
+
+    type: Literal["tts.failover"] = "tts.failover"
+    provider: str = Field(description='the synthesiser that failed, e.g. "cartesia"')
+    error: SynthesisErrorKind
+    action: Literal["reconnect", "fallback", "failed"]
+    fallback: str | None = Field(description="the synthesiser saying the rest (null: none)")
+    message: str = Field(description="for humans")
+
+
+class TtsUsage(Envelope):
+    """What speaking one reply cost on one synthesiser stream
+    (``turn.models.SynthesisRecord``), sent as the reply's synthesis ends,
+    however it ends; a reply that failed over has one per stream. With a
+    stop, how the provider was told."""
+
+    type: Literal["tts.usage"] = "tts.usage"
+    provider: str = Field(description='"espeak-ng", "openai", "elevenlabs", "cartesia", "deepgram"')
+    characters: int = Field(description="characters sent to it")
+    characters_after_stop: int = Field(description="characters sent after the stop (0)")
+    characters_unspoken_at_stop: int = Field(
+        description="characters sent whose audio had not all arrived at the stop: what it may still bill")
+    after_stop: Literal["confirmed", "unconfirmed"] | None = Field(
+        description="with text in flight at a stop: did the provider acknowledge it (null: no such stop)")
+    audio_s: float = Field(description="audio received from it, s (3 decimals)")
+    cents: float = Field(description="its price by the settings, US cents (4 decimals)")
+    stop_told_ms: float | None = Field(
+        None, description="the stop requested to the provider told on the wire, ms (null: not stopped or nothing to tell)")
+    late_audio_ms: float = Field(0.0, description="audio of this reply that arrived after its stop and was dropped, ms")
+
+
 class SttUsage(_Turnless):
     """What the session's speech recognition used, per recogniser, sent as
     the session ends (each turn's share is in its record's ``usage.recognition``)."""
@@ -460,7 +499,7 @@ class Snapshot(CatalogueModel):
 EVENT_MODELS: tuple[type[CatalogueModel], ...] = (
     SessionReady, SessionDraining, Vad, FalseInterruption, Backchannel, BargeIn, StopDeferred,
     TurnEvent, AgentState, Transcript, AgentDelta, AgentDone, AgentRestart, AgentInterrupted, AudioStart, AudioEnd,
-    Usage, SttFailover, SttUsage, ErrorEvent,
+    Usage, SttFailover, SttUsage, TtsFailover, TtsUsage, ErrorEvent,
     ToolStarted, ToolError, ToolNotStarted, ToolCancelled,
     ToolIntent, ToolDone, ToolCompensated, ToolAbandoned, ToolEffectUnknown, ToolHumanRequired,
     Pong, StreamStart, StreamEnd, Snapshot,

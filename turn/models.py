@@ -183,6 +183,33 @@ class RecognitionRecord(BaseModel):
     cents: float = Field(0.0, ge=0)
 
 
+class SynthesisRecord(BaseModel):
+    """What speaking one reply cost, per provider (a turn's ``usage.synthesis``).
+
+    Attributes:
+        provider: ``"espeak-ng"``, ``"openai"``, ``"elevenlabs"``, ...
+        characters: characters sent to it.
+        characters_after_stop: characters sent after the stop (must stay 0).
+        characters_unspoken_at_stop: characters sent whose audio had not all
+            arrived when the reply was stopped: what it may still bill after
+            the stop (0 if not stopped).
+        after_stop: ``"confirmed"`` or ``"unconfirmed"`` if the reply was
+            stopped with text in flight (see :class:`StopRecord`), else None.
+        audio_s: audio received from it, s.
+        cents: its price by the settings, US cents.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    provider: str
+    characters: int = Field(0, ge=0)
+    characters_after_stop: int = Field(0, ge=0)
+    characters_unspoken_at_stop: int = Field(0, ge=0)
+    after_stop: Literal["confirmed", "unconfirmed"] | None = None
+    audio_s: float = Field(0.0, ge=0)
+    cents: float = Field(0.0, ge=0)
+
+
 class Usage(BaseModel):
     """Model usage of a turn, honest about stops.
 
@@ -209,6 +236,9 @@ class Usage(BaseModel):
             per recogniser that heard them (its cents count against the
             turn's money budget; its tokens are not model tokens and do not
             count against ``budget_tokens``).
+        synthesis: what speaking the reply cost, one record per synthesiser
+            stream it used (a provider, its reconnect, espeak-ng); its cents
+            count against the money budget.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -222,6 +252,7 @@ class Usage(BaseModel):
     model_requests: int = 0
     records: list[UsageRecord] = Field(default_factory=list)
     recognition: list[RecognitionRecord] = Field(default_factory=list)
+    synthesis: list[SynthesisRecord] = Field(default_factory=list)
 
 
 class ChildOutcome(StrEnum):

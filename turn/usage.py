@@ -28,7 +28,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from turn.models import RecognitionRecord, Spent, Usage, UsageRecord
+from turn.models import RecognitionRecord, Spent, SynthesisRecord, Usage, UsageRecord
 
 
 class Pricing(BaseModel):
@@ -178,6 +178,8 @@ class UsageMeter:
         self.stop_at: datetime | None = None
         #: what recognising the turn's words cost (see :meth:`add_recognition`)
         self.recognition: list[RecognitionRecord] = []
+        #: what speaking the turn's reply cost (see :meth:`add_synthesis`)
+        self._synthesis: list[Callable[[], list[SynthesisRecord]]] = []
         self._now = now
 
     def mark_stopped(self) -> None:
@@ -206,6 +208,18 @@ class UsageMeter:
         checkpoint sees them before the first model request."""
         self.recognition.extend(records)
 
+    def add_synthesis(self, records: Callable[[], list[SynthesisRecord]]) -> None:
+        """What speaking a reply cost: ``records`` gives its records (one
+        per synthesiser stream) as they stand when asked, so a stop the
+        provider acknowledges later is written as confirmed by a later
+        flush; their cents count in :meth:`spent`."""
+        self._synthesis.append(records)
+
+    @property
+    def synthesis(self) -> list[SynthesisRecord]:
+        """The synthesis records now (see :meth:`add_synthesis`)."""
+        return [r for records in self._synthesis for r in records()]
+
     @property
     def total_tokens(self) -> int:
         """Prompt and completion tokens of every request (earlier ones too)."""
@@ -229,12 +243,14 @@ class UsageMeter:
             model_requests=len(records),
             records=records,
             recognition=list(self.recognition),
+            synthesis=list(self.synthesis),
         )
 
     def spent(self) -> Spent:
-        """Model tokens, and cents of the model and of recognition, used so far."""
+        """Model tokens, and cents of the model, recognition and synthesis, used so far."""
         return Spent(
             tokens=self.total_tokens,
             cents=sum(self.pricing.cents(r.prompt_tokens, r.completion_tokens) for r in self._all())
-            + sum(r.cents for r in self.recognition),
+            + sum(r.cents for r in self.recognition)
+            + sum(r.cents for r in self.synthesis),
         )

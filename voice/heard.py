@@ -1,5 +1,6 @@
-"""What the user actually heard of a reply: the sentences sent to TTS (with
-their exact first and end samples) against how far playout got. Only that
+"""What the user actually heard of a reply: the clauses sent to TTS (with
+their exact first and end samples, and the provider's word timings where
+it gives them) against how far playout got. Only that
 part is kept as the turn's reply, told to the client when it is interrupted
 and shown to every later model call (:mod:`voice.history`)."""
 
@@ -9,42 +10,74 @@ from turn.event_catalogue import AgentInterrupted
 from voice.transport import OutputSink
 from voice.turn_handle import TurnHandle
 
+#: an unfinished clause without word timings is taken to last this long
+#: per character, samples at 48 kHz (about 165 words a minute)
+SAMPLES_PER_CHAR = 48_000 // 14
 
-def heard_text(spoken: list[tuple[int, int, str]], played: int) -> str:
-    """The text of the sentences in ``spoken`` whose audio had been played
-    up to sample ``played``, cut to whole words.
+Mark = tuple[int, int, str]
 
-    Each sentence's first and end sample are exact (each is synthesised on
-    its own, so they are sentence marks). Inside the sentence being played,
-    word boundaries are estimated: a word counts as heard when the share of
-    the sentence's samples played reaches the share of its characters up to
-    that word's end (speech time is close to proportional to letters; a half
-    heard word is left out).
+
+def heard_text(
+    spoken: list[Mark], played: int, words: list[Mark] | None = None, open_segment: Mark | None = None,
+) -> str:
+    """The text of the reply whose audio had been played up to sample
+    ``played`` (48 kHz, of this generation), cut to whole words.
+
+    Each clause's first and end sample are exact (``spoken``: a
+    synthesiser's :class:`voice.synthesis.SegmentDone` marks its end). A
+    clause with provider word timings inside it (``words``: ElevenLabs'
+    alignment, Cartesia's timestamps) is cut at the last word whose end was
+    played. In a clause without them, word boundaries are estimated: a word
+    counts as heard when the share of the clause's samples played reaches
+    the share of its characters up to that word's end (speech time is close
+    to proportional to letters; a half heard word is left out). The clause
+    still arriving when the reply stopped (``open_segment``: its first
+    sample, the last sample received, its text) is cut by its words if it
+    has them, else estimated against the longer of what arrived and
+    :data:`SAMPLES_PER_CHAR` per character.
 
     Args:
-        spoken: (first sample, end sample, text) per sentence, in order.
+        spoken: (first sample, end sample, text) per finished clause, in order.
         played: samples of this generation's audio that left the buffer.
+        words: (first sample, end sample, word) per timed word, any order.
+        open_segment: the unfinished clause, or None.
     """
+    timed = sorted(words or [])
+    segments = list(spoken)
+    if open_segment is not None:
+        start, received, text = open_segment
+        segments.append((start, max(received, start + SAMPLES_PER_CHAR * len(text)), text))
     out: list[str] = []
-    for start, end, text in spoken:
+    for start, end, text in segments:
+        inside = [w for w in timed if start <= w[0] < end]
+        if inside:
+            heard = [w[2] for w in inside if w[1] <= played]
+            out.extend(heard)
+            if len(heard) < len(inside):
+                break
+            continue
         if played >= end:
             out.append(text.strip())
             continue
         if played > start and end > start:
-            share = (played - start) / (end - start)
-            words = text.split()
-            total = len(" ".join(words))
-            kept: list[str] = []
-            upto = 0
-            for w in words:
-                upto += len(w) + (1 if kept else 0)
-                if upto / total > share:
-                    break
-                kept.append(w)
-            if kept:
-                out.append(" ".join(kept))
+            out.extend(_estimate(text, (played - start) / (end - start)))
         break
     return " ".join(t for t in out if t)
+
+
+def _estimate(text: str, share: float) -> list[str]:
+    """The words of ``text`` heard when ``share`` (0..1) of its samples were
+    played, by characters (see :func:`heard_text`)."""
+    words = text.split()
+    total = len(" ".join(words))
+    kept: list[str] = []
+    upto = 0
+    for w in words:
+        upto += len(w) + (1 if kept else 0)
+        if upto / total > share:
+            break
+        kept.append(w)
+    return kept
 
 
 class Hearing:
@@ -61,7 +94,7 @@ class Hearing:
     def heard(self, run: TurnHandle) -> str:
         """The part of ``run``'s reply whose audio actually left the playout
         buffer (see :func:`heard_text`)."""
-        return heard_text(run.spoken, self.playout.played_samples(run.generation))
+        return heard_text(run.spoken, self.playout.played_samples(run.generation), run.spoken_words, run.spoken_open)
 
     def split(self, run: TurnHandle) -> tuple[str, str]:
         """``run``'s generated reply split into what was heard (its audio

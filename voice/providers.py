@@ -83,17 +83,15 @@ class LanguageModel(Protocol):
         ...
 
 
+#: receives synthesised mono s16 PCM as it is made (espeak-ng's clause synthesis)
 PcmSink = Callable[[bytes], None]
 
 
-class TextToSpeech(Protocol):
-    """Speech synthesis."""
-
-    #: rate in Hz of the mono s16 PCM handed to the sink
-    sample_rate: int
-
-    async def synthesize(self, text: str, sink: PcmSink) -> None:
-        """Speak ``text``, calling ``sink(pcm)`` with audio as it is made.
-        Returns when all audio was delivered; cancelling stops synthesis at
-        once."""
-        ...
+def websocket_base(base_url: str) -> str:
+    """``base_url`` as a WebSocket URL: ``http://`` becomes ``ws://`` and
+    ``https://`` ``wss://`` (a provider's host is often given as its HTTP
+    address; ``ws(s)://`` is kept), without a trailing slash."""
+    for http, ws in (("http://", "ws://"), ("https://", "wss://")):
+        if base_url.startswith(http):
+            return ws + base_url[len(http):].rstrip("/")
+    return base_url.rstrip("/")

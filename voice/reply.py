@@ -13,16 +13,19 @@ marks :mod:`voice.heard` cuts the heard text at.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 
-from media.frames import PLAYOUT_RATE, Reframer, rms_dbfs, samples_per_frame
+from media.frames import PLAYOUT_RATE, PcmResampler, Reframer, rms_dbfs, samples_per_frame
 from media.playout import PlayoutFrame
-from turn.event_catalogue import AgentDelta, AgentDone, ToolStarted, Transcript
+from turn.event_catalogue import AgentDelta, AgentDone, ToolStarted, Transcript, TtsUsage
 from turn.manager import TurnManager
 from turn.models import Turn
 from turn.scope import TurnScope, mark
-from voice.providers import LanguageModel, Message, TextToSpeech
+from turn.shield import finish_anyway
+from voice.providers import LanguageModel, Message
 from voice.respond import AgentLoopEvent, run_agent, sink_to
+from voice.synthesis import Audio, SegmentDone, Synthesiser, SynthesisStream, Words, cancel_and_wait
 from voice.text import SentenceSplitter
 from voice.tools import Toolbox
 from voice.transport import OutputSink
@@ -31,6 +34,8 @@ from voice.turn_lifecycle import Heard, finish
 
 #: a playout frame quieter than this (dBFS) is a pause, not speech
 SILENCE_DBFS = -50.0
+#: a reply's synthesis stream is closed within this long, s
+CLOSE_S = 2.0
 
 
 async def answer(
@@ -40,7 +45,7 @@ async def answer(
     *,
     manager: TurnManager,
     llm: LanguageModel,
-    tts: TextToSpeech,
+    tts: Synthesiser,
     tools: Toolbox | None,
     playout: OutputSink,
     history: Callable[[TurnHandle, Turn], Awaitable[list[Message]]],
@@ -96,7 +101,7 @@ async def generate_reply(
     *,
     manager: TurnManager,
     llm: LanguageModel,
-    tts: TextToSpeech,
+    tts: Synthesiser,
     tools: Toolbox | None,
     playout: OutputSink,
 ) -> None:
@@ -146,30 +151,103 @@ async def generate_reply(
     await scope.wait(speaking)
 
 
-async def speak(run: TurnHandle, sentences: asyncio.Queue[str | None], *, tts: TextToSpeech, playout: OutputSink) -> None:
-    """TTS each sentence from ``sentences`` (until None) into 20 ms playout
-    frames at 48 kHz tagged with ``run``'s generation, each marked audible
-    if louder than ``SILENCE_DBFS``; sets ``run.tts_done`` once all are
-    queued. Marks ``first_sentence`` and ``first_audio`` for the scope's
-    observers (TTS time to first audio)."""
+async def speak(run: TurnHandle, sentences: asyncio.Queue[str | None], *, tts: Synthesiser, playout: OutputSink) -> None:
+    """Speak each clause from ``sentences`` (until None) on one synthesis
+    stream of ``tts`` (context ``<turn id>-<generation>``) into 20 ms
+    playout frames at 48 kHz tagged with ``run``'s generation, each marked
+    audible if louder than ``SILENCE_DBFS``; sets ``run.tts_done`` once all
+    are queued. A clause goes to the synthesiser the moment the model has
+    produced it, while the earlier ones are still being spoken.
+
+    Records the marks :mod:`voice.heard` cuts the heard text at: each
+    finished clause's first and end sample (``run.spoken``), the clause
+    still arriving (``run.spoken_open``) and the provider's word timings
+    (``run.spoken_words``). Marks ``first_sentence`` and ``first_audio``
+    for the scope's observers (time to first audio). However it ends, the
+    stream is cancelled first (the provider told to stop at once: a
+    barge-in's fence), then closed, and its usage put on the turn's meter.
+
+    Raises:
+        voice.synthesis.SynthesisError: the synthesiser failed and nothing
+            was left to take over (``tts.fallback = "none"``).
+    """
     reframer = Reframer(PLAYOUT_RATE)
     per_frame = samples_per_frame(PLAYOUT_RATE)
-    position = 0
+    resamplers: dict[int, PcmResampler] = {}
+    position = 0  # samples queued for playout, 48 kHz
 
-    def sink(pcm: bytes) -> None:
-        nonlocal position
-        mark("first_audio")  # TTS's first audio of the reply (only the first mark counts)
-        for f in reframer.push(pcm):
-            playout.push(PlayoutFrame(f, run.generation, position, audible=rms_dbfs(f) > SILENCE_DBFS))
-            position += per_frame
+    def queued() -> int:
+        return position + reframer.pending_bytes // 2
 
-    while (sentence := await sentences.get()) is not None:
-        mark("first_sentence")  # handed to TTS: its time to first audio starts here
-        run.enter("speaking")
-        start = position + reframer.pending_bytes // 2
-        await tts.synthesize(sentence, sink)
-        run.spoken.append((start, position + reframer.pending_bytes // 2, sentence))
+    async def feed() -> None:
+        while (sentence := await sentences.get()) is not None:
+            mark("first_sentence")  # handed to TTS: its time to first audio starts here
+            run.enter("speaking")
+            stream.push_text(sentence)
+        stream.end_input()
+
+    stream = tts.open(f"{run.turn_id}-{run.generation}")
+    feeding = asyncio.ensure_future(feed())
+    try:
+        async for event in stream:
+            if isinstance(event, Audio):
+                pcm = event.pcm
+                if event.sample_rate != PLAYOUT_RATE:
+                    resampler = resamplers.setdefault(event.sample_rate, PcmResampler(PLAYOUT_RATE))
+                    pcm = resampler.pcm(pcm, event.sample_rate)
+                if not pcm:
+                    continue
+                mark("first_audio")  # TTS's first audio of the reply (only the first mark counts)
+                start = run.spoken_open[0] if run.spoken_open is not None else queued()
+                for f in reframer.push(pcm):
+                    playout.push(PlayoutFrame(f, run.generation, position, audible=rms_dbfs(f) > SILENCE_DBFS))
+                    position += per_frame
+                run.spoken_open = (start, queued(), _pending_text(stream))
+            elif isinstance(event, Words):
+                run.spoken_words.extend(
+                    (round(w.start_s * PLAYOUT_RATE), round(w.end_s * PLAYOUT_RATE), w.text)
+                    for w in event.words
+                )
+            elif isinstance(event, SegmentDone):
+                start = run.spoken_open[0] if run.spoken_open is not None else queued()
+                run.spoken.append((start, queued(), event.text))
+                run.spoken_open = None
+        if feeding.done() and not feeding.cancelled() and feeding.exception() is not None:
+            raise feeding.exception()  # type: ignore[misc]
+    finally:
+        stream.cancel()  # a no-op once it finished; else the provider is told now
+        try:
+            # closed to its end even if the stop cancels this task again: the
+            # record of how the provider was told must not be lost to it
+            await finish_anyway(_close_within(feeding, stream, CLOSE_S))
+        finally:
+            records = stream.records()
+            run.note_synthesis(stream)
+            stop = stream.stop
+            for i, r in enumerate(records):
+                last = i == len(records) - 1
+                run.output(TtsUsage(
+                    turn_id=run.turn_id, generation=run.generation, **r.model_dump(),
+                    stop_told_ms=round(stop.tell_ms, 3) if last and stop is not None and stop.tell_ms is not None else None,
+                    late_audio_ms=round(stop.late_audio_ms, 1) if last and stop is not None else 0.0,
+                ))
     tail = reframer.flush()
     if tail is not None:
         playout.push(PlayoutFrame(tail, run.generation, position, audible=rms_dbfs(tail) > SILENCE_DBFS))
     run.tts_done = True
+
+
+async def _close_within(feeding: asyncio.Task[None], stream: SynthesisStream, seconds: float) -> None:
+    """End the feeder, then close ``stream``, giving up after ``seconds`` (a
+    provider that hangs its close costs the turn no more)."""
+    await cancel_and_wait(feeding)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await stream.aclose()
+
+
+def _pending_text(stream: SynthesisStream) -> str:
+    """The text of the clause whose audio is arriving (the oldest not yet
+    done), "" if unknown."""
+    pending = stream.pending_texts
+    return pending[0] if pending else ""

@@ -39,7 +39,17 @@ from media.frames import FRAME_MS
 from media.inbound_frame import InboundFrame
 from media.syllables import count_syllable_nuclei
 from media.vad import VadConfig
-from turn.event_catalogue import Backchannel, Envelope, ErrorEvent, FalseInterruption, SessionReady, SttFailover, SttUsage, Vad
+from turn.event_catalogue import (
+    Backchannel,
+    Envelope,
+    ErrorEvent,
+    FalseInterruption,
+    SessionReady,
+    SttFailover,
+    SttUsage,
+    TtsFailover,
+    Vad,
+)
 from turn.events import EventSink
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
@@ -52,14 +62,16 @@ from voice.dtmf import DigitStream
 from voice.endpointing import EndpointConfig
 from voice.heard import Hearing
 from voice.history import earlier_messages, earlier_turns_wait_s, history_after
-from voice.providers import LanguageModel, Message, TextToSpeech
+from voice.providers import LanguageModel, Message
 from voice.recognition import Recogniser, RecognitionError, StreamOptions, SttAdaptation
 from voice.reply import answer
 from voice.session_config import SessionConfig
 from voice.stt_failover import Failover, FailoverAction
+from voice.synthesis import Synthesiser
 from voice.tools import Toolbox
 from voice.transcription import Transcription, Utterance
 from voice.transport import OutputSink, Transport
+from voice.tts_failover import FailoverNotice, FailoverSynthesiser
 from voice.turn_handle import TurnContext, TurnHandle
 from voice.turn_taking import (
     AgentActivity,
@@ -91,12 +103,16 @@ class Providers:
             an utterance's end counts as its failure, s.
         narrowband: the caller's audio is telephone audio (8 kHz): an
             embedded recogniser fills the empty band.
+        tts: the session's speech synthesiser (``tts.provider``).
+        tts_fallback: the one that says what a failed provider could not
+            (``tts.fallback = "embedded"``: espeak-ng), or None.
     """
 
     stt: Recogniser
     llm: LanguageModel
-    tts: TextToSpeech
+    tts: Synthesiser
     tools: Toolbox | None = None
+    tts_fallback: Synthesiser | None = None
     stt_fallback: Recogniser | None = None
     stt_final_timeout_s: float = 4.0
     narrowband: bool = False
@@ -144,6 +160,8 @@ class AgentSession(SessionControls):
         self.instructions = instructions
         self.manager = manager
         self.providers = providers
+        #: speaks the replies: the provider, reconnected once, then its fallback
+        self.tts = FailoverSynthesiser(providers.tts, providers.tts_fallback, tell=self._synthesis_failed)
         #: the recogniser's state for this session's voice (its requests only)
         self.stt_adaptation = SttAdaptation()
         #: the session's recognition stream (voice.transcription)
@@ -218,17 +236,20 @@ class AgentSession(SessionControls):
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 controls: asyncio.Task[None] | None = None
+                warming: asyncio.Task[None] | None = None
                 try:
                     # the recognisers are started by their owner, once (web.app at
                     # startup): a provider's key check is not a session's wait
                     tg.create_task(self.transcription.run())
+                    warming = tg.create_task(self.tts.warm())  # the first reply's connection, open before it is needed
                     self._send(SessionReady(generation=self.fence.active, session_id=self.session_id))
                     controls = tg.create_task(self._take_controls())
                     async for frame in self.transport.frames():
                         self._on_frame(frame)
                 finally:
-                    if controls is not None:
-                        controls.cancel()
+                    for side in (controls, warming):
+                        if side is not None:
+                            side.cancel()
                     self.transcription.close()  # its run ends once the provider's last usage is read
                     for run in self._runs:
                         for task in (run.work, run.watch_task):
@@ -246,8 +267,11 @@ class AgentSession(SessionControls):
                     await asyncio.shield(settle)
                 except asyncio.CancelledError:
                     interrupted = True
-            if interrupted:
-                raise asyncio.CancelledError
+            try:
+                await self.tts.aclose()  # the provider's connections (the turns are settled: no reply speaks)
+            finally:
+                if interrupted:
+                    raise asyncio.CancelledError
 
     def _on_frame(self, frame: InboundFrame) -> None:
         """Per 20 ms frame, on the hot path: no awaits, no I/O.
@@ -398,6 +422,13 @@ class AgentSession(SessionControls):
                 cents=round(cents, 4),
             ))
 
+    def _synthesis_failed(self, notice: FailoverNotice) -> None:
+        """Tell the client the synthesiser failed mid-reply and what follows (event ``tts.failover``)."""
+        self._send(TtsFailover(
+            generation=self.fence.active, provider=notice.provider, error=notice.error.kind, action=notice.action,
+            fallback=notice.fallback, message=str(notice.error)[:500],
+        ))
+
     def _recognition_failed(self, failed: str, error: RecognitionError, action: FailoverAction, now: str | None) -> None:
         """Tell the client the recogniser failed and what follows (event ``stt.failover``)."""
         self._send(SttFailover(
@@ -471,7 +502,7 @@ class AgentSession(SessionControls):
         """What a turn's work does once its utterance ended (:func:`voice.reply.answer`)."""
         p = self.providers
         await answer(
-            run, scope, turn, manager=self.manager, llm=p.llm, tts=p.tts, tools=p.tools, playout=self.playout,
+            run, scope, turn, manager=self.manager, llm=p.llm, tts=self.tts, tools=p.tools, playout=self.playout,
             history=self.model_history,
         )
 

@@ -1,4 +1,5 @@
-"""Text to speech with espeak-ng, run as a subprocess per sentence.
+"""Text to speech with espeak-ng, run as a subprocess per clause; as a
+:class:`voice.synthesis.Synthesiser` it is :class:`EspeakSynthesiser`.
 
 espeak-ng writes a streaming WAV (RIFF with placeholder sizes) to stdout; the
 PCM is handed on as it arrives, resampled to 48 kHz mono with PyAV.
@@ -17,6 +18,7 @@ from pydantic import BaseModel, Field
 from media.frames import PLAYOUT_RATE, PcmResampler
 from media.trim import SilenceTrimmer
 from voice.providers import PcmSink
+from voice.synthesis import BaseSynthesisStream, SynthesisError, cancel_and_wait
 
 READ_CHUNK = 4096  # bytes per read from espeak-ng's stdout
 
@@ -45,7 +47,7 @@ class TtsError(RuntimeError):
 
 
 class EspeakTTS:
-    """:class:`voice.providers.TextToSpeech` on espeak-ng.
+    """espeak-ng, one process per text (the engine behind :class:`EspeakStream`).
 
     Output is 48 kHz mono s16 (``sample_rate``).
 
@@ -207,3 +209,62 @@ async def _read_wav_header(stream: asyncio.StreamReader) -> int:
                     raise TtsError(f"unexpected WAV format {fmt}, {channels} ch, {bits} bit")
     except asyncio.IncompleteReadError as exc:
         raise TtsError("espeak-ng produced no audio") from exc
+
+
+class EspeakStream(BaseSynthesisStream):
+    """A reply spoken by espeak-ng (:class:`voice.synthesis.SynthesisStream`):
+    one subprocess per clause, in order, 48 kHz; no word timings (the
+    reply's marks are per clause). Cancelling kills the clause's subprocess
+    at once: the stop is told and confirmed when it is reaped."""
+
+    def __init__(self, tts: EspeakTTS) -> None:
+        super().__init__("espeak-ng", tts.sample_rate)
+        self.tts = tts
+        self._clauses: asyncio.Queue[str | None] = asyncio.Queue()
+        self._task = asyncio.ensure_future(self._run())
+
+    def _send_text(self, text: str) -> None:
+        self._clauses.put_nowait(text)
+
+    def _send_end(self) -> None:
+        self._clauses.put_nowait(None)
+
+    def _send_cancel(self) -> None:
+        self._task.cancel()
+        self.told()
+        self.confirm_stop()  # the process is killed: nothing more is made
+
+    async def _run(self) -> None:
+        try:
+            while (clause := await self._clauses.get()) is not None:
+                await self.tts.synthesize(clause, self.emit_audio)
+                self.emit_segment_done()
+        except TtsError as exc:
+            self.emit_error(SynthesisError("provider", str(exc), self.provider))
+
+    async def _close(self) -> None:
+        await cancel_and_wait(self._task)
+
+
+class EspeakSynthesiser:
+    """espeak-ng as a :class:`voice.synthesis.Synthesiser` (``tts.provider =
+    "embedded"``, and every provider's fallback).
+
+    Args:
+        config: voice, rate, pitch.
+    """
+
+    name = "espeak-ng"
+
+    def __init__(self, config: EspeakConfig | None = None) -> None:
+        self.tts = EspeakTTS(config)
+
+    def open(self, context_id: str) -> EspeakStream:
+        """A stream for one reply (``context_id`` is not needed)."""
+        return EspeakStream(self.tts)
+
+    async def warm(self) -> None:
+        """Nothing to open."""
+
+    async def aclose(self) -> None:
+        """Nothing to close (each stream reaps its own process)."""

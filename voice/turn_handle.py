@@ -46,6 +46,7 @@ from turn.store import StoreUnavailable, UnknownTurn
 from turn.usage import Pricing
 from voice.dtmf import DigitStream
 from voice.errors import describe_error, first_error, stopped_by
+from voice.synthesis import SynthesisStream
 from voice.transcription import Utterance
 from voice.turn_lifecycle import fail, open_scope, record_late_usage
 
@@ -53,6 +54,8 @@ log = logging.getLogger(__name__)
 
 #: how long a stop that the store would not take is retried, s
 STOP_RETRY_S = 300.0
+#: how long a stopped turn's final usage waits for its synthesiser's acknowledgement of the stop, s
+CONFIRM_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -134,9 +137,15 @@ class TurnHandle:
     stop_task: asyncio.Task[None] | None = None
     transcript: str | None = None
     reply: list[str] = field(default_factory=list)
-    #: each sentence sent to TTS: (first sample, end sample, text); samples
+    #: each clause spoken whole: (first sample, end sample, text); samples
     #: at 48 kHz from the start of this generation's audio
     spoken: list[tuple[int, int, str]] = field(default_factory=list)
+    #: the reply's synthesis streams, once ended (their usage and stops)
+    synthesis_streams: list[SynthesisStream] = field(default_factory=list)
+    #: the synthesiser's word timings, where it gives them: (first sample, end sample, word)
+    spoken_words: list[tuple[int, int, str]] = field(default_factory=list)
+    #: the clause whose audio was still arriving: (first sample, last sample received, text)
+    spoken_open: tuple[int, int, str] | None = None
     #: an earlier turn whose reply was never heard: this one answers both
     #: utterances as one (the user paused, the endpoint fired, they went on)
     continues: TurnHandle | None = None
@@ -286,6 +295,28 @@ class TurnHandle:
         self.stt_final = asyncio.ensure_future(self.stt.finish())
         # its failure is read by the turn's work; don't also log it as lost
         self.stt_final.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def note_synthesis(self, stream: SynthesisStream) -> None:
+        """Put what speaking the reply on ``stream`` cost on the turn's
+        meter (:meth:`turn.usage.UsageMeter.add_synthesis`: its cents count
+        against the budget), as the reply's synthesis ends, however it ends;
+        a stop the provider acknowledges later is awaited by
+        :meth:`await_synthesis_confirmed`."""
+        self.synthesis_streams.append(stream)
+        runtime = self.runtime or self.ctx.manager.runtime(self.turn_id)
+        if runtime is not None:
+            runtime.meter.add_synthesis(stream.records)
+
+    async def await_synthesis_confirmed(self, timeout_s: float = CONFIRM_WAIT_S) -> None:
+        """Wait (at most ``timeout_s``) until every synthesiser stop whose
+        provider acknowledges stops (:attr:`voice.synthesis.StopRecord.confirmable`:
+        Deepgram's ``Cleared``) is acknowledged; called after the terminal
+        write, so it delays no state, only the final usage record."""
+        deadline = self.ctx.clock.monotonic() + timeout_s
+        while any(
+            s.stop is not None and s.stop.confirmable and not s.stop.confirmed for s in self.synthesis_streams
+        ) and self.ctx.clock.monotonic() < deadline:
+            await self.ctx.clock.sleep(0.01)
 
     def note_recognition(self) -> None:
         """Put what recognising the user's words cost on the turn's meter
@@ -470,6 +501,7 @@ class TurnHandle:
             await manager.record(turn_id, transcript=transcript, reply=heard or None, reply_unheard=unheard or None)
         if scope is not None:
             await manager.settle_stop(turn_id, scope)
+            await self.await_synthesis_confirmed()
             await record_late_usage(manager, turn_id, self.runtime)
         else:
             current = await manager.get(turn_id)

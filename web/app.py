@@ -39,9 +39,10 @@ from voice.openai_llm import OpenAiChatModel
 from voice.providers import LanguageModel
 from voice.recognisers import build_recognisers
 from voice.session import Providers
+from voice.synthesisers import build_synthesiser, check_key
 from voice.text_turns import TextTurns
 from voice.tools import Toolbox
-from voice.tts import EspeakTTS
+from voice.tts import EspeakSynthesiser, EspeakTTS
 from web import access_log, api, client_tokens, drain, instances, metrics, openapi, signaling, tracing
 from web.auth import Auth
 from web.devices import routes as device_routes
@@ -96,8 +97,11 @@ class EmbeddedProviders:
             RuntimeError: espeak-ng is missing, or the speech model or grammar
                 cannot be loaded.
         """
-        if not EspeakTTS(self.settings.tts).available():
-            raise RuntimeError(f"TTS executable {self.settings.tts.executable!r} not found; install espeak-ng")
+        tts = self.settings.tts
+        if (tts.provider == "embedded" or tts.fallback == "embedded") and not EspeakTTS(tts.espeak).available():
+            raise RuntimeError(f"TTS executable {tts.executable!r} not found; install espeak-ng")
+        if tts.provider != "embedded" and (problem := await check_key(tts)) is not None:
+            log.error("%s", problem)  # one line naming the setting; the server still serves (see tts.fallback)
         try:
             if self.stt_fallback is not None:
                 await self.stt_fallback.start()
@@ -109,26 +113,43 @@ class EmbeddedProviders:
         """Providers for one new voice session (``voice``: its TTS voice
         instead of ``tts.voice``)."""
         tts = self.settings.tts if voice is None else self.settings.tts.model_copy(update={"voice": voice})
+        fallback = (
+            EspeakSynthesiser(tts.espeak) if tts.provider != "embedded" and tts.fallback == "embedded" else None
+        )
         return Providers(
-            stt=self.stt, llm=self.llm_for_session(), tts=EspeakTTS(tts), tools=self.tools(), stt_fallback=self.stt_fallback,
+            stt=self.stt, llm=self.llm_for_session(), tts=build_synthesiser(tts, self.http()), tts_fallback=fallback,
+            tools=self.tools(), stt_fallback=self.stt_fallback,
             stt_final_timeout_s=self.settings.stt.final_timeout_ms / 1000,
         )
 
     async def voice_exists(self, voice: str) -> bool:
-        """True if the TTS can speak with ``voice``."""
-        return await EspeakTTS(self.settings.tts).voice_exists(voice)
+        """True if the TTS can speak with ``voice``: an espeak-ng voice it
+        has, or, with a provider, any name (the provider judges it: a voice
+        it refuses fails the reply over to the fallback)."""
+        if self.settings.tts.provider != "embedded":
+            return bool(voice.strip())
+        return await EspeakTTS(self.settings.tts.espeak).voice_exists(voice)
+
+    def http(self) -> aiohttp.ClientSession | None:
+        """The server's HTTP client for the OpenAI-compatible providers (the
+        model, speech): one keep-alive pool; None when neither is in use."""
+        if self.settings.llm.provider != "openai" and self.settings.tts.provider != "openai":
+            return None
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(
+                    total=self.settings.llm.request_timeout_s, sock_connect=self.settings.llm.connect_timeout_s
+                )
+            )
+        return self._http
 
     def llm_for_session(self) -> LanguageModel:
         """The model for one session or text turn: the embedded agent, or
         an OpenAI-compatible API (``llm.provider``)."""
         if self.settings.llm.provider == "openai":
-            if self._http is None or self._http.closed:
-                self._http = aiohttp.ClientSession(
-                    timeout=aiohttp.ClientTimeout(
-                        total=self.settings.llm.request_timeout_s, sock_connect=self.settings.llm.connect_timeout_s
-                    )
-                )
-            return OpenAiChatModel(self.settings.llm, self._http)
+            http = self.http()
+            assert http is not None
+            return OpenAiChatModel(self.settings.llm, http)
         return LocalAgent(self.settings.llm, self.clock)
 
     def tools(self) -> Toolbox:

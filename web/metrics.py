@@ -34,7 +34,14 @@ From every event this process logs (a tap on :class:`turn.events.EventLogs`):
 - ``turnkeeper_late_events_fenced_total{type}``: output of an obsolete
   generation or a stopped turn that arrived late and was withheld;
 - ``turnkeeper_abandoned_leases_total{action}``: turns whose worker died,
-  found by the lease sweeper: ``taken_over`` (run on here) or ``stopped``.
+  found by the lease sweeper: ``taken_over`` (run on here) or ``stopped``;
+- from ``tts.usage`` and ``tts.failover``: ``turnkeeper_tts_characters_total{provider}``,
+  ``turnkeeper_tts_cents_total{provider}``,
+  ``turnkeeper_tts_characters_unspoken_at_stop_total{provider,after_stop}``
+  (sent but not all heard back when a reply stopped: still billable),
+  ``turnkeeper_tts_stop_told_seconds{provider}`` (a reply's stop to its
+  synthesiser told on the wire) and
+  ``turnkeeper_tts_failovers_total{provider,error,action}``.
 
 From every cancel scope (``manager.scope_observers``):
 
@@ -158,6 +165,23 @@ class Metrics:
                                       "How long sessions' connections to each speech recogniser were open, s", ["provider"], registry=r)
         self.stt_cents = Counter("turnkeeper_stt_cents", "What speech recognition cost by the settings' prices, US cents",
                                  ["provider"], registry=r)
+        self.tts_failovers = Counter(
+            "turnkeeper_tts_failovers", "Speech synthesisers that failed mid-reply, and what followed",
+            ["provider", "error", "action"], registry=r,
+        )
+        self.tts_characters = Counter("turnkeeper_tts_characters", "Characters sent to each speech synthesiser",
+                                      ["provider"], registry=r)
+        self.tts_unspoken = Counter(
+            "turnkeeper_tts_characters_unspoken_at_stop",
+            "Characters sent to a synthesiser whose audio had not all arrived when the reply stopped (still billable)",
+            ["provider", "after_stop"], registry=r,
+        )
+        self.tts_cents = Counter("turnkeeper_tts_cents", "What speech synthesis cost by the settings' prices, US cents",
+                                 ["provider"], registry=r)
+        self.tts_stop_told = Histogram(
+            "turnkeeper_tts_stop_told_seconds", "A reply's stop to its synthesiser told on the wire, s",
+            ["provider"], buckets=STOP_BUCKETS, registry=r,
+        )
         self.abandoned = Counter("turnkeeper_abandoned_leases", "Turns whose worker died, found by the lease sweeper",
                                  ["action"], registry=r)
         self.stt = Histogram("turnkeeper_stt_seconds", "End of the utterance to its final transcript, s",
@@ -235,6 +259,18 @@ class Metrics:
             self.stt_audio.labels(provider=provider).inc(max(0.0, float(p.get("audio_s") or 0)))
             self.stt_connection.labels(provider=provider).inc(max(0.0, float(p.get("connection_s") or 0)))
             self.stt_cents.labels(provider=provider).inc(max(0.0, float(p.get("cents") or 0)))
+        elif ev.type == "tts.failover":
+            self.tts_failovers.labels(provider=str(p.get("provider", "")), error=str(p.get("error", "")),
+                                      action=str(p.get("action", ""))).inc()
+        elif ev.type == "tts.usage":
+            provider = str(p.get("provider", ""))
+            self.tts_characters.labels(provider=provider).inc(max(0, int(p.get("characters") or 0)))
+            self.tts_cents.labels(provider=provider).inc(max(0.0, float(p.get("cents") or 0)))
+            if p.get("after_stop"):
+                self.tts_unspoken.labels(provider=provider, after_stop=str(p["after_stop"])).inc(
+                    max(0, int(p.get("characters_unspoken_at_stop") or 0)))
+            if p.get("stop_told_ms") is not None:
+                self.tts_stop_told.labels(provider=provider).observe(max(0.0, float(p["stop_told_ms"]) / 1000))
         elif ev.type in EFFECT_OUTCOMES:
             self.effects.labels(outcome=EFFECT_OUTCOMES[ev.type]).inc()
         elif ev.type == "agent.restart":

@@ -32,7 +32,7 @@ from turn.models import Plan
 from voice.llm import LlmConfig
 from voice.recognisers import SttConfig
 from voice.session_config import SessionConfig
-from voice.tts import EspeakConfig
+from voice.synthesisers import TtsConfig
 from web.limits import LimitSettings
 
 _CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("turnkeeper_config", default=None)
@@ -322,7 +322,7 @@ class Settings(BaseSettings):
     stt: SttConfig = SttConfig()
     llm: LlmConfig = LlmConfig()
     plans: dict[str, Plan] = Field(default_factory=lambda: {"default": Plan()})
-    tts: EspeakConfig = EspeakConfig()
+    tts: TtsConfig = TtsConfig()
     telephony: TelephonySettings = TelephonySettings()
     devices: DeviceSettings = DeviceSettings()
     shutdown: ShutdownSettings = ShutdownSettings()

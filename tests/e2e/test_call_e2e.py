@@ -102,7 +102,7 @@ async def test_barge_in_mid_answer(server: Server, say: Callable[..., Path], tmp
             break
         await asyncio.sleep(0.05)
     assert server.app[PEERS] == {}
-    assert not peer.agent.providers.tts.running  # type: ignore[attr-defined]
+    assert not peer.agent.providers.tts.tts.running  # type: ignore[attr-defined]
 
 
 async def test_human_voice_gets_an_answer(server: Server, alsa_wav: Callable[[str], Path]) -> None:

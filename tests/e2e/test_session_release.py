@@ -58,7 +58,7 @@ class Tracker:
             keep("PlayoutBuffer", peer.transport.output)
             keep("AgentSession", peer.agent)
             keep("SessionEventLog", peer.log)
-            keep("EspeakTTS", peer.agent.providers.tts)
+            keep("EspeakSynthesiser", peer.agent.providers.tts)
             keep("LocalAgent", peer.agent.providers.llm)
             if (inbound := peer.transport.inbound) is not None:
                 keep("InboundAudio", inbound)

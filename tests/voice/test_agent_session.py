@@ -32,7 +32,7 @@ from turn.sqlite_store import SqliteStore
 from voice.llm import LocalAgent, LocalLlmConfig
 from voice.session import AgentSession, Providers
 from voice.transport import CloseNotice, Control, ControlInbox
-from voice.tts import EspeakConfig, EspeakTTS
+from voice.tts import EspeakConfig, EspeakSynthesiser
 from voice.whisper_stt import WhisperSTT
 
 pytestmark = requires_espeak
@@ -116,7 +116,7 @@ class Harness:
         self.fence = GenerationFence(self.clock)
         self.playout = PlayoutBuffer()
         self.track = PacedAudioTrack(self.playout, self.fence.passes, self.clock)
-        self.tts = EspeakTTS()
+        self.tts = EspeakSynthesiser()
         self.events: list[dict[str, Any]] = []
         self.log = self.manager.events.log("sess-1", gate=self.fence)
         self.follower = EventFollower(store, "sess-1", gate=self.fence, poll_s=0.5)
@@ -224,7 +224,7 @@ async def test_barge_in_stops_old_generation(harness: Harness, say: Callable[...
     h = harness
     h.mic.say(pcm48(say("tell me a story")))
     await h.wait_for(lambda: 1 in h.track.audit.per_generation and h.track.audit.per_generation[1].frames > 25)
-    tts_running_before = set(h.tts.running)
+    tts_running_before = set(h.tts.tts.running)
     h.mic.say(pcm48(say("what is the weather like today")))
     await h.wait_for(lambda: any(e["type"] == "barge_in" for e in h.events))
     # the barge-in cleared the buffer and fenced generation 1 at once
@@ -292,7 +292,7 @@ async def test_disconnect_mid_answer_is_recorded(harness: Harness, say: Callable
     [turn] = await store.list_session("sess-1")
     assert turn.status is TurnStatus.CANCELLED
     assert turn.stop_reason is not None and turn.stop_reason.kind is StopReasonKind.TRANSPORT_DISCONNECTED
-    assert not h.tts.running
+    assert not h.tts.tts.running
 
 
 async def test_cancelled_session_still_settles(harness: Harness, say: Callable[..., Path], store: SqliteStore) -> None:
@@ -333,14 +333,14 @@ async def test_provider_failure_fails_the_turn_with_its_reason(
     store: SqliteStore, say: Callable[..., Path]
 ) -> None:
     h = Harness(store)
-    h.session.providers.tts = EspeakTTS(EspeakConfig(executable="/nonexistent/espeak-ng"))
+    h.session.tts.primary = EspeakSynthesiser(EspeakConfig(executable="/nonexistent/espeak-ng"))
     await h.start()
     try:
         h.mic.say(pcm48(say("please count to twenty")))
         await h.wait_for(lambda: any(e.get("status") == "FAILED" for e in h.turn_events()), timeout=30)
         [turn] = await store.list_session("sess-1")
         assert turn.status is TurnStatus.FAILED
-        assert turn.error is not None and turn.error.startswith("TtsError:") and "not found" in turn.error
+        assert turn.error is not None and turn.error.startswith("SynthesisError:") and "not found" in turn.error
         await h.wait_for(lambda: any(e["type"] == "error" for e in h.events), timeout=5)  # a poll of the log later
         [err] = [e for e in h.events if e["type"] == "error"]
         assert err["code"] == "turn_failed" and err["turn_id"] == turn.id

@@ -28,7 +28,7 @@ from turn.sqlite_store import SqliteStore
 from voice.llm import LocalAgent, LocalLlmConfig
 from voice.session import AgentSession, Providers
 from voice.transport import ControlKind
-from voice.tts import EspeakTTS
+from voice.tts import EspeakSynthesiser
 from voice.whisper_stt import WhisperSTT
 
 pytestmark = requires_espeak
@@ -54,7 +54,7 @@ class Call:
             providers=Providers(
                 stt=WhisperSTT(),
                 llm=LocalAgent(LocalLlmConfig(tokens_per_second=20), self.clock),
-                tts=EspeakTTS(),
+                tts=EspeakSynthesiser(),
                 tools=weather_tools(self.clock),
             ),
             transport=self.transport,

@@ -502,6 +502,11 @@
         addNote(msg, "stt-failover", `speech recogniser ${msg.provider} failed (${msg.error}): ${then || msg.action}`);
         break;
       }
+      case "tts.failover": {
+        const then = { reconnect: "reconnecting", fallback: `now spoken by ${msg.fallback}`, failed: "the reply ends here" }[msg.action];
+        addNote(msg, "tts-failover", `speech synthesiser ${msg.provider} failed (${msg.error}): ${then || msg.action}`);
+        break;
+      }
       case "agent.state":
         if (msg.generation >= shown.generation) {
           ui.agentPhase.textContent = msg.phase;
