@@ -88,6 +88,7 @@ from typing import Any, Literal
 import aiohttp
 from yarl import URL
 
+from voice.providers import websocket_base
 from voice.recognisers import SttConfig
 from voice.recognition import (
     STREAM_BYTES_PER_S,
@@ -146,10 +147,7 @@ def listen_url(config: SttConfig) -> URL:
     and ``https://`` become ``ws://`` and ``wss://``; a base URL already
     ending in ``/v1/listen`` (or ``/v1``) is completed, not doubled.
     """
-    base = config.url
-    for http, ws in (("http://", "ws://"), ("https://", "wss://")):
-        if base.startswith(http):
-            base = ws + base[len(http):]
+    base = websocket_base(config.url)
     if base.endswith("/v1/listen"):
         pass
     elif base.endswith("/v1"):
