@@ -25,7 +25,7 @@ from turn.scope import TurnScope, mark
 from turn.shield import finish_anyway
 from voice.providers import LanguageModel, Message
 from voice.respond import AgentLoopEvent, run_agent, sink_to
-from voice.synthesis import Audio, SegmentDone, Synthesiser, SynthesisStream, Words, cancel_and_wait
+from voice.synthesis import Audio, Restarted, SegmentDone, Synthesiser, SynthesisStream, Words, cancel_and_wait
 from voice.text import SentenceSplitter
 from voice.tools import Toolbox
 from voice.transport import OutputSink
@@ -208,6 +208,13 @@ async def speak(run: TurnHandle, sentences: asyncio.Queue[str | None], *, tts: S
                     (round(w.start_s * PLAYOUT_RATE), round(w.end_s * PLAYOUT_RATE), w.text)
                     for w in event.words
                 )
+            elif isinstance(event, Restarted):
+                # the clause that was arriving is said again from its start:
+                # what came of it before is no mark (nor are its word timings)
+                if run.spoken_open is not None:
+                    cut = run.spoken_open[0]
+                    run.spoken_words = [w for w in run.spoken_words if w[0] < cut]
+                run.spoken_open = None
             elif isinstance(event, SegmentDone):
                 start = run.spoken_open[0] if run.spoken_open is not None else queued()
                 run.spoken.append((start, queued(), event.text))

@@ -54,6 +54,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from turn.models import SynthesisRecord
 
 SynthesisErrorKind = Literal["unreachable", "unauthorized", "dropped", "closed", "protocol", "provider"]
+#: failures after which nothing sent was billable: the provider was never reached, or refused the key
+NOT_BILLED = frozenset({"unreachable", "unauthorized"})
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,16 @@ class SegmentDone:
     text: str
 
 
-SynthesisEvent = Audio | Words | SegmentDone
+@dataclass(frozen=True)
+class Restarted:
+    """The provider failed mid-reply and another stream took over
+    (:mod:`voice.tts_failover`): the clause that was arriving is said again
+    from its start, so the audio of it that came before is no mark of it."""
+
+    provider: str
+
+
+SynthesisEvent = Audio | Words | SegmentDone | Restarted
 
 
 class SynthesisError(RuntimeError):
@@ -406,6 +417,8 @@ class BaseSynthesisStream:
         self.finished = True
         if not error.provider:
             error.provider = self.provider
+        if error.kind in NOT_BILLED:
+            self.characters = 0  # nothing reached a provider that could bill it
         self._events.put_nowait(error)
 
     def told(self) -> None:

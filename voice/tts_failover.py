@@ -24,6 +24,7 @@ from typing import Literal
 
 from voice.synthesis import (
     Audio,
+    Restarted,
     SegmentDone,
     StopRecord,
     Synthesiser,
@@ -137,6 +138,7 @@ class FailoverStream:
             except SynthesisError as exc:
                 self._offset_s += seconds
                 await self._switch(exc)
+                yield Restarted(self.inner.provider)
 
     async def _switch(self, error: SynthesisError) -> None:
         """Replace the failed stream (see the module doc).

@@ -249,6 +249,8 @@ class TurnHandle:
                 return
             if turn is not None:
                 self.note_recognition()
+                if self.reply:
+                    await self._keep_heard(turn.id)
                 self.settled = await fail(manager, turn.id, self.ctx.fence.active, exc, self.ctx.report)
             else:
                 log.exception("turn %s failed", self.turn_id)
@@ -295,6 +297,20 @@ class TurnHandle:
         self.stt_final = asyncio.ensure_future(self.stt.finish())
         # its failure is read by the turn's work; don't also log it as lost
         self.stt_final.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _keep_heard(self, turn_id: str) -> None:
+        """A reply that failed part-way (its synthesiser gone, no fallback):
+        its audio stops now, the client is told what was heard
+        (``agent.interrupted``) and the record keeps that part as the reply,
+        the rest as unheard, before the turn is FAILED. A store that refuses
+        the write is logged: the failure still goes on."""
+        self.ctx.silence(self)
+        self.ctx.tell_interrupted(self)
+        heard, unheard = self.ctx.heard_split(self)
+        try:
+            await self.ctx.manager.record(turn_id, reply=heard or None, reply_unheard=unheard or None)
+        except Exception:
+            log.exception("turn %s: could not record what was heard of its failed reply", turn_id)
 
     def note_synthesis(self, stream: SynthesisStream) -> None:
         """Put what speaking the reply on ``stream`` cost on the turn's

@@ -101,6 +101,8 @@ async def test_a_dropped_provider_is_reconnected_with_the_clauses_not_spoken_who
     assert primary.opened == 2
     [notice] = notices
     assert (notice.provider, notice.error.kind, notice.action, notice.fallback) == ("scripted", "dropped", "reconnect", "scripted")
+    # the consumer is told the clause that was arriving is said again (its marks restart)
+    assert [type(e).__name__ for e in events].count("Restarted") == 1
     # word timings of the second stream follow the first's audio
     words = [w for e in events if isinstance(e, Words) for w in e.words]
     assert [(w.text, round(w.start_s, 3)) for w in words] == [("One.", 0.0), ("Two.", 0.1), ("Three.", 0.2)]
@@ -146,7 +148,7 @@ async def test_with_no_fallback_the_reply_ends_with_the_error_and_every_stream_i
     assert info.value.kind == "unauthorized"
     assert [n.action for n in notices] == ["failed"]
     [record] = stream.records()
-    assert record.provider == "scripted" and record.characters == len("Hello there. ")
+    assert record.provider == "scripted" and record.characters == 0  # a refused key bills nothing
     await stream.aclose()
 
 
