@@ -570,6 +570,7 @@ class _Session:
 
 
 def main() -> None:  # pragma: no cover - a manual tool
+    """Run the fake on a loopback port (``--port``, ``--api-key``) until interrupted."""
     parser = argparse.ArgumentParser(description="A local Deepgram Aura /v1/speak server (espeak-ng voice).")
     parser.add_argument("--port", type=int, default=8099)
     parser.add_argument("--api-key", default=None)

@@ -37,6 +37,7 @@ class Rendering:
 
     @property
     def seconds(self) -> float:
+        """Its length, s."""
         return len(self.pcm) / 2 / self.rate
 
 

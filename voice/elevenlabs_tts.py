@@ -774,8 +774,6 @@ class ElevenLabsStream(BaseSynthesisStream):
             self._release(front=True)
 
     def _send_text(self, text: str) -> None:
-        if self.finished:
-            return
         conn = self._conn
         if conn is None:
             try:

@@ -95,3 +95,16 @@ def websocket_base(base_url: str) -> str:
         if base_url.startswith(http):
             return ws + base_url[len(http):].rstrip("/")
     return base_url.rstrip("/")
+
+
+def plain_base_url(value: str) -> str:
+    """Check a provider's ``base_url`` setting: the clients build the path
+    and the query from the other settings, so a query or fragment pasted
+    into it would be dropped or doubled silently.
+
+    Raises:
+        ValueError: ``value`` has a query (``?``) or a fragment (``#``).
+    """
+    if "?" in value or "#" in value:
+        raise ValueError("base_url takes no query or fragment (the model, voice, language and the rest are settings of their own)")
+    return value

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from voice import pocketsphinx_worker
 from voice.pocketsphinx_stt import PocketsphinxConfig, PocketsphinxSTT
+from voice.providers import plain_base_url
 from voice.recognition import Recogniser, SpeechPricing
 from voice.whisper_stt import WhisperConfig, WhisperSTT
 
@@ -149,12 +150,7 @@ class SttConfig(BaseModel):
     @field_validator("base_url")
     @classmethod
     def _base_url_plain(cls, value: str) -> str:
-        """The client builds the path and the query from the other settings:
-        a query or fragment pasted into the base URL would be dropped or
-        doubled silently."""
-        if "?" in value or "#" in value:
-            raise ValueError("base_url takes no query or fragment (model, language and the rest are settings of their own)")
-        return value
+        return plain_base_url(value)
 
     @field_validator("keyterms")
     @classmethod

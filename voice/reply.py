@@ -198,11 +198,13 @@ async def speak(run: TurnHandle, sentences: asyncio.Queue[str | None], *, tts: S
                 if not pcm:
                     continue
                 mark("first_audio")  # TTS's first audio of the reply (only the first mark counts)
-                start = run.spoken_open[0] if run.spoken_open is not None else queued()
+                opened = run.spoken_open
+                start = opened[0] if opened is not None else queued()
+                text = opened[2] if opened is not None else _pending_text(stream)  # looked up once per clause
                 for f in reframer.push(pcm):
                     playout.push(PlayoutFrame(f, run.generation, position, audible=rms_dbfs(f) > SILENCE_DBFS))
                     position += per_frame
-                run.spoken_open = (start, queued(), _pending_text(stream))
+                run.spoken_open = (start, queued(), text)
             elif isinstance(event, Words):
                 run.spoken_words.extend(
                     (round(w.start_s * PLAYOUT_RATE), round(w.end_s * PLAYOUT_RATE), w.text)

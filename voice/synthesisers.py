@@ -25,6 +25,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from voice.providers import plain_base_url
 from voice.synthesis import Synthesiser, SynthesisPricing
 from voice.tts import EspeakConfig
 
@@ -110,10 +111,7 @@ class TtsConfig(BaseModel):
     @field_validator("base_url")
     @classmethod
     def _base_url_plain(cls, value: str) -> str:
-        """The client builds the path and query from the other settings."""
-        if "?" in value or "#" in value:
-            raise ValueError("base_url takes no query or fragment (model, voice and the rest are settings of their own)")
-        return value
+        return plain_base_url(value)
 
     @field_validator("sample_rate")
     @classmethod
