@@ -109,11 +109,51 @@ def test_splitter_sentences_and_clauses() -> None:
 
 
 def test_splitter_short_clause_waits() -> None:
+    """After the first piece, a short clause stays with its sentence."""
     sp = SentenceSplitter(min_clause_words=8)
     out: list[str] = []
-    for tok in tokenize("Yes, sure. "):
+    for tok in tokenize("Right. Yes, sure. "):
         out += sp.feed(tok)
-    assert out == ["Yes, sure."]
+    assert out == ["Right.", "Yes, sure."]
+
+
+def _cut(text: str, **kw: int) -> list[str]:
+    sp = SentenceSplitter(**kw)
+    out: list[str] = []
+    for tok in tokenize(text):
+        out += sp.feed(tok)
+    rest = sp.flush()
+    return out + ([rest] if rest else [])
+
+
+def test_the_first_clause_goes_first() -> None:
+    """Issue 31 item 3: the first piece is cut at the first clause boundary
+    the model produces (comma, semicolon, colon, dash), the moment the
+    boundary's token arrives; the pieces after it follow the sentence rules."""
+    assert _cut("You said: order a large coffee.") == ["You said:", "order a large coffee."]
+    assert _cut("Yes, sure. Anything else, or is that all for today?") == ["Yes,", "sure.", "Anything else, or is that all for today?"]
+    assert _cut("Sure - here it is.") == ["Sure -", "here it is."]
+    assert _cut("Sure\u2014here it is.") == ["Sure\u2014here it is."]  # a dash inside a word pair is no boundary
+    assert _cut("Okay; done.") == ["Okay;", "done."]
+    assert _cut("Fine. Then, later, more.") == ["Fine.", "Then, later, more."]
+    # a thousands separator is no clause boundary (no space after it)
+    assert _cut("It costs 1,000 dollars.") == ["It costs 1,000 dollars."]
+
+
+def test_a_first_clause_without_a_boundary_is_cut_at_the_word_budget() -> None:
+    text = "Right now it is sunny and twenty two degrees, with a light breeze."
+    assert _cut(text) == ["Right now it is sunny and", "twenty two degrees, with a light breeze."]
+    assert _cut(text, first_words=3) == ["Right now it", "is sunny and twenty two degrees, with a light breeze."]
+    # first_words=0: the first piece by the later pieces' rules (the device's screen shows whole sentences)
+    assert _cut(text, first_words=0) == ["Right now it is sunny and twenty two degrees,", "with a light breeze."]
+
+
+def test_each_reply_gets_its_first_clause_early() -> None:
+    sp = SentenceSplitter()
+    first = [p for t in tokenize("Hello, there. ") for p in sp.feed(t)]
+    assert first == ["Hello,", "there."] and sp.flush() is None
+    again = [p for t in tokenize("Hi, again. ") for p in sp.feed(t)]
+    assert again == ["Hi,", "again."]
 
 
 async def test_a_cut_off_local_request_bills_its_own_prompt_count_not_the_callers_estimate() -> None:

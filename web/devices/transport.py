@@ -265,7 +265,7 @@ class DeviceTransport:
 
     def _sentence(self, generation: int, token: str) -> None:
         if generation not in self._sentences:
-            self._sentences[generation] = (SentenceSplitter(), [])
+            self._sentences[generation] = (SentenceSplitter(first_words=0), [])  # whole sentences on the screen
             while len(self._sentences) > 8:
                 del self._sentences[min(self._sentences)]
         splitter, held = self._sentences[generation]
