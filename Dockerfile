@@ -16,7 +16,9 @@ COPY web ./web
 COPY client ./client
 COPY demo_shop ./demo_shop
 COPY testkit ./testkit
-RUN pip install --no-cache-dir -c constraints.txt .
+RUN pip install --no-cache-dir -c constraints.txt . \
+ && pip install --no-cache-dir --no-deps -c constraints.txt pipecat-ai
+# (the second line: the end-of-turn model's file, in Pipecat's wheel, without its dependencies)
 
 # an unprivileged user owns only the state folder
 RUN useradd --system --uid 10001 --home-dir /app --shell /usr/sbin/nologin turnkeeper \

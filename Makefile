@@ -51,11 +51,14 @@ apt:
 
 venv: $(STAMP)
 
+# The end-of-turn model's file (voice/end_of_turn.py) ships in Pipecat's wheel: that wheel alone is
+# installed, pinned in constraints.txt, without its dependencies (numba and others we do not run).
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "need Python >= 3.11 (found $$($(PYTHON) --version))" >&2; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps -c constraints.txt pipecat-ai
 	touch $(STAMP)
 
 clean:
