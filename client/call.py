@@ -17,6 +17,13 @@ when the packet reaches the client's RTP receiver, before its jitter buffer
 (as a browser's ``getStats`` would see it); ``jitter_prefetch`` only changes
 when the audio is heard, not the figure.
 
+Voice-to-voice = from the moment the frame carrying the last sample of the
+user's speech was handed to the RTP sender (the sample leaves with its
+frame; where in the frame it lies does not delay it) to the RTP arrival of
+the first packet of agent sound after it. :meth:`CallClient.converse` says
+several requests in one call, each once the reply to the one before is
+over, and measures each (:class:`client.results.RequestMeasure`).
+
 A client can also behave like a speakerphone (``echo_gain_db``): whatever
 agent audio it receives is played back into its own microphone, attenuated
 and delayed, mixed with what it says; the server's echo guard must not take
@@ -31,6 +38,7 @@ import json
 import logging
 import wave
 from collections import deque
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, cast
 
@@ -40,7 +48,7 @@ from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av.audio.frame import AudioFrame
 
-from client.results import BargeInMeasure, CallError, CallResult, TurnView, Utterance, track_turn
+from client.results import BargeInMeasure, CallError, CallResult, RequestMeasure, TurnView, Utterance, track_turn
 from clock import Clock, SystemClock
 from media.frames import PLAYOUT_RATE, PcmResampler, Reframer, first_sound_sample, last_sound_sample, rms_dbfs
 from media.inbound import set_jitter_prefetch
@@ -55,6 +63,8 @@ LEAD_SILENCE_MS = 300  # microphone silence before the first utterance
 NO_SPEECH_S = 5.0  # an opening utterance that starts no turn within this is not speech
 VERDICT_WAIT_S = 1.5  # events this long after an utterance ends still count as about it
 REVIVE_AFTER_S = 5.0  # agent silent this long before a scripted barge-in: say the revive utterance
+QUIET_MS = 300  # a conversation's reply is over once its turns are terminal and no agent sound came for this long
+TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "RECONCILE_REQUIRED"})
 
 
 def _send_everything(generation: int) -> bool:
@@ -118,6 +128,8 @@ class CallClient:
         if echo_gain_db is not None:
             self._echo = deque(np.zeros(960, dtype=np.int32) for _ in range(max(0, echo_delay_ms // 20)))
         self._rtp_arrival: dict[int, float] = {}
+        self._rtp_receiver: Any = None
+        self._arrival_unknown = 0  # frames timed when decoded: their packet's arrival was not found
         self._channel: Any = None
         self._revive: Utterance | None = None
         self._event_times: list[tuple[float, dict[str, Any]]] = []
@@ -133,6 +145,8 @@ class CallClient:
         self._onset_sent: dict[int, float] = {}
         self._ends: dict[int, int] = {}  # utterance index -> sample just past its last sound
         self._end_sent: dict[int, float] = {}
+        self._frames_sent: dict[int, list[float]] = {}  # utterance index -> when each of its frames was handed to the sender
+        self._turn_seen: dict[str, float] = {}  # turn id -> arrival of its first event
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(
@@ -163,6 +177,92 @@ class CallClient:
                 not answer like turnkeeper, or never connected.
             OSError: ``out_wav`` cannot be written.
         """
+        measures = [BargeInMeasure(label=u.label, at_s=u.at_s or 0.0, kind=u.kind) for u in barge_ins]
+        self._revive = revive
+        timed_out, server_hung_up = await self._call(
+            lambda mic: self._script(mic, opening, barge_ins, measures, hangup_after_s), timeout_s, settle_s
+        )
+        self._measure(measures)
+        opening_end = self._end_sent.get(1)
+        first_reply = self._first_sound_after(opening_end) if opening_end is not None else None
+        if out_wav is not None:
+            _write_wav(out_wav, bytes(self._pcm_out), PLAYOUT_RATE)
+        return self._result(measures, timed_out, server_hung_up,
+                            voice_to_voice_ms=None if first_reply is None or opening_end is None
+                            else round((first_reply - opening_end) * 1000, 1))
+
+    async def converse(
+        self,
+        requests: list[Utterance],
+        *,
+        out_wav: Path | None = None,
+        timeout_s: float | None = None,
+        reply_timeout_s: float = 30.0,
+        gap_s: float = 1.0,
+        settle_s: float = 0.5,
+    ) -> CallResult:
+        """Say ``requests`` one after another, each once the reply to the
+        one before is over, and measure each (``CallResult.requests``).
+
+        A reply is over when every turn the call has seen is terminal and
+        no agent sound has arrived for ``QUIET_MS``; the wait ends anyway
+        ``reply_timeout_s`` after the request was sent (``reply_timed_out``),
+        or ``NO_SPEECH_S`` after it when no turn began since it started
+        (``no_turn``). Then ``gap_s`` of microphone silence, and the next.
+
+        Per request: when each frame of it was handed to the RTP sender, the
+        RTP arrival of the reply's first sound after its last speech sample
+        (voice-to-voice), and whether agent sound arrived before its speech
+        ended. The ``at_s``, ``ptt``, ``keys`` and ``abort`` of ``requests``
+        are not used.
+
+        Args:
+            requests: what the caller says, 48 kHz mono s16 each.
+            timeout_s: the whole call at most, s (None: as long as the waits
+                allow: the sum of the requests, their bounds and gaps, plus 30 s).
+
+        Raises:
+            ValueError: no requests, a request without audio or whose
+                ``speech_end_s`` lies outside it, or a wait out of range.
+            CallError: as :meth:`run`.
+            OSError: ``out_wav`` cannot be written.
+        """
+        if not requests:
+            raise ValueError("converse needs at least one request")
+        if reply_timeout_s <= 0 or gap_s < 0:
+            raise ValueError(f"reply_timeout_s must be > 0 and gap_s >= 0 (got {reply_timeout_s}, {gap_s})")
+        for i, u in enumerate(requests, start=1):
+            length_s = len(u.pcm) // 2 / PLAYOUT_RATE
+            if not length_s:
+                raise ValueError(f"request {i} ({u.label or 'unlabelled'}) has no audio")
+            if u.speech_end_s is not None and not 0 < u.speech_end_s <= length_s:
+                raise ValueError(f"request {i} ({u.label or 'unlabelled'}): speech_end_s {u.speech_end_s} s "
+                                 f"is outside its audio (0 to {length_s} s)")
+        if timeout_s is None:
+            said_s = sum(len(u.pcm) for u in requests) / 2 / PLAYOUT_RATE
+            timeout_s = said_s + len(requests) * (reply_timeout_s + gap_s) + 30.0
+        measures = [RequestMeasure(label=u.label, kind=u.kind) for u in requests]
+        timed_out, server_hung_up = await self._call(
+            lambda mic: self._say_in_turn(mic, requests, measures, reply_timeout_s, gap_s), timeout_s, settle_s
+        )
+        self._measure_requests(measures)
+        if out_wav is not None:
+            _write_wav(out_wav, bytes(self._pcm_out), PLAYOUT_RATE)
+        return self._result([], timed_out, server_hung_up, voice_to_voice_ms=measures[0].voice_to_voice_ms, requests=measures)
+
+    async def _call(
+        self, script: Callable[[PlayoutBuffer], Coroutine[Any, Any, None]], timeout_s: float, settle_s: float
+    ) -> tuple[bool, bool]:
+        """Connect, run ``script`` (given the microphone's buffer) until it
+        ends, the server hangs up or ``timeout_s`` passes, wait ``settle_s``,
+        and hang up.
+
+        Returns:
+            (timed_out, server_hung_up).
+
+        Raises:
+            CallError: as :meth:`run`; or what ``script`` raised.
+        """
         pc = RTCPeerConnection()
         mic_buffer = PlayoutBuffer()
         mic = _SpeakerphoneMic(mic_buffer, self.clock, self._on_mic_sent, self._echo)
@@ -189,32 +289,30 @@ class CallClient:
 
         channel.on("close", disconnected.set)
 
-        measures = [BargeInMeasure(label=u.label, at_s=u.at_s or 0.0, kind=u.kind) for u in barge_ins]
         timed_out = server_hung_up = False
         try:
             await pc.setLocalDescription(await pc.createOffer())
             body = await self._post_offer(pc.localDescription.sdp)
             self.session_id = body["session_id"]
             await pc.setRemoteDescription(RTCSessionDescription(sdp=body["sdp"], type="answer"))
-            for t in pc.getTransceivers():
-                if t.kind == "audio":
-                    set_jitter_prefetch(t.receiver, self.jitter_prefetch)
-                    self._note_rtp_arrival(t.receiver)
+            for tr in pc.getTransceivers():
+                if tr.kind == "audio":
+                    set_jitter_prefetch(tr.receiver, self.jitter_prefetch)
+                    self._note_rtp_arrival(tr.receiver)
             try:
                 await asyncio.wait_for(connected.wait(), 15)
             except TimeoutError as exc:
                 raise CallError(f"not connected after 15 s (state {pc.connectionState})") from exc
-            self._revive = revive
-            script = asyncio.ensure_future(self._script(mic_buffer, opening, barge_ins, measures, hangup_after_s))
+            task = asyncio.ensure_future(script(mic_buffer))
             hangup = asyncio.ensure_future(disconnected.wait())
             try:
-                done, _ = await asyncio.wait({script, hangup}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({task, hangup}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                for task in (script, hangup):
-                    task.cancel()
-                await asyncio.gather(script, hangup, return_exceptions=True)
-            if script in done:
-                script.result()  # re-raise a failure of the script itself (e.g. no speech heard)
+                for t in (task, hangup):
+                    t.cancel()
+                await asyncio.gather(task, hangup, return_exceptions=True)
+            if task in done:
+                task.result()  # re-raise a failure of the script itself (e.g. no speech heard)
             elif hangup in done:
                 server_hung_up = True
             else:
@@ -225,11 +323,10 @@ class CallClient:
             if receive_task is not None:
                 receive_task.cancel()
                 await asyncio.gather(receive_task, return_exceptions=True)
-        self._measure(measures)
-        opening_end = self._end_sent.get(1)
-        first_reply = self._first_sound_after(opening_end) if opening_end is not None else None
-        if out_wav is not None:
-            _write_wav(out_wav, bytes(self._pcm_out), PLAYOUT_RATE)
+        return timed_out, server_hung_up
+
+    def _result(self, measures: list[BargeInMeasure], timed_out: bool, server_hung_up: bool, *,
+                voice_to_voice_ms: float | None, requests: list[RequestMeasure] | None = None) -> CallResult:
         return CallResult(
             session_id=self.session_id,
             turns=sorted(self._turns.values(), key=lambda t: t.generation),
@@ -240,7 +337,9 @@ class CallClient:
             server_hung_up=server_hung_up,
             received=list(self._received),
             event_times=list(self._event_times),
-            voice_to_voice_ms=None if first_reply is None or opening_end is None else round((first_reply - opening_end) * 1000, 1),
+            voice_to_voice_ms=voice_to_voice_ms,
+            requests=requests or [],
+            arrival_unknown=self._arrival_unknown,
         )
 
     def _first_sound_after(self, t: float) -> float | None:
@@ -289,11 +388,11 @@ class CallClient:
 
     # -- microphone ------------------------------------------------------------
 
-    def _queue(self, buffer: PlayoutBuffer, index: int, pcm: bytes) -> None:
+    def _queue(self, buffer: PlayoutBuffer, index: int, pcm: bytes, speech_end_s: float | None = None) -> None:
         onset = first_sound_sample(pcm)
         if onset is not None:
             self._onsets[index] = onset
-        end = last_sound_sample(pcm)
+        end = last_sound_sample(pcm) if speech_end_s is None else min(len(pcm) // 2, round(speech_end_s * PLAYOUT_RATE))
         if end is not None:
             self._ends[index] = end
         reframer = Reframer(PLAYOUT_RATE)
@@ -305,8 +404,17 @@ class CallClient:
             buffer.push(PlayoutFrame(f, generation=index, sample=i * 960))
 
     def _note_rtp_arrival(self, receiver: Any) -> None:
-        """Record when each RTP packet reaches the receiver, by RTP timestamp
-        (the decoded frame's pts), before the jitter buffer holds it."""
+        """Record when each RTP packet reaches the receiver, by its RTP
+        timestamp, before the jitter buffer holds it (:meth:`_arrival`
+        finds it again from the decoded frame).
+
+        Raises:
+            RuntimeError: this aiortc no longer maps RTP timestamps to
+                frame times where expected (an upgrade changed it).
+        """
+        if not hasattr(getattr(receiver, "_RTCRtpReceiver__timestamp_mapper", None), "_origin"):
+            raise RuntimeError("aiortc's RTCRtpReceiver no longer has the expected RTP timestamp mapper")
+        self._rtp_receiver = receiver
         handle = receiver._handle_rtp_packet
 
         async def timed(packet: Any, arrival_time_ms: int) -> None:
@@ -318,6 +426,21 @@ class CallClient:
 
         receiver._handle_rtp_packet = timed
 
+    def _arrival(self, pts: int | None, decoded_at: float) -> float:
+        """When the RTP packet of the decoded frame with ``pts`` arrived.
+        aiortc numbers frames from the stream's first RTP timestamp (its
+        receiver's timestamp mapper), so the packet's own timestamp is
+        ``pts`` plus that origin, modulo 2^32. A packet not found (none
+        recorded) counts in ``CallResult.arrival_unknown`` and is timed at
+        ``decoded_at``, after the jitter buffer (should not happen)."""
+        mapper = getattr(self._rtp_receiver, "_RTCRtpReceiver__timestamp_mapper", None)
+        origin = getattr(mapper, "_origin", None)
+        at = None if pts is None or origin is None else self._rtp_arrival.pop((pts + origin) % (1 << 32), None)
+        if at is None:
+            self._arrival_unknown += 1
+            return decoded_at
+        return at
+
     def _send(self, message: dict[str, Any]) -> None:
         if self._channel is not None and self._channel.readyState == "open":
             self._channel.send(json.dumps(message))
@@ -325,12 +448,17 @@ class CallClient:
     def _on_mic_sent(self, frame: PlayoutFrame | None, at: float) -> None:
         if frame is None or frame.generation < 0:
             return
+        if frame.generation > 0:
+            self._frames_sent.setdefault(frame.generation, []).append(at)
         onset = self._onsets.get(frame.generation)
         if onset is not None and frame.generation not in self._onset_sent and frame.sample + 960 > onset:
             self._onset_sent[frame.generation] = at + max(0, onset - frame.sample) / PLAYOUT_RATE
         end = self._ends.get(frame.generation)
         if end is not None and frame.generation not in self._end_sent and frame.sample + 960 >= end:
-            self._end_sent[frame.generation] = at + max(0, end - frame.sample) / PLAYOUT_RATE
+            # the last speech sample leaves with this frame: sent now, not
+            # where in the frame it lies (that would shorten voice-to-voice
+            # by up to 20 ms)
+            self._end_sent[frame.generation] = at
 
     async def _script(
         self,
@@ -379,6 +507,45 @@ class CallClient:
         # Wait for the last turn to reach a terminal state.
         await self._wait_last_turn_terminal()
 
+    async def _say_in_turn(
+        self, mic: PlayoutBuffer, requests: list[Utterance], measures: list[RequestMeasure], reply_timeout_s: float, gap_s: float
+    ) -> None:
+        """:meth:`converse`'s script: each request, then its reply waited
+        out, then ``gap_s`` of silence."""
+        for _ in range(LEAD_SILENCE_MS // 20):
+            mic.push(PlayoutFrame(bytes(1920), generation=0))
+        for k, (utt, m) in enumerate(zip(requests, measures, strict=True), start=1):
+            started = self.clock.monotonic()
+            self._queue(mic, k, utt.pcm, utt.speech_end_s)
+            await mic.wait_empty()
+            sent = self.clock.monotonic()
+            m.no_turn, m.reply_timed_out = await self._wait_reply_over(started, sent, reply_timeout_s)
+            m.waited_until = self.clock.monotonic()
+            await asyncio.sleep(gap_s)  # the microphone sends silence meanwhile
+
+    async def _wait_reply_over(self, started: float, sent: float, reply_timeout_s: float) -> tuple[bool, bool]:
+        """Wait until the reply to a request (its first frame queued at
+        ``started``, its last sent at ``sent``, client clock s) is over: a
+        turn began since ``started``, every turn seen is terminal and no
+        agent sound came for ``QUIET_MS``; at most ``reply_timeout_s``
+        after ``sent``, or ``NO_SPEECH_S`` after it while no turn began.
+
+        Returns:
+            (no turn began, the bound was reached with a turn still open or sounding).
+        """
+        while True:
+            now = self.clock.monotonic()
+            began = any(at >= started for at in self._turn_seen.values())
+            if not began and now - sent >= NO_SPEECH_S:
+                return True, False
+            if began and all(t.status in TERMINAL for t in self._turns.values()):
+                last_sound = next((at for at, level, _ in reversed(self._received) if level > SILENCE_DBFS), None)
+                if last_sound is None or now - last_sound >= QUIET_MS / 1000:
+                    return False, False
+            if now - sent >= reply_timeout_s:
+                return not began, began
+            await asyncio.sleep(0.05)
+
     async def _expect_a_turn(self) -> None:
         """After the opening utterance was sent, the server must have heard
         speech (a turn) within ``NO_SPEECH_S``.
@@ -406,12 +573,11 @@ class CallClient:
                 await self._sound_cond.wait()
 
     async def _wait_last_turn_terminal(self) -> None:
-        terminal = {"COMPLETED", "FAILED", "CANCELLED", "RECONCILE_REQUIRED"}
         async with self._event_cond:
             await self._event_cond.wait_for(
                 lambda: bool(self._turns)
-                and max(self._turns.values(), key=lambda t: t.generation).status in terminal
-                and not any(t.status not in terminal for t in self._turns.values())
+                and max(self._turns.values(), key=lambda t: t.generation).status in TERMINAL
+                and not any(t.status not in TERMINAL for t in self._turns.values())
             )
 
     # -- receiving ---------------------------------------------------------------
@@ -426,7 +592,7 @@ class CallClient:
             except MediaStreamError:
                 return
             now = self.clock.monotonic()
-            at = self._rtp_arrival.pop(frame.pts, now) if frame.pts is not None else now
+            at = self._arrival(frame.pts, now)
             for f in reframer.push(resampler.frame(frame)):
                 self._pcm_out += f
                 self._received.append((at, rms_dbfs(f), sound_end_ms(f)))
@@ -441,8 +607,11 @@ class CallClient:
         except (TypeError, ValueError):
             log.warning("non-JSON event of %d characters", len(str(message)))  # its text may quote the user
             return
+        now = self.clock.monotonic()
         self._events.append(ev)
-        self._event_times.append((self.clock.monotonic(), ev))
+        self._event_times.append((now, ev))
+        if isinstance(ev.get("turn_id"), str):
+            self._turn_seen.setdefault(ev["turn_id"], now)
         track_turn(self._turns, ev)
         task = asyncio.get_running_loop().create_task(self._notify_events())
         self._tasks.add(task)
@@ -492,6 +661,25 @@ class CallClient:
                     prev = rx[i - 1] if i > start else None
                     m.silent_at = prev[0] + prev[2] / 1000 if prev is not None else rx[i][0]
                     break
+
+    def _measure_requests(self, measures: list[RequestMeasure]) -> None:
+        """Fill each request of a conversation (the utterance of index k+1
+        is ``measures[k]``) from what was sent and received: its frames'
+        departures, its speech end, and the agent sound that arrived from
+        its first frame on until the next request's first frame (the last
+        request: until its wait ended, or the end of the call)."""
+        for k, m in enumerate(measures, start=1):
+            m.frames_sent = self._frames_sent.get(k, [])
+            m.speech_end_sample = self._ends.get(k)
+            end, start = m.speech_end_sent, m.sent_from
+            until = measures[k].sent_from if k < len(measures) else None
+            if until is None:
+                until = m.waited_until if m.waited_until is not None else float("inf")
+            if end is None or start is None:
+                continue
+            sound = [at for at, level, _ in self._received if level > SILENCE_DBFS and start <= at < until]
+            m.sound_before_end = any(at <= end for at in sound)
+            m.first_reply_at = next((at for at in sound if at > end), None)
 
 
 def sound_end_ms(pcm: bytes, window: int = 120) -> float:

@@ -30,6 +30,9 @@ class Utterance:
             100 ms apart) instead of saying ``pcm``.
         abort: device calls (:mod:`client.device_call`): press abort at
             ``at_s`` instead of saying ``pcm``.
+        speech_end_s: WebRTC calls: where the speech in ``pcm`` ends, s
+            from its start, when a labelled corpus knows it; None: where its
+            level last exceeds -40 dBFS (:func:`media.frames.last_sound_sample`).
     """
 
     pcm: bytes
@@ -39,6 +42,7 @@ class Utterance:
     ptt: bool = False
     keys: str = ""
     abort: bool = False
+    speech_end_s: float | None = None
 
 
 @dataclass
@@ -136,6 +140,75 @@ class BargeInMeasure:
 
 
 @dataclass
+class RequestMeasure:
+    """One request of a conversation (:meth:`client.call.CallClient.converse`)
+    as the client measured it. Times are the client clock's seconds.
+
+    Attributes:
+        label / kind: the :class:`Utterance`'s.
+        frames_sent: when each 20 ms frame of its PCM (48 kHz, 960 samples)
+            was handed to the RTP sender, in order.
+        speech_end_sample: the sample just past its speech, 48 kHz (from
+            ``Utterance.speech_end_s``, else found by level); None: no sound.
+        waited_until: when the wait for its reply ended (the next request
+            was said after it, following the gap).
+        first_reply_at: RTP arrival of the first agent sound after its
+            speech ended and before the next request's first frame was sent
+            (the last request: before ``waited_until``; None: none came).
+        sound_before_end: agent sound arrived after its first frame was
+            sent and before its speech ended (the agent talked before the
+            caller finished).
+        no_turn: the server started no turn for it within ``NO_SPEECH_S``
+            of its end (it heard no speech).
+        reply_timed_out: its reply was not over within the wait's bound.
+    """
+
+    label: str
+    kind: str = "speech"
+    frames_sent: list[float] = field(default_factory=list)
+    speech_end_sample: int | None = None
+    waited_until: float | None = None
+    first_reply_at: float | None = None
+    sound_before_end: bool = False
+    no_turn: bool = False
+    reply_timed_out: bool = False
+
+    def sent_at(self, sample: int) -> float | None:
+        """When the frame carrying ``sample`` (48 kHz, from the start of the
+        PCM) was handed to the RTP sender (None: not sent, or out of range)."""
+        i = sample // 960
+        return self.frames_sent[i] if 0 <= i < len(self.frames_sent) else None
+
+    @property
+    def sent_from(self) -> float | None:
+        """When its first frame was handed to the sender."""
+        return self.frames_sent[0] if self.frames_sent else None
+
+    @property
+    def speech_end_sent(self) -> float | None:
+        """When the last sample of its speech was handed to the sender: the
+        departure of the frame carrying it (None: no speech, not sent)."""
+        return None if not self.speech_end_sample else self.sent_at(self.speech_end_sample - 1)
+
+    @property
+    def voice_to_voice_ms(self) -> float | None:
+        """The last sample of its speech sent to the RTP arrival of the
+        reply's first sound, ms (None: no reply, or not measured)."""
+        end = self.speech_end_sent
+        return None if end is None or self.first_reply_at is None else round((self.first_reply_at - end) * 1000, 1)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "kind": self.kind,
+            "voice_to_voice_ms": self.voice_to_voice_ms,
+            "sound_before_end": self.sound_before_end,
+            "no_turn": self.no_turn,
+            "reply_timed_out": self.reply_timed_out,
+        }
+
+
+@dataclass
 class TurnView:
     """A turn as the client saw it through events."""
 
@@ -193,6 +266,12 @@ class CallResult:
     #: last sample of its speech sent to the arrival of the reply's first
     #: sound, as a caller hears the wait (None: no reply came)
     voice_to_voice_ms: float | None = None
+    #: WebRTC conversations (:meth:`client.call.CallClient.converse`): each request said, in order
+    requests: list[RequestMeasure] = field(default_factory=list)
+    #: WebRTC calls: received frames whose RTP packet's arrival was not
+    #: found, timed when decoded instead (after the jitter buffer): 0 when
+    #: every time in ``received`` is an RTP arrival
+    arrival_unknown: int = 0
 
     @property
     def ok(self) -> bool:
@@ -208,7 +287,8 @@ class CallResult:
             "timed_out": self.timed_out,
             "server_hung_up": self.server_hung_up,
             "voice_to_voice_ms": self.voice_to_voice_ms,
-        } | ({} if self.transport == "webrtc" else {"transport": self.transport, "protocol_errors": self.protocol_errors}) | (
+        } | ({"requests": [r.as_dict() for r in self.requests]} if self.requests else {}) | (
+            {} if self.transport == "webrtc" else {"transport": self.transport, "protocol_errors": self.protocol_errors}) | (
             {"device": self.transport_info} if self.transport_info else {})
 
 
