@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 TurnStatusName = Literal["QUEUED", "RUNNING", "CANCEL_REQUESTED", "CANCELLED", "COMPLETED", "FAILED", "RECONCILE_REQUIRED"]
 StopKindName = Literal["user_cancel", "barge_in", "deadline_exceeded", "budget_exceeded", "max_steps", "loop_detected",
-                       "safety_abort", "worker_shutdown", "transport_disconnected"]
+                       "safety_abort", "worker_shutdown", "transport_disconnected", "speculation_withdrawn"]
 #: what the barge-in detector decided (media.bargein.DetectorEventKind), or the endpointer
 VadEventName = Literal["speech_started", "speech_confirmed", "speech_rejected", "speech_stopped", "end_of_turn"]
 #: who took the turn in a barge-in: voice activity, push-to-talk or a telephone key (DTMF)
@@ -158,6 +158,27 @@ class Backchannel(_Turnless):
     paused_ms: float = Field(description="how long playout was paused, ms (1 decimal; 0 if it was not)")
     text: str = Field(description="what the recogniser heard (may be empty)")
     syllables: int = Field(description="syllable nuclei counted in the user's speech")
+
+
+class EndOfTurn(Envelope):
+    """How the end of the user's turn was decided (voice.endpointing): sent
+    when a tentative end is confirmed, or taken back because the user went
+    on. A speculative turn taken back ends CANCELLED, stop reason
+    ``speculation_withdrawn``; none of its output is delivered."""
+
+    type: Literal["end_of_turn"] = "end_of_turn"
+    outcome: Literal["confirmed", "withdrawn"]
+    by: Literal["model", "silence", "incomplete_bound", "user_went_on"] = Field(
+        description='what decided: the judge said complete ("model"), the fixed silence, the longer silence '
+        'after an "incomplete" verdict or a judge that did not answer, or the user speaking again ("user_went_on": withdrawn)'
+    )
+    speculative: bool = Field(description="its reply had started at the tentative end, held until now")
+    wait_ms: float = Field(description="from the end of the user's speech to this decision, ms (1 decimal)")
+    probability: float | None = Field(None, description="the judge's probability that the turn was complete, if it answered")
+    judge_ms: float | None = Field(None, description="how long the judge took, ms (1 decimal), if it answered")
+    words_complete: bool | None = Field(
+        None, description="whether the words heard end like a finished request (None: not read, e.g. no speculative reply)"
+    )
 
 
 class BargeIn(_Turnless):
@@ -497,7 +518,7 @@ class Snapshot(CatalogueModel):
 
 
 EVENT_MODELS: tuple[type[CatalogueModel], ...] = (
-    SessionReady, SessionDraining, Vad, FalseInterruption, Backchannel, BargeIn, StopDeferred,
+    SessionReady, SessionDraining, Vad, FalseInterruption, Backchannel, EndOfTurn, BargeIn, StopDeferred,
     TurnEvent, AgentState, Transcript, AgentDelta, AgentDone, AgentRestart, AgentInterrupted, AudioStart, AudioEnd,
     Usage, SttFailover, SttUsage, TtsFailover, TtsUsage, ErrorEvent,
     ToolStarted, ToolError, ToolNotStarted, ToolCancelled,

@@ -71,6 +71,9 @@ class StopReasonKind(StrEnum):
     SAFETY_ABORT = "safety_abort"
     WORKER_SHUTDOWN = "worker_shutdown"
     TRANSPORT_DISCONNECTED = "transport_disconnected"
+    #: a speculative turn (started on a tentative end of turn) taken back
+    #: because the user went on: it must not have acted or been heard
+    SPECULATION_WITHDRAWN = "speculation_withdrawn"
 
 
 class StopReason(BaseModel):

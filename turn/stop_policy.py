@@ -35,6 +35,7 @@ worker_shutdown               kept                   looked up: kept, or
                                                      retried (same key)
 transport_disconnected        kept                   looked up: kept, or
                                                      abandoned
+speculation_withdrawn         reversed               reversed (no retry)
 ============================  =====================  =====================
 
 A stop that arrives after the turn completed changes nothing (the turn is
@@ -126,7 +127,7 @@ _CUT_OFF = EffectPolicy(compensate_done=False, compensate_in_flight=True, retry_
 #: steps included, and starts nothing new; a worker that shut down was not
 #: asked to stop, so an effect found absent is retried and what was queued
 #: goes out; a dropped call keeps what was done but retries nothing (the
-#: user cannot be told).
+#: user cannot be told); a withdrawn speculative turn should never have acted.
 POLICIES: dict[StopReasonKind | None, EffectPolicy] = {
     StopReasonKind.USER_CANCEL: _CUT_OFF,
     StopReasonKind.BARGE_IN: _CUT_OFF,
@@ -141,6 +142,12 @@ POLICIES: dict[StopReasonKind | None, EffectPolicy] = {
     StopReasonKind.BUDGET_EXCEEDED: _CUT_OFF,
     StopReasonKind.MAX_STEPS: _CUT_OFF,
     StopReasonKind.LOOP_DETECTED: _CUT_OFF,
+    #: a speculative turn runs no side effect before its end of turn is
+    #: confirmed (voice.turn_handle), so there is nothing to keep: should one
+    #: have run anyway, it is reversed like a safety abort's, and nothing new starts
+    StopReasonKind.SPECULATION_WITHDRAWN: EffectPolicy(
+        compensate_done=True, compensate_in_flight=True, retry_absent=False, new_effects=False
+    ),
     #: no stop: the turn completed or failed on an error; keep what was done
     None: EffectPolicy(compensate_done=False, compensate_in_flight=False, retry_absent=True, finish_queued=True),
 }

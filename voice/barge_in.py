@@ -45,8 +45,10 @@ class BargeInRecord:
 def interrupted_turn(active: TurnHandle | None, playout: OutputSink) -> TurnHandle | None:
     """The turn a commit barges in on: ``active`` (the turn thinking or
     speaking), unless every frame of its reply is queued and none of those
-    left has sound (the user heard it in full: it completes)."""
-    if active is not None and active.tts_done and not playout.audible_pending(active.generation):
+    left has sound (the user heard it in full: it completes). A speculative
+    turn whose end of turn is not confirmed is always returned (its reply is
+    held, not heard: the commit takes it back)."""
+    if active is not None and active.confirmed.is_set() and active.tts_done and not playout.audible_pending(active.generation):
         return None
     return active
 

@@ -3,11 +3,36 @@
 :class:`EndpointConfig` holds the thresholds; :func:`end_at` and
 :func:`utterance_over` are the two rules :mod:`voice.turn_taking` applies,
 on clock seconds (the detector's times, :class:`media.bargein.DetectorEvent`).
+
+Two modes (``mode``), as DESIGN.md's "end of turn" says:
+
+- ``"silence"``: the turn ends after ``silence_ms`` of silence (the fixed
+  rule, and the fallback of the other mode);
+- ``"model"``: at a short silence (``tentative_ms``) the end-of-turn judge
+  (:mod:`voice.end_of_turn`) reads the utterance's audio (and, for a
+  speculative reply, the words heard): "complete" ends the turn at once,
+  "incomplete" waits up to ``incomplete_silence_ms`` of silence, and so
+  does a judge that has not answered; one that fails leaves the fixed rule
+  (``silence_ms``) to decide.
+
+With ``speculative`` on, the reply starts at the tentative end
+(``tentative_ms``), before the end is confirmed: recognition is finalised
+and the model and TTS run, but nothing is played or delivered, and no side
+effect runs, until the end is confirmed; if the user goes on first, the
+speculative turn is taken back (stop reason ``speculation_withdrawn``) and
+its words join the next turn (DESIGN.md "speculative turn").
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field, model_validator
+
+from voice.end_of_turn import EndOfTurnConfig
+
+#: how the end of the user's turn is decided (see the module doc)
+EndpointMode = Literal["model", "silence"]
 
 
 class EndpointConfig(BaseModel):
@@ -23,7 +48,19 @@ class EndpointConfig(BaseModel):
     and ``max_utterance_ms`` ends one that never stops.
 
     Attributes:
-        silence_ms: silence after the end of speech that ends the turn, ms.
+        mode: ``"model"`` (the end-of-turn judge) or ``"silence"`` (see the module doc).
+        speculative: start the reply at the tentative end (see the module doc).
+        tentative_ms: silence after the end of speech at which the judge
+            reads the audio and a speculative reply starts, ms (taken no
+            sooner than the VAD's speech_stopped, which comes ``offset_ms``
+            after the end of speech).
+        incomplete_silence_ms: mode ``"model"``: silence after the end of
+            speech that ends a turn the judge found incomplete, ms.
+        judge: the end-of-turn model's settings (mode ``"model"``; env
+            ``TURNKEEPER_SESSION__ENDPOINT__JUDGE__THRESHOLD``, ...).
+        silence_ms: silence after the end of speech that ends the turn, ms
+            (mode ``"silence"``; mode ``"model"``: the fallback when the
+            judge fails).
         min_delay_ms / max_delay_ms: bounds of the wait after speech_stopped, ms.
         max_utterance_ms: longest user utterance, ms.
         continue_window_ms: speech confirmed this soon after the end of the
@@ -33,6 +70,11 @@ class EndpointConfig(BaseModel):
             is never merged (its words were acted on; the ledger has them).
     """
 
+    mode: EndpointMode = "silence"
+    speculative: bool = False
+    tentative_ms: int = Field(200, ge=0, le=10_000)
+    incomplete_silence_ms: int = Field(1500, ge=0, le=30_000)
+    judge: EndOfTurnConfig = EndOfTurnConfig()
     silence_ms: int = Field(500, ge=0, le=10_000)
     continue_window_ms: int = Field(1500, ge=0, le=30_000)
     min_delay_ms: int = Field(0, ge=0, le=10_000)
@@ -43,7 +85,17 @@ class EndpointConfig(BaseModel):
     def _ordered(self) -> EndpointConfig:
         if self.min_delay_ms > self.max_delay_ms:
             raise ValueError("endpoint min_delay_ms must not exceed max_delay_ms")
+        if self.tentative_ms > self.silence_ms:
+            raise ValueError("endpoint tentative_ms must not exceed silence_ms (the tentative end comes first)")
+        if self.mode == "model" and self.incomplete_silence_ms < self.silence_ms:
+            raise ValueError("endpoint incomplete_silence_ms must not be below silence_ms (an unfinished turn waits longer)")
         return self
+
+    @property
+    def tentative(self) -> bool:
+        """A tentative end comes before the confirmed one (the judge reads
+        the audio, or a speculative reply starts, or both)."""
+        return self.mode == "model" or self.speculative
 
 
 def end_at(config: EndpointConfig, stopped_at: float, speech_end: float) -> float:

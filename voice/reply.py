@@ -55,7 +55,10 @@ async def answer(
     then marked merged into it), the model's reply on ``history`` spoken
     into ``playout``, and, once every frame was played, the reply recorded
     and the turn COMPLETED in one must-complete step (``agent.done``). An
-    utterance with no words fails the turn (``no_speech_recognized``).
+    utterance with no words fails the turn (``no_speech_recognized``). A
+    speculative turn (its utterance ended tentatively) does all of this
+    but holds its output and audio, and any side effect, until its end of
+    turn is confirmed (:meth:`voice.turn_handle.TurnHandle.confirm`).
 
     Raises:
         turn.scope.TurnStopped: the turn was stopped.
@@ -80,6 +83,8 @@ async def answer(
         return
     messages = await history(run, turn)
     await generate_reply(run, scope, messages, manager=manager, llm=llm, tts=tts, tools=tools, playout=playout)
+    # a speculative reply is held (not played, not delivered) until its end of turn is confirmed
+    await run.confirmed.wait()
     await scope.run("playout", playout.wait_empty())
     reply = "".join(run.reply).strip()
 
@@ -142,6 +147,8 @@ async def generate_reply(
             toolbox=tools,
             on_token=sink_to(delivered, withheld),
             on_event=on_event,
+            # a side effect waits for the end of turn: a speculative turn taken back has done nothing
+            before_effect=run.confirmed.wait,
         )
         rest = splitter.flush()
         if rest:
@@ -162,8 +169,9 @@ async def speak(run: TurnHandle, sentences: asyncio.Queue[str | None], *, tts: S
     Records the marks :mod:`voice.heard` cuts the heard text at: each
     finished clause's first and end sample (``run.spoken``), the clause
     still arriving (``run.spoken_open``) and the provider's word timings
-    (``run.spoken_words``). Marks ``first_sentence`` and ``first_audio``
-    for the scope's observers (time to first audio). However it ends, the
+    (``run.spoken_words``). Marks ``first_sentence``, ``first_audio`` and
+    ``first_queued`` (played: a speculative reply's audio is held until its
+    end of turn is confirmed) for the scope's observers. However it ends, the
     stream is cancelled first (the provider told to stop at once: a
     barge-in's fence), then closed, and its usage put on the turn's meter.
 
@@ -188,6 +196,7 @@ async def speak(run: TurnHandle, sentences: asyncio.Queue[str | None], *, tts: S
 
     stream = tts.open(f"{run.turn_id}-{run.generation}")
     feeding = asyncio.ensure_future(feed())
+    queued_mark: asyncio.Future[None] | None = None
     try:
         async for event in stream:
             if isinstance(event, Audio):
@@ -198,11 +207,14 @@ async def speak(run: TurnHandle, sentences: asyncio.Queue[str | None], *, tts: S
                 if not pcm:
                     continue
                 mark("first_audio")  # TTS's first audio of the reply (only the first mark counts)
+                if queued_mark is None:
+                    # its first frame queued for playout: now, or when a speculative reply is confirmed
+                    queued_mark = asyncio.ensure_future(_mark_when_confirmed(run))
                 opened = run.spoken_open
                 start = opened[0] if opened is not None else queued()
                 text = opened[2] if opened is not None else _pending_text(stream)  # looked up once per clause
                 for f in reframer.push(pcm):
-                    playout.push(PlayoutFrame(f, run.generation, position, audible=rms_dbfs(f) > SILENCE_DBFS))
+                    run.play(playout, PlayoutFrame(f, run.generation, position, audible=rms_dbfs(f) > SILENCE_DBFS))
                     position += per_frame
                 run.spoken_open = (start, queued(), text)
             elif isinstance(event, Words):
@@ -224,6 +236,8 @@ async def speak(run: TurnHandle, sentences: asyncio.Queue[str | None], *, tts: S
         if feeding.done() and not feeding.cancelled() and feeding.exception() is not None:
             raise feeding.exception()  # type: ignore[misc]
     finally:
+        if queued_mark is not None and not queued_mark.done():
+            queued_mark.cancel()
         stream.cancel()  # a no-op once it finished; else the provider is told now
         try:
             # closed to its end even if the stop cancels this task again: the
@@ -242,8 +256,17 @@ async def speak(run: TurnHandle, sentences: asyncio.Queue[str | None], *, tts: S
                 ))
     tail = reframer.flush()
     if tail is not None:
-        playout.push(PlayoutFrame(tail, run.generation, position, audible=rms_dbfs(tail) > SILENCE_DBFS))
+        run.play(playout, PlayoutFrame(tail, run.generation, position, audible=rms_dbfs(tail) > SILENCE_DBFS))
     run.tts_done = True
+
+
+async def _mark_when_confirmed(run: TurnHandle) -> None:
+    """Mark ``first_queued`` (the reply's first frame queued for playout:
+    what voice-to-voice is measured to) once ``run``'s end of turn is
+    confirmed: at once, unless its reply is speculative and still held.
+    Run in the TTS child's context (the mark is its scope's)."""
+    await run.confirmed.wait()
+    mark("first_queued")
 
 
 async def _close_within(feeding: asyncio.Task[None], stream: SynthesisStream, seconds: float) -> None:

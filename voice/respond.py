@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -89,6 +89,7 @@ async def run_agent(
     on_token: TokenSink,
     on_event: EventSink,
     model_max_s: float = MODEL_MAX_S,
+    before_effect: Callable[[], Awaitable[object]] | None = None,
 ) -> AgentResult:
     """Run model and tool calls until the model answers.
 
@@ -100,6 +101,9 @@ async def run_agent(
         toolbox: the tools the model may call (None: none).
         model_max_s: a model request's own time limit, s (the turn's
             remaining time may cut it shorter).
+        before_effect: awaited before a tool with a side effect is written
+            or called (a speculative voice turn's confirmed end of turn;
+            None: nothing to wait for).
 
     Raises:
         turn.stopped.TurnStopped: the turn must not go on (see module doc).
@@ -142,7 +146,7 @@ async def run_agent(
             return AgentResult(text, added)
         step = [Message(role="assistant", content=text, tool_calls=calls)]
         for call in calls:
-            step.append(await _tool_call(scope, manager, turn_id, generation, toolbox, call, on_event))
+            step.append(await _tool_call(scope, manager, turn_id, generation, toolbox, call, on_event, before_effect))
         history += step
         added += step
 
@@ -202,14 +206,19 @@ async def _tool_call(
     toolbox: Toolbox | None,
     call: ToolCall,
     on_event: EventSink,
+    before_effect: Callable[[], Awaitable[object]] | None = None,
 ) -> Message:
     """One tool call, checkpointed and written to the ledger; returns the
     tool message for the model. An unknown tool or bad arguments are told to
-    the model, not raised."""
+    the model, not raised. A tool with a side effect first awaits
+    ``before_effect`` (a speculative turn's confirmed end of turn): until
+    then nothing of it is written or sent; a read runs at once."""
+    tool = toolbox.get(call.name) if toolbox else None
+    if tool is not None and tool.effect != "none" and before_effect is not None:
+        await before_effect()
     await manager.checkpoint(turn_id, "before_tool", tool_call=(call.name, call.arguments))
     rt = manager.runtime(turn_id)
     step = rt.steps if rt is not None else 0
-    tool = toolbox.get(call.name) if toolbox else None
     if tool is None:
         on_event(ToolError(turn_id=turn_id, generation=generation, call_id=call.id, name=call.name, error="unknown tool"))
         return Message(role="tool", tool_call_id=call.id, status="error", content=f"error: there is no tool {call.name!r}")

@@ -33,6 +33,7 @@ import asyncio
 import logging
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from clock import Clock
 from media.frames import FRAME_MS
@@ -41,6 +42,7 @@ from media.syllables import count_syllable_nuclei
 from media.vad import VadConfig
 from turn.event_catalogue import (
     Backchannel,
+    EndOfTurn,
     Envelope,
     ErrorEvent,
     FalseInterruption,
@@ -53,12 +55,13 @@ from turn.event_catalogue import (
 from turn.events import EventSink
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
-from turn.models import Plan, StopReasonKind, Turn
+from turn.models import Plan, StopReason, StopReasonKind, Turn
 from turn.scope import TurnScope
 from voice.backchannel import BackchannelConfig, judge
 from voice.barge_in import BargeInRecord, barge_in, continues, interrupted_turn
 from voice.controls import SessionControls
 from voice.dtmf import DigitStream
+from voice.end_of_turn import words_complete
 from voice.endpointing import EndpointConfig
 from voice.heard import Hearing
 from voice.history import earlier_messages, earlier_turns_wait_s, history_after
@@ -79,8 +82,10 @@ from voice.turn_taking import (
     CancelClassification,
     ClassifyBackchannel,
     Commit,
+    ConfirmEndOfTurn,
     Decision,
     EndOfUtterance,
+    JudgeEndOfTurn,
     Pause,
     PauseStands,
     PttTooLong,
@@ -90,6 +95,9 @@ from voice.turn_taking import (
 )
 
 log = logging.getLogger(__name__)
+
+#: the end-of-turn judge reads at most the latest this many seconds of the turn's audio
+JUDGE_AUDIO_S = 8
 
 @dataclass
 class Providers:
@@ -106,6 +114,8 @@ class Providers:
         tts: the session's speech synthesiser (``tts.provider``).
         tts_fallback: the one that says what a failed provider could not
             (``tts.fallback = "embedded"``: espeak-ng), or None.
+        end_of_turn: the end-of-turn judge (``session.endpoint.mode =
+            "model"``), or None (the fixed silence decides).
     """
 
     stt: Recogniser
@@ -116,6 +126,33 @@ class Providers:
     stt_fallback: Recogniser | None = None
     stt_final_timeout_s: float = 4.0
     narrowband: bool = False
+    end_of_turn: EndOfTurnJudge | None = None
+
+
+class JudgedEnd(Protocol):
+    """An end-of-turn judge's verdict (:class:`voice.end_of_turn.EndOfTurnVerdict`)."""
+
+    @property
+    def complete(self) -> bool: ...
+    @property
+    def probability(self) -> float: ...
+    @property
+    def inference_ms(self) -> float: ...
+
+
+class EndOfTurnJudge(Protocol):
+    """Reads the end of a user's utterance and says whether their turn is
+    complete (:class:`voice.end_of_turn.SmartTurn`). Blocking: the session
+    calls it in a worker thread."""
+
+    def judge(self, pcm: bytes, rate: int = 16000) -> JudgedEnd:
+        """``pcm``: the utterance's audio, s16le mono at ``rate`` Hz (the
+        latest seconds of it are read).
+
+        Raises:
+            ValueError: audio it cannot read.
+        """
+        ...
 
 
 class AgentSession(SessionControls):
@@ -195,6 +232,14 @@ class AgentSession(SessionControls):
         self._held: list[bytes] = []
         #: the recogniser deciding whether the candidate is a backchannel
         self._classifying: asyncio.Task[None] | None = None
+        #: the user's audio of the current turn (16 kHz frames, from the
+        #: pre-roll of its first speech on, a continuation included): what
+        #: the end-of-turn judge reads (its latest JUDGE_AUDIO_S)
+        self._turn_audio: deque[bytes] = deque(maxlen=JUDGE_AUDIO_S * 1000 // FRAME_MS)
+        #: the turn whose utterance ended tentatively (its reply held), until confirmed or withdrawn
+        self._speculating: TurnHandle | None = None
+        #: the judge's answer for the latest tentative end: (utterance, probability, ms, words complete)
+        self._judged: tuple[int, float, float, bool | None] | None = None
         #: DTMF keys pressed so far, in order (the latest 64)
         self.dtmf_digits = ""
         self.false_interruptions = 0
@@ -286,8 +331,10 @@ class AgentSession(SessionControls):
             self._carry_out(tt.on_event(ev, self._agent_state()))
         if self._listening is not None:
             self._listening.stt.feed(frame.pcm)
+            self._turn_audio.append(frame.pcm)
         elif tt.candidate is not None:
             self._held.append(frame.pcm)
+            self._turn_audio.append(frame.pcm)
             if self._utterance is not None:
                 self._utterance.feed(frame.pcm)
         else:
@@ -307,6 +354,11 @@ class AgentSession(SessionControls):
                         heard.speech_resumed()
             elif isinstance(d, Pause):
                 self.playout.pause(trial=d.trial)
+                # the judge reads this speech on its own, a continuation too
+                # (Smart Turn hears a pause inside its window as an end more
+                # often: bench/end_of_turn.py); the words carry the context
+                self._turn_audio.clear()
+                self._turn_audio.extend(self._preroll)
                 self._held = [*self._preroll]
                 self._preroll.clear()
                 self._drop_utterance()
@@ -331,7 +383,14 @@ class AgentSession(SessionControls):
             elif isinstance(d, EndOfUtterance):
                 run, self._listening = self._listening, None
                 if run is not None:
-                    run.end_utterance(d.speech_end_at)
+                    run.end_utterance(d.speech_end_at, tentative=d.tentative)
+                    self._speculating = run if d.tentative else None
+            elif isinstance(d, JudgeEndOfTurn):
+                assert self._tg is not None
+                self._judged = None
+                self._tg.create_task(self._judge_end(d.utterance, b"".join(self._turn_audio)))
+            elif isinstance(d, ConfirmEndOfTurn):
+                self._confirm_end(d)
             elif isinstance(d, PttTooLong):
                 self._send(ErrorEvent(
                     generation=self.fence.active, code="ptt_too_long", message=f"push-to-talk held over {d.max_ms} ms"
@@ -343,8 +402,8 @@ class AgentSession(SessionControls):
         """What turn-taking needs to know of the agent: is a reply on the way
         out (queued or being produced), is a turn thinking or speaking."""
         run = self._active_run()
-        if run is None:
-            return AgentActivity()
+        if run is None or not run.confirmed.is_set():
+            return AgentActivity()  # a speculative reply is held: nothing is heard of it
         return AgentActivity(speaking=len(self.playout) > 0 or (run.phase == "speaking" and not run.tts_done), replying=True)
 
     def _resume(self, d: Resume) -> None:
@@ -479,7 +538,13 @@ class AgentSession(SessionControls):
             self._drop_utterance()  # a press: what came before it is not the user's input
             stream = self.transcription.begin()
         run = TurnHandle(self._turn_context(), generation, stream)
-        if old is not None:
+        if old is not None and not old.confirmed.is_set():
+            # the user went on before the end of their turn was confirmed:
+            # the speculative reply is taken back (nothing of it was heard or
+            # done) and the new turn answers both parts
+            after = self._withdraw(old, d)
+            run.continues, old.merged = old, True
+        elif old is not None:
             rec, after = barge_in(
                 old, d, old_generation=old_generation, new_generation=generation, fenced_at=fenced_at,
                 cleared_frames=cleared, clock=self.clock, send=self._send,
@@ -495,6 +560,78 @@ class AgentSession(SessionControls):
         run.work = self._tg.create_task(run.work_on(self._answer))
         # forget runs whose terminal state is recorded; the rest settle again at the end
         self._runs = [r for r in self._runs if not (r.settled and r.finished)]
+
+    # -- end of turn -----------------------------------------------------------
+
+    async def _judge_end(self, utterance: int, pcm: bytes) -> None:
+        """Ask the end-of-turn judge whether utterance ``utterance`` is
+        complete and hand the verdict to turn-taking: the audio model (on
+        ``pcm``, 16 kHz, in a worker thread) and, for a speculative turn, the
+        words heard of the whole turn (:func:`voice.end_of_turn.words_complete`,
+        once its recognition, already running, is in: its reply cannot start
+        before that anyway) must both say complete. A judge that is missing
+        or fails leaves the fixed silence to decide; failed recognition
+        leaves the audio to decide."""
+        judge = self.providers.end_of_turn
+        run = self._speculating
+        complete: bool | None = None
+        if judge is not None and pcm:
+            try:
+                verdict = await asyncio.to_thread(judge.judge, pcm, 16_000)
+            except Exception:
+                log.exception("the end-of-turn judge failed: the fixed silence decides")
+            else:
+                complete = verdict.complete
+                words: bool | None = None
+                if run is not None and run.stt_final is not None:
+                    try:
+                        heard = " ".join(t for t in (await run.earlier_words(), await run.final_transcript()) if t)
+                    except Exception:
+                        pass  # the recogniser failed: the turn fails on it; the audio decides the end
+                    else:
+                        words = words_complete(heard)
+                        complete = complete and words
+                self._judged = (utterance, round(verdict.probability, 3), round(verdict.inference_ms, 1), words)
+        self._carry_out(self.turn_taking.judged(utterance, self.clock.monotonic(), complete))
+
+    def _confirm_end(self, d: ConfirmEndOfTurn) -> None:
+        """The end of the user's turn is confirmed: a speculative reply is
+        let out (what it held, then the rest as it comes), and the client
+        is told how the end was decided (event ``end_of_turn``)."""
+        run = self._speculating if d.speculative else self._latest_ended()
+        if d.speculative:
+            self._speculating = None
+            if run is not None:
+                run.confirm(self.playout)
+        judged = self._judged if self._judged is not None and self._judged[0] == d.utterance else None
+        self._send(EndOfTurn(
+            turn_id=run.turn_id if run is not None else None, generation=self.fence.active, outcome="confirmed",
+            by=d.by, speculative=d.speculative, wait_ms=round((d.at - d.speech_end_at) * 1000, 1),
+            probability=judged[1] if judged else None, judge_ms=judged[2] if judged else None,
+            words_complete=judged[3] if judged else None,
+        ))
+
+    def _withdraw(self, old: TurnHandle, d: Commit) -> asyncio.Task[None]:
+        """Take back the speculative turn ``old``: the user went on (commit
+        ``d``) before its end of turn was confirmed. Stopped with its own
+        reason (``speculation_withdrawn``, whose policy reverses anything
+        it did, though it can have done nothing with an effect); its held
+        output is logged withheld. Returns its stop task."""
+        if self._speculating is old:
+            self._speculating = None
+        speech_end = old.speech_end_at if old.speech_end_at is not None else d.at
+        self._send(EndOfTurn(
+            turn_id=old.turn_id, generation=self.fence.active, outcome="withdrawn", by="user_went_on",
+            speculative=True, wait_ms=round((d.at - speech_end) * 1000, 1),
+        ))
+        return old.stop(StopReason(kind=StopReasonKind.SPECULATION_WITHDRAWN, initiator="end_of_turn", at=self.clock.now()))
+
+    def _latest_ended(self) -> TurnHandle | None:
+        """The latest turn whose utterance ended."""
+        for run in reversed(self._runs):
+            if run.utterance_ended.is_set():
+                return run
+        return None
 
     # -- per-turn tasks --------------------------------------------------------
 
@@ -550,7 +687,10 @@ class AgentSession(SessionControls):
 
     def _tell_interrupted(self, run: TurnHandle) -> None:
         """Tell the client, once, how much of an interrupted reply was heard
-        (:meth:`voice.heard.Hearing.interrupted`)."""
+        (:meth:`voice.heard.Hearing.interrupted`); nothing for a speculative
+        turn taken back (nothing of it reached the client)."""
+        if run.withdrawn:
+            return
         event = self.hearing.interrupted(run)
         if event is not None:
             self._send(event)

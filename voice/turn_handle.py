@@ -34,6 +34,7 @@ from typing import Any, Literal
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from clock import Clock
+from media.playout import PlayoutFrame
 from turn.event_catalogue import AgentPhase, AgentState, Envelope, ErrorCode, ErrorEvent
 from turn.events import EventSink
 from turn.generation import GenerationFence
@@ -48,6 +49,7 @@ from voice.dtmf import DigitStream
 from voice.errors import describe_error, first_error, stopped_by
 from voice.synthesis import SynthesisStream
 from voice.transcription import Utterance
+from voice.transport import OutputSink
 from voice.turn_lifecycle import fail, open_scope, record_late_usage
 
 log = logging.getLogger(__name__)
@@ -167,6 +169,18 @@ class TurnHandle:
     settled: bool = False
     #: what recognising its words cost is on its meter
     recognition_noted: bool = False
+    #: the end of its utterance is confirmed: its output may be delivered
+    #: and its audio played, and its side effects may run (set when the
+    #: utterance ends, unless it ended tentatively: then by :meth:`confirm`)
+    confirmed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: its reply started at a tentative end of turn (DESIGN.md "speculative turn")
+    speculative: bool = False
+    #: stopped before its end of turn was confirmed: its output is logged
+    #: fenced, never delivered, and its audio dropped
+    withdrawn: bool = False
+    #: output and playout frames held until the end of turn is confirmed
+    _held_output: list[tuple[Envelope, bool]] = field(default_factory=list)
+    _held_frames: list[PlayoutFrame] = field(default_factory=list)
 
     # -- its record and its work ---------------------------------------------------
 
@@ -257,6 +271,7 @@ class TurnHandle:
                 self._tell_error("turn_failed", describe_error(exc))
         finally:
             self.finished = True
+            self._withdraw()  # ended (failed) before its end of turn was confirmed: nothing of it goes out
             if self.watch_task is not None:
                 self.watch_task.cancel()  # a stop from now on is handled by the stop task or the settle
             self.enter("idle")
@@ -269,8 +284,57 @@ class TurnHandle:
         ``turn_id`` and ``generation`` this turn's); the delivery gate
         withholds its output (``turn.delivery_gate.OUTPUT_TYPES``) once its
         generation is obsolete (still logged, fenced), and so does
-        ``withheld`` (output of a turn already stopped)."""
-        self.ctx.report(event, withheld=withheld)
+        ``withheld`` (output of a turn already stopped). A speculative
+        turn's events wait until its end of turn is confirmed (then they
+        go, in order) or it is withdrawn (then they are logged withheld)."""
+        if self.withdrawn:
+            self.ctx.report(event, withheld=True)
+        elif self.speculative and not self.confirmed.is_set():
+            self._held_output.append((event, withheld))
+        else:
+            self.ctx.report(event, withheld=withheld)
+
+    def play(self, playout: OutputSink, frame: PlayoutFrame) -> None:
+        """Queue ``frame`` of its reply for playout; held while its end of
+        turn is tentative, dropped once it is withdrawn."""
+        if self.withdrawn:
+            return
+        if self.speculative and not self.confirmed.is_set():
+            self._held_frames.append(frame)
+        else:
+            playout.push(frame)
+
+    def confirm(self, playout: OutputSink) -> bool:
+        """The end of its utterance is confirmed: what it held is delivered
+        and queued for playout now, in order, and what follows goes straight
+        out. Returns False (nothing changes) if it was confirmed already or
+        withdrawn."""
+        if self.confirmed.is_set() or self.withdrawn:
+            return False
+        self._release_output()
+        frames, self._held_frames = self._held_frames, []
+        for frame in frames:
+            playout.push(frame)
+        return True
+
+    def _release_output(self) -> None:
+        """Confirmed: the events held so far go out, in order."""
+        self.confirmed.set()
+        held, self._held_output = self._held_output, []
+        for event, withheld in held:
+            self.ctx.report(event, withheld=withheld)
+
+    def _withdraw(self) -> None:
+        """Stopped before its end of turn was confirmed: nothing it held is
+        delivered (its events are logged withheld: the audit trail) or
+        played, and nothing it produces from now on is."""
+        if not self.speculative or self.confirmed.is_set() or self.withdrawn:
+            return
+        self.withdrawn = True
+        held, self._held_output = self._held_output, []
+        for event, _ in held:
+            self.ctx.report(event, withheld=True)
+        self._held_frames = []
 
     def _tell_error(self, code: ErrorCode, message: str) -> None:
         """Tell the client this turn's ``error`` (in the session's active generation)."""
@@ -284,13 +348,18 @@ class TurnHandle:
         self.phase = phase
         self.output(AgentState(turn_id=self.turn_id, generation=self.generation, phase=phase))
 
-    def end_utterance(self, speech_end_at: float) -> None:
+    def end_utterance(self, speech_end_at: float, *, tentative: bool = False) -> None:
         """The user's utterance is complete (their speech ended at clock
         seconds ``speech_end_at``): start its STT final at once, so the
         recogniser is free for the next utterance whatever the turn's
-        bookkeeping is doing. Only the first call counts."""
+        bookkeeping is doing. ``tentative``: only tentatively, so its reply
+        is speculative (held until :meth:`confirm`). Only the first call counts."""
         if self.utterance_ended.is_set():
             return
+        if tentative:
+            self.speculative = True
+        else:
+            self._release_output()
         self.speech_end_at = speech_end_at
         self.stt_started_at = self.ctx.clock.monotonic()
         self.utterance_ended.set()
@@ -399,6 +468,7 @@ class TurnHandle:
         """
         if self.stop_task is not None:
             return self.stop_task
+        self._withdraw()  # a speculative turn stopped before its end was confirmed: nothing of it goes out
         if reason is not None and self.committing:
             self.stop_task = self.ctx.spawn(self._stop_after_commit(reason))
             return self.stop_task
@@ -540,6 +610,7 @@ class TurnHandle:
         id for two turns is a conflict). A failure is logged, not raised."""
         if self.work is not None and not self.work.done():
             self.work.cancel()
+        self._withdraw()
         reason = self.stop_reason or StopReason(kind=kind, initiator="server", at=at)
         manager = self.ctx.manager
         try:

@@ -33,6 +33,16 @@ The rules (see :mod:`media.bargein` for the detector's two stages):
   speech_rejected arm the endpoint (:mod:`voice.endpointing`), speech
   disarms it, and :meth:`TurnTaking.on_frame` ends the utterance when it is
   over (:class:`EndOfUtterance`);
+- with an end-of-turn judge or speculative replies (``EndpointConfig.mode``
+  ``"model"``, ``speculative``), the end comes in two steps: at the
+  *tentative* end (``tentative_ms`` of silence) the judge is asked
+  (:class:`JudgeEndOfTurn`, answered through :meth:`TurnTaking.judged`)
+  and, if speculative, the utterance ends tentatively (:class:`EndOfUtterance`
+  ``tentative``: its reply starts, held); the end is *confirmed*
+  (:class:`ConfirmEndOfTurn`) when the judge says complete, or at the
+  silence its verdict allows, but never while new speech is a candidate;
+  speech that commits first takes the speculative reply back (the session
+  stops it, ``speculation_withdrawn``, and the new turn continues it);
 - push-to-talk commits at once and ignores the detector until released,
   which ends the utterance without waiting; held over ``max_utterance_ms``
   it is let go (:class:`PttTooLong`).
@@ -167,9 +177,39 @@ class Commit:
 @dataclass(frozen=True)
 class EndOfUtterance:
     """The utterance listened to is complete; its speech ended at
-    ``speech_end_at`` (clock seconds)."""
+    ``speech_end_at`` (clock seconds). ``tentative``: only tentatively (a
+    speculative reply starts; :class:`ConfirmEndOfTurn` or a commit follows)."""
 
     speech_end_at: float
+    tentative: bool = False
+
+
+@dataclass(frozen=True)
+class JudgeEndOfTurn:
+    """Ask the end-of-turn judge whether utterance ``utterance`` is complete
+    (its audio up to now); hand the verdict to :meth:`TurnTaking.judged`."""
+
+    utterance: int
+
+
+EndBy = Literal["model", "silence", "incomplete_bound"]
+
+
+@dataclass(frozen=True)
+class ConfirmEndOfTurn:
+    """The end of utterance ``utterance`` (its speech ended at
+    ``speech_end_at``, clock seconds) is confirmed at ``at`` by ``by``: the
+    judge said complete (``"model"``), the fixed silence passed
+    (``"silence"``: mode silence, or the judge failed or was late), or the
+    longer silence after an "incomplete" verdict passed
+    (``"incomplete_bound"``). ``speculative``: its reply was started at the
+    tentative end and may play now."""
+
+    utterance: int
+    at: float
+    speech_end_at: float
+    by: EndBy
+    speculative: bool
 
 
 @dataclass(frozen=True)
@@ -187,7 +227,7 @@ class ResetDetector:
 
 Decision = (
     Announce | Pause | PauseStands | Resume | ClassifyBackchannel | CancelClassification | Commit | EndOfUtterance
-    | PttTooLong | ResetDetector
+    | JudgeEndOfTurn | ConfirmEndOfTurn | PttTooLong | ResetDetector
 )
 
 
@@ -232,6 +272,32 @@ class Candidate:
     verdict: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class EndOfTurnWait:
+    """The end of the utterance ``n`` is tentative: waiting for the judge or
+    the silence to confirm it. Read it; only :class:`TurnTaking` changes it.
+
+    Attributes:
+        n: the utterance's serial number (decisions name it).
+        speech_end_at: clock seconds when its speech ended.
+        confirm_at: clock seconds when silence alone confirms it (the
+            fixed silence until the judge answers; the longer bound after
+            "incomplete").
+        speculative: its utterance ended at the tentative end (the reply
+            is running, held): turn-taking no longer listens to it.
+        judge: None (not asked), ``"running"``, or its verdict:
+            ``"complete"`` (kept only while new speech is a candidate: it
+            confirms once that speech proves to be none), ``"incomplete"``
+            or ``"failed"``.
+    """
+
+    n: int
+    speech_end_at: float
+    confirm_at: float
+    speculative: bool
+    judge: Literal["running", "complete", "incomplete", "failed"] | None = None
+
+
 class TurnTaking:
     """The turn-taking state machine of one session (see the module doc).
 
@@ -266,7 +332,12 @@ class TurnTaking:
         self.speech_end_at: float | None = None
         self.last_speech_at = 0.0
         self.utterance_at = 0.0
+        #: the tentative end of the latest utterance, until confirmed or taken back
+        self.waiting: EndOfTurnWait | None = None
+        #: clock seconds of the tentative end of the utterance listened to (armed)
+        self.tentative_at: float | None = None
         self._serial = 0
+        self._utterances = 0
 
     # -- inputs ---------------------------------------------------------------
 
@@ -284,7 +355,7 @@ class TurnTaking:
         kind = ev.kind
         if kind is DetectorEventKind.SPEECH_STARTED:
             if self.listening:
-                self.endpoint_at = None  # the user goes on: hold the endpoint
+                self._disarm()  # the user goes on: hold the endpoint
                 return out
             if cand is not None and cand.ended_at is not None:
                 # More speech right after a short one ("uh ... huh", "front
@@ -301,7 +372,7 @@ class TurnTaking:
         elif kind is DetectorEventKind.SPEECH_CONFIRMED:
             self.last_speech_at = ev.at
             if self.listening:
-                self.endpoint_at = None
+                self._disarm()
                 return out
             if cand is None:
                 return out
@@ -355,7 +426,7 @@ class TurnTaking:
         elif cand is not None and cand.release_at is not None and at >= cand.release_at and not gated:
             out += self._let_go(cand, at, agent)
         if not self.listening:
-            return out
+            return out + self._end_wait(at)
         ep = self.endpoint
         if self.listening_ptt:
             if at - self.utterance_at > ep.max_utterance_ms / 1000:
@@ -363,12 +434,28 @@ class TurnTaking:
                 out.append(PttTooLong(ep.max_utterance_ms))
                 out += self.ptt_end(at)
             return out
-        if utterance_over(ep, at, end=self.endpoint_at, last_speech_at=self.last_speech_at, utterance_at=self.utterance_at):
-            out.append(Announce("end_of_turn"))
-            self.listening = False
-            self.endpoint_at = None
-            out.append(EndOfUtterance(self.speech_end_at if self.speech_end_at is not None else at))
+        wait = self.waiting
+        if utterance_over(ep, at, end=None, last_speech_at=self.last_speech_at, utterance_at=self.utterance_at):
+            # a noisy room or an utterance that never stops: over, whatever the judge says
+            return out + self._end(at, self.speech_end_at if self.speech_end_at is not None else at, "silence")
+        if not ep.tentative:
+            if self.endpoint_at is not None and at >= self.endpoint_at:
+                out += self._end(at, self.speech_end_at if self.speech_end_at is not None else at, "silence")
+            return out
+        if self.tentative_at is not None and at >= self.tentative_at and wait is None:
+            out += self._tentative(at)
+            wait = self.waiting
+        if wait is not None and not wait.speculative and at >= wait.confirm_at:
+            out += self._confirm(at)
         return out
+
+    def _end_wait(self, at: float) -> list[Decision]:
+        """A speculative utterance's end waits on no new speech: confirmed
+        once its silence (``confirm_at``) passed and nobody is talking."""
+        wait = self.waiting
+        if wait is None or not wait.speculative or self.candidate is not None or self.listening or at < wait.confirm_at:
+            return []
+        return self._confirm(at)
 
     def classified(self, candidate: int, at: float, verdict: dict[str, Any] | None, agent: AgentActivity) -> list[Decision]:
         """The answer to :class:`ClassifyBackchannel` for ``candidate``, at
@@ -387,6 +474,30 @@ class TurnTaking:
         if at >= cand.release_at:
             return self._let_go(cand, at, agent)
         return []
+
+    def judged(self, utterance: int, at: float, complete: bool | None) -> list[Decision]:
+        """The end-of-turn judge's answer to :class:`JudgeEndOfTurn` for
+        ``utterance``, at ``at`` (clock seconds): ``complete`` True ends the
+        turn now (if nobody is talking), False waits up to
+        ``incomplete_silence_ms`` of silence, None (the judge failed) leaves
+        it to the fixed silence. An answer for an utterance that is no
+        longer waiting (the user went on) changes nothing."""
+        wait = self.waiting
+        if wait is None or wait.n != utterance or wait.judge != "running":
+            return []
+        if complete is None:
+            wait.judge = "failed"
+            wait.confirm_at = min(wait.confirm_at, end_at(self.endpoint, wait.speech_end_at, wait.speech_end_at))
+        elif complete:
+            if wait.speculative and (self.candidate is not None or self.listening):
+                wait.judge = "complete"  # new speech is a candidate: it decides first
+                wait.confirm_at = at
+                return []
+            return self._confirm(at, by="model")
+        else:
+            wait.judge = "incomplete"
+            wait.confirm_at = wait.speech_end_at + self.endpoint.incomplete_silence_ms / 1000
+        return self._end_wait(at) if wait.speculative else []
 
     def heard(self, candidate: int, at: float, text: str) -> list[Decision]:
         """The recogniser's text so far (an interim or a final) of candidate
@@ -420,7 +531,7 @@ class TurnTaking:
             out.append(CancelClassification(cand.n))
         if self.listening:
             self.listening_ptt = True
-            self.endpoint_at = None
+            self._disarm()
             return out
         out.append(self._open(at, at))
         out += self._commit(at, initiator=initiator)
@@ -434,7 +545,7 @@ class TurnTaking:
         self.ptt_active = False
         out: list[Decision] = [ResetDetector()]
         was, self.listening = self.listening, False
-        self.endpoint_at = None
+        self._disarm()
         if was:
             out += [Announce("end_of_turn"), EndOfUtterance(at)]
         return out
@@ -461,16 +572,79 @@ class TurnTaking:
         paused_ms = round((at - cand.paused_at) * 1000, 1) if cand.paused else 0
         out.append(Commit(at, initiator, cand.onset_at, paused_ms, audio=initiator == "vad"))
         self.paused = False  # the commit clears and resumes playout
+        # a tentative end is taken back: the user went on (the session stops its reply)
+        self.waiting = None
         self.listening, self.listening_ptt = True, initiator != "vad"
-        self.endpoint_at = self.speech_end_at = None
+        self._utterances += 1
+        self._disarm()
+        self.speech_end_at = None
         self.last_speech_at = self.utterance_at = at
         if cand.ended_at is not None and not self.listening_ptt:
             self._arm(at, cand.ended_at)
         return out
 
     def _arm(self, stopped_at: float, speech_end: float) -> None:
+        ep = self.endpoint
         self.speech_end_at = speech_end
-        self.endpoint_at = end_at(self.endpoint, stopped_at, speech_end)
+        self.endpoint_at = end_at(ep, stopped_at, speech_end)
+        self.tentative_at = max(stopped_at, speech_end + ep.tentative_ms / 1000) if ep.tentative else None
+
+    def _disarm(self) -> None:
+        """The user goes on: the endpoint of the utterance listened to is
+        held, and a tentative end of it that did not end it is forgotten."""
+        self.endpoint_at = self.tentative_at = None
+        if self.waiting is not None and not self.waiting.speculative:
+            self.waiting = None
+
+    def _tentative(self, at: float) -> list[Decision]:
+        """The tentative end of the utterance listened to: ask the judge
+        (mode ``"model"``) and, if speculative, end the utterance
+        tentatively (its reply starts, held)."""
+        ep = self.endpoint
+        speech_end = self.speech_end_at if self.speech_end_at is not None else at
+        assert self.endpoint_at is not None
+        wait = EndOfTurnWait(self._utterances, speech_end, self.endpoint_at, ep.speculative)
+        self.waiting = wait
+        out: list[Decision] = []
+        if ep.speculative:
+            self.listening = False
+            self.endpoint_at = self.tentative_at = None
+            out.append(EndOfUtterance(speech_end, tentative=True))
+        if ep.mode == "model":
+            # the judge has up to the longer bound to answer (it reads the
+            # recogniser's words too); if it fails, the fixed silence decides
+            wait.judge = "running"
+            wait.confirm_at = speech_end + ep.incomplete_silence_ms / 1000
+            out.append(JudgeEndOfTurn(wait.n))
+        return out
+
+    def _confirm(self, at: float, by: EndBy | None = None) -> list[Decision]:
+        """Confirm the tentative end: a speculative reply may play now; an
+        utterance still listened to ends now."""
+        wait = self.waiting
+        assert wait is not None
+        self.waiting = None
+        if by is None:
+            # the longer bound also ends the wait for a judge that never answered
+            by = "model" if wait.judge == "complete" else "incomplete_bound" if wait.judge in ("incomplete", "running") else "silence"
+        out: list[Decision] = [Announce("end_of_turn")]
+        if not wait.speculative:
+            self.listening = False
+            self.endpoint_at = self.tentative_at = None
+            out.append(EndOfUtterance(wait.speech_end_at))
+        out.append(ConfirmEndOfTurn(wait.n, at, wait.speech_end_at, by, wait.speculative))
+        return out
+
+    def _end(self, at: float, speech_end: float, by: EndBy) -> list[Decision]:
+        """The utterance listened to is over now, without a tentative step
+        (mode silence without speculation, or a hard limit)."""
+        self.listening = False
+        self.endpoint_at = self.tentative_at = None
+        self.waiting = None
+        out: list[Decision] = [Announce("end_of_turn"), EndOfUtterance(speech_end)]
+        if self.endpoint.tentative:
+            out.append(ConfirmEndOfTurn(self._utterances, at, speech_end, by, False))
+        return out
 
     def _classify(self, cand: Candidate) -> list[Decision]:
         cand.classification = "running"

@@ -34,6 +34,7 @@ from turn.signals import RedisStopSignals, StopSignals
 from turn.sqlite_connection import path_from_url
 from turn.sqlite_store import SqliteStore
 from turn.store import StoreUnavailable, TurnStore
+from voice.end_of_turn import EndOfTurnModelError, shared_judge
 from voice.llm import LocalAgent
 from voice.openai_llm import OpenAiChatModel
 from voice.providers import LanguageModel
@@ -85,6 +86,8 @@ class EmbeddedProviders:
         #: the demo shop (tools and their in-process external system), or None
         self.shop = demo_shop_for(settings, clock)
         self._store: TurnStore | None = None
+        #: the end-of-turn judge (``session.endpoint.mode = "model"``), shared by all sessions
+        self.end_of_turn = shared_judge(settings.session.endpoint.judge) if settings.session.endpoint.mode == "model" else None
 
     def bind(self, store: TurnStore) -> None:
         """Give the tools the store (their downstream work queue lives there)."""
@@ -94,8 +97,8 @@ class EmbeddedProviders:
         """Check the configuration before serving anyone.
 
         Raises:
-            RuntimeError: espeak-ng is missing, or the speech model or grammar
-                cannot be loaded.
+            RuntimeError: espeak-ng is missing, or the speech model, the
+                grammar or the end-of-turn model cannot be loaded.
         """
         tts = self.settings.tts
         if (tts.provider == "embedded" or tts.fallback == "embedded") and not EspeakTTS(tts.espeak).available():
@@ -108,6 +111,13 @@ class EmbeddedProviders:
             await self.stt.start()
         except Exception as exc:
             raise RuntimeError(f"speech recogniser cannot start: {exc}") from exc
+        if self.end_of_turn is not None:
+            try:
+                await asyncio.to_thread(self.end_of_turn.load)
+            except EndOfTurnModelError as exc:
+                raise RuntimeError(
+                    f'end-of-turn model cannot load: {exc} (or set session.endpoint.mode = "silence")'
+                ) from exc
 
     def for_session(self, voice: str | None = None) -> Providers:
         """Providers for one new voice session (``voice``: its TTS voice
@@ -119,7 +129,7 @@ class EmbeddedProviders:
         return Providers(
             stt=self.stt, llm=self.llm_for_session(), tts=build_synthesiser(tts, self.http()), tts_fallback=fallback,
             tools=self.tools(), stt_fallback=self.stt_fallback,
-            stt_final_timeout_s=self.settings.stt.final_timeout_ms / 1000,
+            stt_final_timeout_s=self.settings.stt.final_timeout_ms / 1000, end_of_turn=self.end_of_turn,
         )
 
     async def voice_exists(self, voice: str) -> bool:

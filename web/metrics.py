@@ -13,6 +13,10 @@ From every event this process logs (a tap on :class:`turn.events.EventLogs`):
 - ``turnkeeper_model_requests_after_stop_total``: model requests *started*
   after a stop (the target is 0);
 - ``turnkeeper_barge_ins_total{initiator}``;
+- ``turnkeeper_end_of_turn_total{by}`` (what decided the end of the user's
+  turn: ``model``, ``silence``, ``incomplete_bound``, ``user_went_on``) and
+  ``turnkeeper_speculative_turns_total{outcome}`` (replies started at a
+  tentative end: ``confirmed`` and played, or ``withdrawn``);
 - ``turnkeeper_barge_in_onset_to_fence_seconds{transport}``: a committed
   barge-in's speech onset to the fence moving, s (the server's side of the
   audible stop; what the ear hears is measured by ``bench/bargein.py``);
@@ -53,7 +57,8 @@ From every cancel scope (``manager.scope_observers``):
   sentence handed to TTS to its first audio, s;
 - ``turnkeeper_voice_to_voice_seconds{transport}``: the end of the user's
   speech (its last voiced frame, before the endpoint's silence) to the
-  reply's first audio queued for playout, s (the pacer sends it within one
+  reply's first audio queued for playout (a speculative reply's: when its
+  end of turn was confirmed, if later), s (the pacer sends it within one
   20 ms frame unless the playout is paused);
 - ``turnkeeper_forced_terminations_total{child}``: children still running
   when a stop's grace ran out, cancelled again (``ignored_cancel``).
@@ -196,6 +201,11 @@ class Metrics:
                                         ["transport"], buckets=LATENCY_BUCKETS, registry=r)
         self.forced = Counter("turnkeeper_forced_terminations", "Children still running when a stop's grace ran out",
                               ["child"], registry=r)
+        self.speculative = Counter("turnkeeper_speculative_turns",
+                                   "Replies started at a tentative end of turn, by outcome (confirmed: played; withdrawn: "
+                                   "taken back, the user went on)", ["outcome"], registry=r)
+        self.end_of_turn = Counter("turnkeeper_end_of_turn", "Ends of the user's turn, by what decided them", ["by"],
+                                   registry=r)
         #: the transport of a session open here ("" if none): set by add_routes
         self.transport_of: Callable[[str], str] = lambda _session_id: ""
         #: transport of each turn running here (resolved as it starts), and
@@ -247,6 +257,10 @@ class Metrics:
                 # playout paused paused_ms before the fence (0: the fence paused it)
                 to_pause = to_fence - float(p.get("paused_ms") or 0)
                 self.audible_stop.labels(transport=transport).observe(max(0.0, to_pause / 1000))
+        elif ev.type == "end_of_turn":
+            if p.get("speculative"):
+                self.speculative.labels(outcome=str(p.get("outcome", ""))).inc()
+            self.end_of_turn.labels(by=str(p.get("by", ""))).inc()
         elif ev.type in ("false_interruption", "backchannel"):
             transport = self.transport_of(ev.session_id)
             (self.false_interruptions if ev.type == "false_interruption" else self.backchannels).labels(transport=transport).inc()
@@ -300,9 +314,10 @@ class Metrics:
             if sentence is not None:
                 self.tts_first_audio.observe(max(0.0, (audio - sentence).total_seconds()))
             ended = noted.pop("speech_end", None)
+            queued = child.mark_at("first_queued") or audio  # a speculative reply's audio waits for its confirmed end
             if ended is not None:
                 self.voice_to_voice.labels(transport=self._transport(child.turn_id)).observe(
-                    max(0.0, (audio - ended).total_seconds()))
+                    max(0.0, (queued - ended).total_seconds()))
 
     def scope_stopped(self, turn_id: str, reason: StopReason | None, at: datetime) -> None:
         """Nothing to count at a stop (its latency is the terminal event's)."""

@@ -69,7 +69,9 @@ async def test_barge_in_mid_answer(server: Server, say: Callable[..., Path], tmp
     assert plain(old.transcript) == "tell me a story"
     assert old.states == ["QUEUED", "RUNNING", "CANCEL_REQUESTED", "CANCELLED"]
     assert old.status == "CANCELLED" and old.stop_reason == "barge_in"
-    assert old.reply.startswith("Once upon a time")
+    # what was heard of the story in about a second (its first clause,
+    # "Once upon a time,", goes to TTS on its own: the cut falls inside it)
+    assert old.reply.startswith("Once upon a")
     # the new turn gets its answer
     assert plain(new.transcript) == "what is the weather like today"
     assert new.status == "COMPLETED" and "sunny" in new.reply

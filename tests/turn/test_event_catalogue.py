@@ -41,6 +41,8 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "vad": {"generation": 0, "event": "speech_started"},
     "false_interruption": {"generation": 1, "paused_ms": 420.5},
     "backchannel": {"generation": 1, "paused_ms": 0, "text": "uh huh", "syllables": 2},
+    "end_of_turn": {"generation": 1, "turn_id": "t1", "outcome": "confirmed", "by": "model", "speculative": True,
+                    "wait_ms": 231.4, "probability": 0.93, "judge_ms": 61.2, "words_complete": True},
     "barge_in": {"generation": 2, "old_turn_id": "t1", "old_generation": 1, "initiator": "vad",
                  "onset_to_fence_ms": 3.25, "paused_ms": 150.0, "cleared_ms": 2400},
     "stop_deferred": {"generation": 1, "turn_id": "t1", "why": "must_complete"},

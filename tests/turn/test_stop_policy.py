@@ -24,8 +24,10 @@ from voice.history import tool_outcome_text
 
 K = StopReasonKind
 LIMITS = {K.DEADLINE_EXCEEDED, K.BUDGET_EXCEEDED, K.MAX_STEPS, K.LOOP_DETECTED}
-#: reverse a compensable effect done before the stop
-REVERSE_DONE = {K.SAFETY_ABORT}
+#: reverse a compensable effect done before the stop (the turn should never have acted:
+#: a safety abort, or a speculative turn taken back, which runs no effect before its
+#: end of turn is confirmed; should one have run, it is reversed)
+REVERSE_DONE = {K.SAFETY_ABORT, K.SPECULATION_WITHDRAWN}
 #: reverse a compensable effect in flight at the stop (once it is known to have happened)
 REVERSE_IN_FLIGHT = REVERSE_DONE | {K.USER_CANCEL, K.BARGE_IN} | LIMITS
 #: retry an effect in flight found absent (same key)
@@ -75,7 +77,7 @@ def test_every_stop_kind_has_a_policy() -> None:
         assert p.compensate_in_flight == (kind in REVERSE_IN_FLIGHT)
         assert p.retry_absent == (kind in RETRY_ABSENT)
         assert p.finish_queued == (kind is K.WORKER_SHUTDOWN)
-        assert p.new_effects == (kind is not K.SAFETY_ABORT)
+        assert p.new_effects == (kind not in REVERSE_DONE)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

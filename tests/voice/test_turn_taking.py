@@ -18,7 +18,9 @@ from voice.turn_taking import (
     CancelClassification,
     ClassifyBackchannel,
     Commit,
+    ConfirmEndOfTurn,
     EndOfUtterance,
+    JudgeEndOfTurn,
     Pause,
     PauseStands,
     PttTooLong,
@@ -66,6 +68,8 @@ def play(tt: TurnTaking, rows: list[Row], agent: AgentActivity = SPEAKING, *, an
             got = tt.ptt_start(at)
         elif what == "ptt_end":
             got = tt.ptt_end(at)
+        elif what == "judged":
+            got = tt.judged(args[0], at, args[1])
         else:
             raise ValueError(what)
         out += [(t, d) for d in got if announce or not isinstance(d, Announce)]
@@ -409,3 +413,94 @@ def test_a_telephone_key_commits_like_push_to_talk_with_its_own_initiator() -> N
     # speech meanwhile does not end it; the terminator (ptt_end) does, at once
     assert play(tt, [(2100, "started"), (2300, "confirmed"), (3000, "stopped"), *frames(3010, 5000, gated=False)]) == []
     assert tt.ptt_end(5.0)[-1] == EndOfUtterance(5.0)
+
+
+# -- the end of turn in two steps: tentative, then confirmed (issue 31) ---------------
+
+
+def two_step(**endpoint: Any) -> TurnTaking:
+    return TurnTaking(BackchannelConfig(), EndpointConfig(**endpoint), OFFSET_MS)
+
+
+#: an utterance committed at 1010 ms whose speech stops at 2000 (speech_stopped at 2200)
+SPOKEN = [(1010, "started"), (1010, "confirmed"), *frames(1020, 1990, gated=True), (2200, "stopped")]
+
+
+def test_the_judge_says_complete_and_the_speculative_reply_plays_then() -> None:
+    tt = two_step(mode="model", speculative=True)
+    got = play(tt, timeline(SPOKEN, frames(2000, 2400, gated=False), (2300, "judged", 1, True)), SILENT)
+    assert norm(got)[2:] == norm([
+        (2200, EndOfUtterance(2.0, tentative=True)),
+        (2200, JudgeEndOfTurn(1)),
+        (2300, ConfirmEndOfTurn(1, 2.3, 2.0, "model", True)),
+    ])
+    assert tt.waiting is None and not tt.listening
+
+
+def test_incomplete_waits_for_the_longer_silence_and_a_failed_judge_for_the_fixed_one() -> None:
+    tt = two_step(mode="model", speculative=True, incomplete_silence_ms=1200)
+    got = play(tt, timeline(SPOKEN, frames(2000, 3400, gated=False), (2300, "judged", 1, False)), SILENT)
+    assert norm(got)[-1] == norm([(3200, ConfirmEndOfTurn(1, 3.2, 2.0, "incomplete_bound", True))])[0]
+    tt = two_step(mode="model", speculative=True)
+    got = play(tt, timeline(SPOKEN, frames(2000, 3400, gated=False), (2300, "judged", 1, None)), SILENT)
+    # failed: the fixed 500 ms from the end of speech (2000 ms) decides
+    assert norm(got)[-1] == norm([(2500, ConfirmEndOfTurn(1, 2.5, 2.0, "silence", True))])[0]
+    # a judge that never answers: the longer bound
+    tt = two_step(mode="model", speculative=True)
+    got = play(tt, timeline(SPOKEN, frames(2000, 3600, gated=False)), SILENT)
+    assert norm(got)[-1] == norm([(3500, ConfirmEndOfTurn(1, 3.5, 2.0, "incomplete_bound", True))])[0]
+
+
+def test_going_on_before_the_end_is_confirmed_takes_it_back() -> None:
+    """The user speaks again while the judge said incomplete: the new speech
+    commits, the wait is forgotten, and a late verdict changes nothing."""
+    tt = two_step(mode="model", speculative=True)
+    rows = timeline(SPOKEN, frames(2000, 2580, gated=False), (2300, "judged", 1, False),
+                    (2600, "started", 2560), (2700, "confirmed", 2560), frames(2600, 3000, gated=True),
+                    (2800, "judged", 1, True))
+    got = play(tt, rows, SILENT)
+    kinds = [type(d).__name__ for _, d in got]
+    assert kinds == ["Pause", "Commit", "EndOfUtterance", "JudgeEndOfTurn", "Pause", "Commit"]
+    assert tt.waiting is None and tt.listening
+
+
+def test_a_complete_verdict_waits_while_new_speech_is_a_candidate() -> None:
+    """The verdict comes while a sound is a candidate: the end is confirmed
+    only once it proves to be no speech (rejected)."""
+    tt = two_step(mode="model", speculative=True)
+    rows = timeline(SPOKEN, frames(2000, 2700, gated=False), (2250, "started", 2240), (2300, "judged", 1, True),
+                    (2400, "rejected"))
+    got = play(tt, rows, SILENT)
+    [(t, confirm)] = [(t, d) for t, d in got if isinstance(d, ConfirmEndOfTurn)]
+    assert t == 2400 and confirm.by == "model"
+
+
+def test_speculation_with_the_fixed_silence() -> None:
+    tt = two_step(speculative=True)
+    got = play(tt, timeline(SPOKEN, frames(2000, 2600, gated=False)), SILENT)
+    assert norm(got)[2:] == norm([
+        (2200, EndOfUtterance(2.0, tentative=True)),
+        (2500, ConfirmEndOfTurn(1, 2.5, 2.0, "silence", True)),
+    ])
+
+
+def test_the_judge_without_speculation_keeps_listening_until_it_decides() -> None:
+    tt = two_step(mode="model")
+    got = play(tt, timeline(SPOKEN, frames(2000, 2400, gated=False), (2300, "judged", 1, True)), SILENT)
+    assert norm(got)[2:] == norm([
+        (2200, JudgeEndOfTurn(1)),
+        (2300, EndOfUtterance(2.0)),
+        (2300, ConfirmEndOfTurn(1, 2.3, 2.0, "model", False)),
+    ])
+    # going on while it judges: the same utterance goes on; the verdict is ignored
+    tt = two_step(mode="model")
+    rows = timeline(SPOKEN, frames(2000, 2280, gated=False), (2290, "started"), (2300, "judged", 1, True),
+                    frames(2300, 2400, gated=True))
+    got = play(tt, rows, SILENT)
+    assert [type(d).__name__ for _, d in got] == ["Pause", "Commit", "JudgeEndOfTurn"] and tt.listening
+
+
+def test_push_to_talk_during_the_wait_takes_the_speculative_reply_back() -> None:
+    tt = two_step(mode="model", speculative=True)
+    got = play(tt, timeline(SPOKEN, frames(2000, 2280, gated=False), (2300, "ptt_start")), SILENT)
+    assert [type(d).__name__ for _, d in got][-2:] == ["Pause", "Commit"] and tt.waiting is None
