@@ -70,8 +70,8 @@ class EndpointConfig(BaseModel):
             is never merged (its words were acted on; the ledger has them).
     """
 
-    mode: EndpointMode = "silence"
-    speculative: bool = False
+    mode: EndpointMode = "model"
+    speculative: bool = True
     tentative_ms: int = Field(200, ge=0, le=10_000)
     incomplete_silence_ms: int = Field(1500, ge=0, le=30_000)
     judge: EndOfTurnConfig = EndOfTurnConfig()
@@ -87,8 +87,6 @@ class EndpointConfig(BaseModel):
             raise ValueError("endpoint min_delay_ms must not exceed max_delay_ms")
         if self.tentative_ms > self.silence_ms:
             raise ValueError("endpoint tentative_ms must not exceed silence_ms (the tentative end comes first)")
-        if self.mode == "model" and self.incomplete_silence_ms < self.silence_ms:
-            raise ValueError("endpoint incomplete_silence_ms must not be below silence_ms (an unfinished turn waits longer)")
         return self
 
     @property

@@ -226,7 +226,9 @@ async def test_speculation_starts_the_reply_at_the_tentative_end(store: SqliteSt
     which the fixed silence overlaps too)."""
     starts: dict[str, float] = {}
     firsts: dict[str, float] = {}
-    for name, endpoint in (("silence", EndpointConfig()), ("speculative", EndpointConfig(mode="model", speculative=True))):
+    for name, endpoint in (
+        ("silence", EndpointConfig(mode="silence", speculative=False)), ("speculative", EndpointConfig(mode="model", speculative=True))
+    ):
         h = Harness(store)
         h.session.providers.end_of_turn = ScriptedJudge(True)
         h.session.config.endpoint = endpoint
@@ -266,9 +268,6 @@ async def test_real_smart_turn_judges_in_a_session(store: SqliteStore, say: Call
 def test_the_tentative_end_comes_first(mode: str) -> None:
     with pytest.raises(ValueError):
         EndpointConfig(mode=mode, tentative_ms=600, silence_ms=500)  # type: ignore[arg-type]
-    with pytest.raises(ValueError):
-        EndpointConfig(mode="model", incomplete_silence_ms=300)
-    EndpointConfig(mode="silence", incomplete_silence_ms=300)  # only the model mode waits longer
 
 
 async def test_concurrent_turns_do_not_leak_speculation(store: SqliteStore, say: Callable[..., Path]) -> None:

@@ -87,7 +87,8 @@ def norm(rows: list[tuple[int, Any]]) -> list[tuple[int, str, dict[str, Any]]]:
 
 
 def machine(**bc: Any) -> TurnTaking:
-    return TurnTaking(BackchannelConfig(**bc), EndpointConfig(), OFFSET_MS)
+    # the fixed silence in one step (the two-step end of turn is tested at the end)
+    return TurnTaking(BackchannelConfig(**bc), EndpointConfig(mode="silence", speculative=False), OFFSET_MS)
 
 
 def committed(tt: TurnTaking, at_ms: int = 1010) -> None:
@@ -355,7 +356,7 @@ def test_a_noisy_room_ends_the_utterance_after_max_delay_and_silence() -> None:
 
 
 def test_an_utterance_that_never_ends_is_cut_at_max_utterance_ms() -> None:
-    tt = TurnTaking(BackchannelConfig(), EndpointConfig(max_utterance_ms=2000), OFFSET_MS)
+    tt = TurnTaking(BackchannelConfig(), EndpointConfig(mode="silence", speculative=False, max_utterance_ms=2000), OFFSET_MS)
     committed(tt)
     rows = timeline([(t, "confirmed") for t in range(1010, 4000, 500)], frames(1030, 4000, gated=True))
     assert norm(play(tt, rows, SILENT)) == norm([(3030, EndOfUtterance(3.03))])
@@ -397,7 +398,7 @@ def test_push_to_talk_takes_over_the_utterance_listened_to_and_drops_a_candidate
 
 
 def test_push_to_talk_held_too_long_is_let_go() -> None:
-    tt = TurnTaking(BackchannelConfig(), EndpointConfig(max_utterance_ms=1000), OFFSET_MS)
+    tt = TurnTaking(BackchannelConfig(), EndpointConfig(mode="silence", speculative=False, max_utterance_ms=1000), OFFSET_MS)
     got = play(tt, [(1000, "ptt_start"), *frames(1010, 2200, gated=True)], SILENT)
     assert norm(got)[3:] == norm([
         (2010, PttTooLong(1000)), (2010, ResetDetector()), (2010, EndOfUtterance(2.01)),
@@ -476,7 +477,7 @@ def test_a_complete_verdict_waits_while_new_speech_is_a_candidate() -> None:
 
 
 def test_speculation_with_the_fixed_silence() -> None:
-    tt = two_step(speculative=True)
+    tt = two_step(mode="silence", speculative=True)
     got = play(tt, timeline(SPOKEN, frames(2000, 2600, gated=False)), SILENT)
     assert norm(got)[2:] == norm([
         (2200, EndOfUtterance(2.0, tentative=True)),
@@ -485,7 +486,7 @@ def test_speculation_with_the_fixed_silence() -> None:
 
 
 def test_the_judge_without_speculation_keeps_listening_until_it_decides() -> None:
-    tt = two_step(mode="model")
+    tt = two_step(mode="model", speculative=False)
     got = play(tt, timeline(SPOKEN, frames(2000, 2400, gated=False), (2300, "judged", 1, True)), SILENT)
     assert norm(got)[2:] == norm([
         (2200, JudgeEndOfTurn(1)),
@@ -493,7 +494,7 @@ def test_the_judge_without_speculation_keeps_listening_until_it_decides() -> Non
         (2300, ConfirmEndOfTurn(1, 2.3, 2.0, "model", False)),
     ])
     # going on while it judges: the same utterance goes on; the verdict is ignored
-    tt = two_step(mode="model")
+    tt = two_step(mode="model", speculative=False)
     rows = timeline(SPOKEN, frames(2000, 2280, gated=False), (2290, "started"), (2300, "judged", 1, True),
                     frames(2300, 2400, gated=True))
     got = play(tt, rows, SILENT)
