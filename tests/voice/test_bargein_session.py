@@ -329,8 +329,13 @@ async def test_a_short_pause_inside_an_utterance_gives_one_turn(
     first, second = trimmed(pcm48(say("what is the weather"))), trimmed(pcm48(say("like today")))
     h.mic.say(first + bytes(1920 * 15) + second)  # 300 ms pause < 500 ms endpoint silence
     await h.wait_for(lambda: any(e.get("status") == "COMPLETED" for e in h.turn_events()), timeout=30)
-    [turn] = await store.list_session("sess-1")
-    assert plain(turn.transcript) == "what is the weather like today"
+    # one answer: a speculative reply started at the pause (its tentative end,
+    # 200 ms) is taken back when the user goes on, its words merged
+    *taken_back, turn = await store.list_session("sess-1")
+    assert plain(turn.transcript) == "what is the weather like today" and turn.status is TurnStatus.COMPLETED
+    for t in taken_back:
+        assert t.stop_reason is not None and t.stop_reason.kind is StopReasonKind.SPECULATION_WITHDRAWN
+        assert t.merged_into == turn.id
     assert [e.get("event") for e in h.events if e["type"] == "vad"].count("end_of_turn") == 1
 
 

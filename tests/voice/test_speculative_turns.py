@@ -181,7 +181,7 @@ async def test_a_confirmed_speculative_reply_plays_with_everything_it_held(
         assert turn.status is TurnStatus.COMPLETED and (turn.reply or "").startswith("One, two, three")
         [end] = [e for e in h.events if e["type"] == "end_of_turn"]
         assert end["outcome"] == "confirmed" and end["by"] == "model" and end["speculative"] is True
-        assert end["probability"] == 0.9 and end["wait_ms"] < 1000
+        assert end["probability"] == 0.9 and end["wait_ms"] < 2000  # it waits for the words: a sanity bound
         mine = [e for e in h.events if e.get("turn_id") == turn.id and e["type"] in ("transcript", "agent.delta", "agent.done")]
         assert mine[0]["type"] == "transcript" and mine[-1]["type"] == "agent.done"
         assert "".join(e["text"] for e in mine if e["type"] == "agent.delta").startswith("One, two, three")
