@@ -243,7 +243,7 @@ def judge(rendered: T.RenderedRequest, m: RequestMeasure, result: CallResult, un
     start = m.sent_from
     end = m.speech_end_sent
     seen = turn_first_seen(result)
-    views = {t.id: t for t in result.turns}
+    views = {t.id: t for t in [*result.turns, *result.withdrawn]}
     mine = sorted((tid for tid, at in seen.items() if start is not None and start <= at < until), key=lambda tid: seen[tid])
     withdrawn = [tid for tid in mine if tid in views and views[tid].stop_reason == WITHDRAWN]
     answering = [tid for tid in mine if tid not in withdrawn]

@@ -48,7 +48,16 @@ from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av.audio.frame import AudioFrame
 
-from client.results import BargeInMeasure, CallError, CallResult, RequestMeasure, TurnView, Utterance, track_turn
+from client.results import (
+    BargeInMeasure,
+    CallError,
+    CallResult,
+    RequestMeasure,
+    TurnView,
+    Utterance,
+    caller_turns,
+    track_turn,
+)
 from clock import Clock, SystemClock
 from media.frames import PLAYOUT_RATE, PcmResampler, Reframer, first_sound_sample, last_sound_sample, rms_dbfs
 from media.inbound import set_jitter_prefetch
@@ -329,7 +338,8 @@ class CallClient:
                 voice_to_voice_ms: float | None, requests: list[RequestMeasure] | None = None) -> CallResult:
         return CallResult(
             session_id=self.session_id,
-            turns=sorted(self._turns.values(), key=lambda t: t.generation),
+            turns=caller_turns(list(self._turns.values()))[0],
+            withdrawn=caller_turns(list(self._turns.values()))[1],
             barge_ins=measures,
             events=list(self._events),
             received_audio_ms=len(self._received) * 20,

@@ -44,7 +44,7 @@ import aiohttp
 
 from client.device import DeviceSimulator
 from client.device_mic import UPLINK_RATE
-from client.results import BargeInMeasure, CallError, CallResult, TurnView, Utterance
+from client.results import BargeInMeasure, CallError, CallResult, TurnView, Utterance, caller_turns
 from client.session_events import NO_SPEECH_S, SessionEvents, quiet, run_until_hangup, silent_run_end
 from media.frames import PLAYOUT_RATE, PcmResampler, first_sound_sample
 from web.devices import framing
@@ -155,10 +155,11 @@ class DeviceCallClient(SessionEvents):
         if out_wav is not None:
             sim.write_heard(out_wav)
         heard = sim.heard_frames()
-        turns = sorted(self._turns.values(), key=lambda t: t.generation) if self.following else self._device_turns(sim)
+        turns, withdrawn = caller_turns(list(self._turns.values())) if self.following else (self._device_turns(sim), [])
         return CallResult(
             session_id=self.session_id,
             turns=turns,
+            withdrawn=withdrawn,
             barge_ins=measures,
             events=list(self._events),
             received_audio_ms=sum(1 for f in heard if f.real) * 20,

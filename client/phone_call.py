@@ -38,7 +38,7 @@ import aiohttp
 
 from client.phone import SILENCE_DBFS, PhoneSimulator
 from client.phone_dialects import Dialect, TelnyxDialect, TwilioDialect
-from client.results import BargeInMeasure, CallError, CallResult, Utterance
+from client.results import BargeInMeasure, CallError, CallResult, Utterance, caller_turns
 from client.session_events import SessionEvents, quiet, run_until_hangup, silent_run_end
 from media.frames import PLAYOUT_RATE, PcmResampler, first_sound_sample
 from media.g711 import MULAW_RATE
@@ -186,7 +186,8 @@ class PhoneCallClient(SessionEvents):
         heard = sim.log.heard
         return CallResult(
             session_id=self.session_id,
-            turns=sorted(self._turns.values(), key=lambda t: t.generation),
+            turns=caller_turns(list(self._turns.values()))[0],
+            withdrawn=caller_turns(list(self._turns.values()))[1],
             barge_ins=measures,
             events=list(self._events),
             received_audio_ms=sum(1 for f in heard if f.real) * 20,

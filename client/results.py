@@ -248,6 +248,7 @@ class CallResult:
     """
 
     session_id: str
+    #: the caller's turns, by generation (not the speculative ones taken back: ``withdrawn``)
     turns: list[TurnView]
     barge_ins: list[BargeInMeasure]
     events: list[dict[str, Any]]
@@ -272,6 +273,10 @@ class CallResult:
     #: found, timed when decoded instead (after the jitter buffer): 0 when
     #: every time in ``received`` is an RTP arrival
     arrival_unknown: int = 0
+    #: speculative turns the server took back (stop reason
+    #: ``speculation_withdrawn``: started at a pause the user went on
+    #: from; nothing of them was played or shown), by generation
+    withdrawn: list[TurnView] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -282,6 +287,7 @@ class CallResult:
         return {
             "session_id": self.session_id,
             "turns": [t.as_dict() for t in self.turns],
+            "withdrawn": [t.as_dict() for t in self.withdrawn],
             "barge_ins": [b.as_dict() for b in self.barge_ins],
             "received_audio_ms": self.received_audio_ms,
             "timed_out": self.timed_out,
@@ -290,6 +296,18 @@ class CallResult:
         } | ({"requests": [r.as_dict() for r in self.requests]} if self.requests else {}) | (
             {} if self.transport == "webrtc" else {"transport": self.transport, "protocol_errors": self.protocol_errors}) | (
             {"device": self.transport_info} if self.transport_info else {})
+
+
+#: the stop reason of a speculative turn taken back (turn.models.StopReasonKind)
+WITHDRAWN = "speculation_withdrawn"
+
+
+def caller_turns(turns: list[TurnView]) -> tuple[list[TurnView], list[TurnView]]:
+    """``turns`` split in two, each by generation: the caller's turns, and
+    the speculative ones the server took back (``WITHDRAWN``), which the
+    caller never saw answered (DESIGN.md "speculative turn")."""
+    ordered = sorted(turns, key=lambda t: t.generation)
+    return [t for t in ordered if t.stop_reason != WITHDRAWN], [t for t in ordered if t.stop_reason == WITHDRAWN]
 
 
 def track_turn(turns: dict[str, TurnView], ev: dict[str, Any]) -> None:

@@ -111,9 +111,10 @@ async def test_human_voice_gets_an_answer(server: Server, alsa_wav: Callable[[st
     result = await CallClient(server.url, token=TOKEN).run(utt(alsa_wav("Front_Center.wav")), timeout_s=40)
     assert not result.timed_out
     # "front ... center": a reply started speculatively at the pause between
-    # the words may be taken back (speculation_withdrawn); one turn answers
-    *taken_back, turn = result.turns
-    assert all(t.status == "CANCELLED" and t.stop_reason == "speculation_withdrawn" for t in taken_back)
+    # the words may be taken back (speculation_withdrawn: the client keeps
+    # those apart); one turn answers
+    [turn] = result.turns
+    assert all(t.status == "CANCELLED" and t.stop_reason == "speculation_withdrawn" for t in result.withdrawn)
     assert plain(turn.transcript) == "front center"
     assert turn.status == "COMPLETED" and turn.reply == f"You said: {turn.transcript}."
     assert result.received_audio_ms > 0

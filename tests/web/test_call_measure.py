@@ -7,7 +7,7 @@ import pytest
 from aiortc import RTCPeerConnection
 
 from client.call import CallClient, sound_end_ms
-from client.results import BargeInMeasure, RequestMeasure, Utterance
+from client.results import BargeInMeasure, RequestMeasure, TurnView, Utterance, caller_turns, track_turn
 from media.playout import PlayoutFrame
 
 
@@ -194,3 +194,24 @@ async def test_this_aiortcs_receiver_has_the_timestamp_mapper() -> None:
         CallClient("http://127.0.0.1:1")._note_rtp_arrival(receiver)  # raises if an upgrade moved it
     finally:
         await pc.close()
+
+
+def test_speculative_turns_taken_back_are_kept_apart_from_the_callers_turns() -> None:
+    """A reply started at a pause the user went on from (stop reason
+    speculation_withdrawn) was never heard or shown: the client lists it
+    apart (CallResult.withdrawn), so one request answered is one turn."""
+    seen: dict[str, TurnView] = {}
+    for ev in (
+        {"type": "turn", "turn_id": "a", "generation": 1, "status": "RUNNING", "label": "running"},
+        {"type": "turn", "turn_id": "b", "generation": 2, "status": "RUNNING", "label": "running"},
+        {"type": "turn", "turn_id": "a", "generation": 1, "status": "CANCELLED", "label": "cancelled",
+         "stop_reason": {"kind": "speculation_withdrawn"}, "transcript": "what is the weather"},
+        {"type": "turn", "turn_id": "b", "generation": 2, "status": "COMPLETED", "label": "completed",
+         "transcript": "what is the weather like in paris"},
+        {"type": "turn", "turn_id": "c", "generation": 3, "status": "CANCELLED", "label": "cancelled",
+         "stop_reason": {"kind": "barge_in"}},
+    ):
+        track_turn(seen, ev)
+    turns, withdrawn = caller_turns(list(seen.values()))
+    assert [t.id for t in turns] == ["b", "c"] and [t.id for t in withdrawn] == ["a"]
+    assert caller_turns([]) == ([], [])
