@@ -336,10 +336,11 @@ class CallClient:
 
     def _result(self, measures: list[BargeInMeasure], timed_out: bool, server_hung_up: bool, *,
                 voice_to_voice_ms: float | None, requests: list[RequestMeasure] | None = None) -> CallResult:
+        turns, withdrawn = caller_turns(list(self._turns.values()))
         return CallResult(
             session_id=self.session_id,
-            turns=caller_turns(list(self._turns.values()))[0],
-            withdrawn=caller_turns(list(self._turns.values()))[1],
+            turns=turns,
+            withdrawn=withdrawn,
             barge_ins=measures,
             events=list(self._events),
             received_audio_ms=len(self._received) * 20,

