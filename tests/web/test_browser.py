@@ -233,7 +233,17 @@ async def test_barge_in_in_chromium(server: Server, playwright, tmp_path: Path) 
         await page.locator("#transcript .user", has_text="weather").first.wait_for(timeout=CONVERSATION_TIMEOUT_MS)
         old_id = await page.locator("#transcript .user", has_text="weather").first.get_attribute("data-turn-id")
         new_user = page.locator("#transcript .user", has_text="count to")
-        await new_user.first.wait_for(timeout=CONVERSATION_TIMEOUT_MS)
+        try:
+            await new_user.first.wait_for(timeout=CONVERSATION_TIMEOUT_MS)
+        except Exception as e:  # a load-dependent miss: say what the page did show
+            seen = await page.locator("#transcript").inner_text()
+            panel = await page.evaluate("window.__panel")
+            logged = [
+                {k: ev.get(k) for k in ("type", "event", "status", "text", "role", "stop_reason", "by", "outcome", "turn_id") if k in ev}
+                for ev in await server_events(the_peer(server.app))
+                if ev["type"] in ("vad", "turn", "transcript", "barge_in", "end_of_turn", "backchannel", "false_interruption")
+            ]
+            raise AssertionError(f"no 'count to' turn; transcript: {seen!r}; panel: {panel}; log: {logged}") from e
         new_id = await new_user.first.get_attribute("data-turn-id")
         assert old_id and new_id and old_id != new_id
         await page.wait_for_function(
