@@ -10,10 +10,12 @@ Two modes (``mode``), as DESIGN.md's "end of turn" says:
   rule, and the fallback of the other mode);
 - ``"model"``: at a short silence (``tentative_ms``) the end-of-turn judge
   (:mod:`voice.end_of_turn`) reads the utterance's audio (and, for a
-  speculative reply, the words heard): "complete" ends the turn at once,
-  "incomplete" waits up to ``incomplete_silence_ms`` of silence, and so
-  does a judge that has not answered; one that fails leaves the fixed rule
-  (``silence_ms``) to decide.
+  speculative reply, the words heard): both "complete" ends the turn at
+  once; finished words in audio the model finds incomplete wait up to
+  ``unsure_silence_ms`` of silence; unfinished words ("can I get a") wait
+  up to ``incomplete_silence_ms``, and so does a judge that has not
+  answered; one that fails leaves the fixed rule (``silence_ms``) to
+  decide.
 
 With ``speculative`` on, the reply starts at the tentative end
 (``tentative_ms``), before the end is confirmed: recognition is finalised
@@ -54,8 +56,20 @@ class EndpointConfig(BaseModel):
             reads the audio and a speculative reply starts, ms (taken no
             sooner than the VAD's speech_stopped, which comes ``offset_ms``
             after the end of speech).
+        unsure_silence_ms: mode ``"model"``: silence after the end of
+            speech that ends a turn whose words sound finished but whose
+            audio the judge found incomplete, ms. Over the turn corpus
+            (mid-sentence pauses of 400-800 ms) at the client, 1000 cut off
+            1 pause in 26 (800: 2 and 3 in two runs, misheard words making
+            half sentences sound finished); see docs/end-of-turn.md.
+        decode_at_ms: silence after the end of speech at which the
+            recogniser starts decoding the utterance so far, tentatively,
+            ms (kept as its final if no speech follows; one the user talks
+            over is thrown away). At or above the VAD's ``offset_ms`` it
+            starts at speech_stopped.
         incomplete_silence_ms: mode ``"model"``: silence after the end of
-            speech that ends a turn the judge found incomplete, ms.
+            speech that ends a turn whose words are unfinished (or whose
+            audio the judge found incomplete with no words known), ms.
         judge: the end-of-turn model's settings (mode ``"model"``; env
             ``TURNKEEPER_SESSION__ENDPOINT__JUDGE__THRESHOLD``, ...).
         silence_ms: silence after the end of speech that ends the turn, ms
@@ -73,6 +87,8 @@ class EndpointConfig(BaseModel):
     mode: EndpointMode = "model"
     speculative: bool = True
     tentative_ms: int = Field(200, ge=0, le=10_000)
+    unsure_silence_ms: int = Field(1000, ge=0, le=30_000)
+    decode_at_ms: int = Field(200, ge=20, le=10_000)
     incomplete_silence_ms: int = Field(1500, ge=0, le=30_000)
     judge: EndOfTurnConfig = EndOfTurnConfig()
     silence_ms: int = Field(500, ge=0, le=10_000)
@@ -85,6 +101,9 @@ class EndpointConfig(BaseModel):
     def _ordered(self) -> EndpointConfig:
         if self.min_delay_ms > self.max_delay_ms:
             raise ValueError("endpoint min_delay_ms must not exceed max_delay_ms")
+        if not self.tentative_ms <= self.unsure_silence_ms <= self.incomplete_silence_ms:
+            raise ValueError("endpoint tentative_ms <= unsure_silence_ms <= incomplete_silence_ms must hold "
+                             "(the surer the judge, the shorter the wait)")
         if self.tentative_ms > self.silence_ms:
             raise ValueError("endpoint tentative_ms must not exceed silence_ms (the tentative end comes first)")
         return self

@@ -84,6 +84,7 @@ from voice.turn_taking import (
     Commit,
     ConfirmEndOfTurn,
     Decision,
+    DecodeSoFar,
     EndOfUtterance,
     JudgeEndOfTurn,
     Pause,
@@ -91,6 +92,7 @@ from voice.turn_taking import (
     PttTooLong,
     ResetDetector,
     Resume,
+    SpeechWentOn,
     TurnTaking,
 )
 
@@ -352,6 +354,12 @@ class AgentSession(SessionControls):
                         heard.speech_paused()
                     elif d.event == "speech_started":
                         heard.speech_resumed()
+            elif isinstance(d, DecodeSoFar | SpeechWentOn):
+                heard = self._listening.stt if self._listening is not None else None
+                if isinstance(heard, Utterance) and isinstance(d, DecodeSoFar):
+                    heard.speech_paused()  # the decode starts now, not at speech_stopped
+                elif isinstance(heard, Utterance):
+                    heard.speech_resumed()
             elif isinstance(d, Pause):
                 self.playout.pause(trial=d.trial)
                 # the judge reads this speech on its own, a continuation too
@@ -569,12 +577,14 @@ class AgentSession(SessionControls):
         ``pcm``, 16 kHz, in a worker thread) and, for a speculative turn, the
         words heard of the whole turn (:func:`voice.end_of_turn.words_complete`,
         once its recognition, already running, is in: its reply cannot start
-        before that anyway) must both say complete. A judge that is missing
-        or fails leaves the fixed silence to decide; failed recognition
-        leaves the audio to decide."""
+        before that anyway): how long to wait on each verdict is turn-taking's
+        rule (:meth:`voice.turn_taking.TurnTaking.judged`). A judge that is
+        missing or fails leaves the fixed silence to decide; failed
+        recognition leaves the audio to decide."""
         judge = self.providers.end_of_turn
         run = self._speculating
         complete: bool | None = None
+        words: bool | None = None
         if judge is not None and pcm:
             try:
                 verdict = await asyncio.to_thread(judge.judge, pcm, 16_000)
@@ -582,7 +592,6 @@ class AgentSession(SessionControls):
                 log.exception("the end-of-turn judge failed: the fixed silence decides")
             else:
                 complete = verdict.complete
-                words: bool | None = None
                 if run is not None and run.stt_final is not None:
                     try:
                         heard = " ".join(t for t in (await run.earlier_words(), await run.final_transcript()) if t)
@@ -590,9 +599,8 @@ class AgentSession(SessionControls):
                         pass  # the recogniser failed: the turn fails on it; the audio decides the end
                     else:
                         words = words_complete(heard)
-                        complete = complete and words
                 self._judged = (utterance, round(verdict.probability, 3), round(verdict.inference_ms, 1), words)
-        self._carry_out(self.turn_taking.judged(utterance, self.clock.monotonic(), complete))
+        self._carry_out(self.turn_taking.judged(utterance, self.clock.monotonic(), complete, words))
 
     def _confirm_end(self, d: ConfirmEndOfTurn) -> None:
         """The end of the user's turn is confirmed: a speculative reply is

@@ -43,6 +43,11 @@ The rules (see :mod:`media.bargein` for the detector's two stages):
   silence its verdict allows, but never while new speech is a candidate;
   speech that commits first takes the speculative reply back (the session
   stops it, ``speculation_withdrawn``, and the new turn continues it);
+- while an utterance is listened to, ``decode_at_ms`` of frames the gate
+  did not pass (before the VAD's speech_stopped, which needs ``offset_ms``)
+  start the recogniser decoding it so far (:class:`DecodeSoFar`), so its
+  words are in sooner at the end of turn; a gated frame after that makes
+  the decode stale (:class:`SpeechWentOn`);
 - push-to-talk commits at once and ignores the detector until released,
   which ends the utterance without waiting; held over ``max_utterance_ms``
   it is let go (:class:`PttTooLong`).
@@ -192,6 +197,23 @@ class JudgeEndOfTurn:
     utterance: int
 
 
+@dataclass(frozen=True)
+class DecodeSoFar:
+    """The user listened to (utterance ``utterance``) has been quiet
+    ``EndpointConfig.decode_at_ms``: decode the utterance so far,
+    tentatively (the recogniser's final takes it if no speech follows)."""
+
+    utterance: int
+
+
+@dataclass(frozen=True)
+class SpeechWentOn:
+    """Speech after a :class:`DecodeSoFar` of utterance ``utterance``: that
+    decode no longer covers the utterance."""
+
+    utterance: int
+
+
 EndBy = Literal["model", "silence", "incomplete_bound"]
 
 
@@ -227,7 +249,7 @@ class ResetDetector:
 
 Decision = (
     Announce | Pause | PauseStands | Resume | ClassifyBackchannel | CancelClassification | Commit | EndOfUtterance
-    | JudgeEndOfTurn | ConfirmEndOfTurn | PttTooLong | ResetDetector
+    | JudgeEndOfTurn | ConfirmEndOfTurn | PttTooLong | ResetDetector | DecodeSoFar | SpeechWentOn
 )
 
 
@@ -281,8 +303,8 @@ class EndOfTurnWait:
         n: the utterance's serial number (decisions name it).
         speech_end_at: clock seconds when its speech ended.
         confirm_at: clock seconds when silence alone confirms it (the
-            fixed silence until the judge answers; the longer bound after
-            "incomplete").
+            fixed silence until the judge answers; after "incomplete" one
+            of the longer bounds, see :meth:`TurnTaking.judged`).
         speculative: its utterance ended at the tentative end (the reply
             is running, held): turn-taking no longer listens to it.
         judge: None (not asked), ``"running"``, or its verdict:
@@ -338,6 +360,10 @@ class TurnTaking:
         self.tentative_at: float | None = None
         self._serial = 0
         self._utterances = 0
+        #: frames in a row the gate did not pass, in the utterance listened to
+        self._quiet_frames = 0
+        #: a DecodeSoFar went out for the current quiet run
+        self._decoding_so_far = False
 
     # -- inputs ---------------------------------------------------------------
 
@@ -426,14 +452,17 @@ class TurnTaking:
         elif cand is not None and cand.release_at is not None and at >= cand.release_at and not gated:
             out += self._let_go(cand, at, agent)
         if not self.listening:
+            self._quiet_frames, self._decoding_so_far = 0, False
             return out + self._end_wait(at)
         ep = self.endpoint
         if self.listening_ptt:
+            self._quiet_frames, self._decoding_so_far = 0, False
             if at - self.utterance_at > ep.max_utterance_ms / 1000:
                 # push-to-talk held too long: the utterance ends, the hold is let go
                 out.append(PttTooLong(ep.max_utterance_ms))
                 out += self.ptt_end(at)
             return out
+        out += self._decode_early(gated)
         wait = self.waiting
         if utterance_over(ep, at, end=None, last_speech_at=self.last_speech_at, utterance_at=self.utterance_at):
             # a noisy room or an utterance that never stops: over, whatever the judge says
@@ -448,6 +477,22 @@ class TurnTaking:
         if wait is not None and not wait.speculative and at >= wait.confirm_at:
             out += self._confirm(at)
         return out
+
+    def _decode_early(self, gated: bool) -> list[Decision]:
+        """Count the quiet frames of the utterance listened to: at
+        ``decode_at_ms`` of them (sooner than the VAD's speech_stopped) its
+        decode starts; a gated frame after that makes it stale."""
+        if gated:
+            went_on = self._decoding_so_far
+            self._quiet_frames, self._decoding_so_far = 0, False
+            return [SpeechWentOn(self._utterances)] if went_on else []
+        self._quiet_frames += 1
+        due = self.endpoint.decode_at_ms
+        if (not self._decoding_so_far and due < self.offset_ms and self.speech_end_at is None
+                and self._quiet_frames * FRAME_MS >= due):
+            self._decoding_so_far = True
+            return [DecodeSoFar(self._utterances)]
+        return []
 
     def _end_wait(self, at: float) -> list[Decision]:
         """A speculative utterance's end waits on no new speech: confirmed
@@ -475,20 +520,29 @@ class TurnTaking:
             return self._let_go(cand, at, agent)
         return []
 
-    def judged(self, utterance: int, at: float, complete: bool | None) -> list[Decision]:
+    def judged(self, utterance: int, at: float, complete: bool | None, words: bool | None = None) -> list[Decision]:
         """The end-of-turn judge's answer to :class:`JudgeEndOfTurn` for
-        ``utterance``, at ``at`` (clock seconds): ``complete`` True ends the
-        turn now (if nobody is talking), False waits up to
-        ``incomplete_silence_ms`` of silence, None (the judge failed) leaves
-        it to the fixed silence. An answer for an utterance that is no
-        longer waiting (the user went on) changes nothing."""
+        ``utterance``, at ``at`` (clock seconds): ``complete`` is the audio
+        model's verdict (None: it failed, the fixed silence decides) and
+        ``words`` whether the words heard sound finished
+        (:func:`voice.end_of_turn.words_complete`; None: not known).
+
+        - the audio complete and the words not unfinished: the turn ends
+          now (if nobody is talking);
+        - the audio incomplete but the words finished (the two halves
+          disagree): it waits up to ``unsure_silence_ms`` of silence;
+        - the words unfinished, or the audio incomplete with no words
+          known: up to ``incomplete_silence_ms``.
+
+        An answer for an utterance that is no longer waiting (the user
+        went on) changes nothing."""
         wait = self.waiting
         if wait is None or wait.n != utterance or wait.judge != "running":
             return []
         if complete is None:
             wait.judge = "failed"
             wait.confirm_at = min(wait.confirm_at, end_at(self.endpoint, wait.speech_end_at, wait.speech_end_at))
-        elif complete:
+        elif complete and words is not False:
             if wait.speculative and (self.candidate is not None or self.listening):
                 wait.judge = "complete"  # new speech is a candidate: it decides first
                 wait.confirm_at = at
@@ -496,7 +550,8 @@ class TurnTaking:
             return self._confirm(at, by="model")
         else:
             wait.judge = "incomplete"
-            wait.confirm_at = wait.speech_end_at + self.endpoint.incomplete_silence_ms / 1000
+            bound_ms = self.endpoint.unsure_silence_ms if words else self.endpoint.incomplete_silence_ms
+            wait.confirm_at = wait.speech_end_at + bound_ms / 1000
         return self._end_wait(at) if wait.speculative else []
 
     def heard(self, candidate: int, at: float, text: str) -> list[Decision]:

@@ -19,6 +19,7 @@ from voice.turn_taking import (
     ClassifyBackchannel,
     Commit,
     ConfirmEndOfTurn,
+    DecodeSoFar,
     EndOfUtterance,
     JudgeEndOfTurn,
     Pause,
@@ -26,6 +27,7 @@ from voice.turn_taking import (
     PttTooLong,
     ResetDetector,
     Resume,
+    SpeechWentOn,
     TurnTaking,
 )
 
@@ -69,7 +71,7 @@ def play(tt: TurnTaking, rows: list[Row], agent: AgentActivity = SPEAKING, *, an
         elif what == "ptt_end":
             got = tt.ptt_end(at)
         elif what == "judged":
-            got = tt.judged(args[0], at, args[1])
+            got = tt.judged(args[0], at, *args[1:])
         else:
             raise ValueError(what)
         out += [(t, d) for d in got if announce or not isinstance(d, Announce)]
@@ -450,6 +452,49 @@ def test_incomplete_waits_for_the_longer_silence_and_a_failed_judge_for_the_fixe
     tt = two_step(mode="model", speculative=True)
     got = play(tt, timeline(SPOKEN, frames(2000, 3600, gated=False)), SILENT)
     assert norm(got)[-1] == norm([(3500, ConfirmEndOfTurn(1, 3.5, 2.0, "incomplete_bound", True))])[0]
+
+
+def test_the_wait_follows_how_sure_the_two_halves_of_the_judge_are() -> None:
+    """Audio and words complete: now; the audio incomplete but the words
+    finished: the shorter bound (unsure_silence_ms); the words unfinished,
+    whatever the audio says: the longer one (incomplete_silence_ms); words
+    not known: the audio alone, as before."""
+    def confirmed(*verdict: bool | None) -> tuple[int, str]:
+        tt = two_step(mode="model", speculative=True, unsure_silence_ms=800, incomplete_silence_ms=1500)
+        got = play(tt, timeline(SPOKEN, frames(2000, 3600, gated=False), (2300, "judged", 1, *verdict)), SILENT)
+        last = got[-1][1]
+        assert isinstance(last, ConfirmEndOfTurn), got
+        return got[-1][0], last.by
+
+    assert confirmed(True, True) == (2300, "model")
+    assert confirmed(True, None) == (2300, "model")
+    assert confirmed(False, True) == (2800, "incomplete_bound")  # 800 ms after the end of speech (2000)
+    assert confirmed(True, False) == (3500, "incomplete_bound")  # "can I get a": the audio cannot overrule
+    assert confirmed(False, False) == (3500, "incomplete_bound")
+    assert confirmed(False, None) == (3500, "incomplete_bound")
+
+
+def test_the_bounds_must_grow_with_doubt() -> None:
+    with pytest.raises(ValueError, match="unsure_silence_ms"):
+        EndpointConfig(unsure_silence_ms=1600, incomplete_silence_ms=1500)
+    with pytest.raises(ValueError, match="unsure_silence_ms"):
+        EndpointConfig(tentative_ms=300, unsure_silence_ms=250)
+
+
+def test_the_decode_starts_before_speech_stopped_and_goes_stale_if_the_user_goes_on() -> None:
+    """decode_at_ms (100) of quiet frames in the utterance listened to start
+    its decode, before the VAD's speech_stopped (offset 200 ms); a gated
+    frame after it makes it stale; a second quiet run starts another; none
+    after speech_stopped (that one is the VAD's) or with it at the offset."""
+    tt = two_step(mode="model", speculative=True, decode_at_ms=100)
+    rows = timeline((1010, "started"), (1010, "confirmed"), frames(1020, 1990, gated=True),
+                    frames(2000, 2100, gated=False), frames(2120, 2500, gated=True),  # 120 ms quiet, then more speech
+                    frames(2520, 2700, gated=False), (2700, "stopped"), frames(2720, 2800, gated=False))
+    got = [(t, d) for t, d in play(tt, rows, SILENT) if isinstance(d, DecodeSoFar | SpeechWentOn)]
+    assert got == [(2080, DecodeSoFar(1)), (2120, SpeechWentOn(1)), (2600, DecodeSoFar(1))]
+    tt = two_step(mode="model", speculative=True)  # decode_at_ms 200: the VAD's speech_stopped starts it
+    got = [(t, d) for t, d in play(tt, rows, SILENT) if isinstance(d, DecodeSoFar | SpeechWentOn)]
+    assert got == []
 
 
 def test_going_on_before_the_end_is_confirmed_takes_it_back() -> None:
