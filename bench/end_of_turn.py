@@ -40,6 +40,11 @@ model, one onnxruntime thread) p50/p95, the model's load time (hash check,
 onnxruntime session, feature extractor import) and the resident memory
 the load and first inference added. Then Smart Turn's thresholds swept
 (at 200 ms): what a stricter threshold buys in cut-offs and costs in ends.
+Last, the session's rule (three bounds: audio and words complete, the
+turn ends at the tentative end; the words finished but the audio not,
+``session.endpoint.unsure_silence_ms``; the words unfinished, the longer
+``incomplete_silence_ms``) swept over ``unsure_silence_ms``: a pause is
+cut off when it lasts at least as long as the wait its first half gets.
 
 Usage: python bench/end_of_turn.py [--quick] [--json]
 
@@ -67,10 +72,13 @@ import turn_corpus as T  # noqa: E402  (the labelled turn corpus)
 from bargein import stats  # noqa: E402  (min, p50, p95, max)
 
 from voice.end_of_turn import MODEL_PACKAGE, MODEL_SHA256, SmartTurn, words_complete  # noqa: E402
+from voice.endpointing import EndpointConfig  # noqa: E402
 
 TENTATIVE_MS = 200
 THRESHOLD = 0.5
 SWEEP = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+#: ``session.endpoint.unsure_silence_ms`` values weighed (the last: one bound for every "incomplete")
+UNSURE_SWEEP = (500, 600, 700, 800, 900, 1000, EndpointConfig().incomplete_silence_ms)
 JUDGES = ("silence", "smart_turn@0ms", "smart_turn@200ms", "text", "smart_turn@200ms+text")
 
 
@@ -94,7 +102,8 @@ def cases(quick: bool) -> list[dict[str, Any]]:
     for req in T.corpus(quick):
         r = T.render(req)
         if req.kind == "mid_pause":
-            out.append({"name": req.name, "set": "pause", "want": False, "pcm": r.until(r.pauses[0][0]), "words": req.parts[0]})
+            out.append({"name": req.name, "set": "pause", "want": False, "pcm": r.until(r.pauses[0][0]), "words": req.parts[0],
+                        "pause_ms": round((r.pauses[0][1] - r.pauses[0][0]) * 1000)})
             out.append({"name": req.name, "set": "mid_pause whole", "want": True, "pcm": r.pcm, "words": req.text})
         else:
             group = {"complete": "complete", "one_word": "one_word", "trailing": "trailing"}[req.kind]
@@ -135,6 +144,7 @@ def run(quick: bool) -> dict[str, Any]:
     pauses = [r for r in rows if r["want"] is False]
     auc = {f"smart_turn@{ms}ms": roc_auc([r[f"p@{ms}ms"] for r in ends], [r[f"p@{ms}ms"] for r in pauses]) for ms in (0, TENTATIVE_MS)}
     sweep = [{"threshold": t, **score(rows, lambda r, t=t: r["p@200ms"] > t)} for t in SWEEP]  # type: ignore[misc]
+    bounds = [bound_figures(rows, ms) for ms in UNSURE_SWEEP]
     return {
         "corpus": {"requests": len(T.corpus(quick)), "quick": quick, "seed": T.SEED, "voices": list(T.VOICES), "wpm": list(T.SPEEDS),
                    "sets": {s: sum(r["set"] == s for r in rows) for s in SETS}},
@@ -144,6 +154,7 @@ def run(quick: bool) -> dict[str, Any]:
         "judges": judges,
         "smart_turn_auc": auc,
         "smart_turn_threshold_sweep": sweep,
+        "unsure_bound_sweep": bounds,
         "cases": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "pcm"} for r in rows],
     }
 
@@ -178,6 +189,33 @@ def score(rows: list[dict[str, Any]], complete: Callable[[dict[str, Any]], bool]
     }
 
 
+def wait_ms(row: dict[str, Any], unsure_ms: int) -> int:
+    """The silence the session waits after this row's speech before it
+    ends the turn (:meth:`voice.turn_taking.TurnTaking.judged`): the
+    tentative end when the audio (at 200 ms, :data:`THRESHOLD`) and the
+    words both say complete; ``unsure_ms`` when only the words do; the
+    longer bound when the words end unfinished, ms."""
+    audio = row["p@200ms"] > THRESHOLD
+    if row["text"]:
+        return TENTATIVE_MS if audio else unsure_ms
+    return EndpointConfig().incomplete_silence_ms
+
+
+def bound_figures(rows: list[dict[str, Any]], unsure_ms: int) -> dict[str, Any]:
+    """The three-bound rule with ``unsure_silence_ms = unsure_ms``: false
+    cut-offs (pauses at most as long as the wait: the turn ends in them)
+    and the silence finished turns wait (min/p50/p95/max, ms; and how many
+    wait each bound)."""
+    pauses = [r for r in rows if r["set"] == "pause"]
+    ends = [r for r in rows if r["want"] is True]
+    longer = EndpointConfig().incomplete_silence_ms
+    waits = [wait_ms(r, unsure_ms) for r in ends]
+    cut = sum(wait_ms(r, unsure_ms) <= r["pause_ms"] for r in pauses)
+    return {"unsure_silence_ms": unsure_ms, "false_cutoffs": {"n": cut, "of": len(pauses)}, "ends_wait_ms": stats(waits),
+            "ends_waiting": {"unsure": sum(w == unsure_ms for w in waits) if unsure_ms != longer else 0,
+                             "incomplete": sum(w == longer for w in waits), "of": len(ends)}}
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
@@ -200,6 +238,12 @@ def table(result: dict[str, Any]) -> str:
         sweep.append([str(s["threshold"]), f"{s['false_cutoffs']['n']}/{s['false_cutoffs']['of']} ({_pct(s['false_cutoffs']['rate'])})",
                       f"{s['missed_ends']['n']}/{s['missed_ends']['of']} ({_pct(s['missed_ends']['rate'])})",
                       _pct(s["accuracy_ends"]), _pct(s["accuracy_pauses"]), _pct(s["trailing_judged_complete"])])
+    bounds = [["unsure_silence_ms", "false cut-offs", "ends waiting it / the longer bound", "ends' wait p50 / p95 ms"]]
+    for b in result["unsure_bound_sweep"]:
+        w = b["ends_wait_ms"]
+        bounds.append([str(b["unsure_silence_ms"]), f"{b['false_cutoffs']['n']}/{b['false_cutoffs']['of']}",
+                       f"{b['ends_waiting']['unsure']} / {b['ends_waiting']['incomplete']} of {b['ends_waiting']['of']}",
+                       f"{w['p50']} / {w['p95']}"])
     m, c = result["model"], result["corpus"]
 
     def fmt(t: list[list[str]]) -> list[str]:
@@ -213,7 +257,9 @@ def table(result: dict[str, Any]) -> str:
         f"RSS added {m['rss_added_mb']} MB, {m['threads']} thread",
         "Smart Turn ROC AUC, ends against pauses (1 separates, 0.5 is chance): "
         + ", ".join(f"{k} {v}" for k, v in result["smart_turn_auc"].items()),
-        "", *fmt(rows), "", f"Smart Turn at {result['tentative_ms']} ms of silence, by threshold:", *fmt(sweep)])
+        "", *fmt(rows), "", f"Smart Turn at {result['tentative_ms']} ms of silence, by threshold:", *fmt(sweep),
+        "", "The session's three bounds (audio and words complete: now; words only: unsure_silence_ms; words unfinished: "
+        f"{EndpointConfig().incomplete_silence_ms} ms), by unsure_silence_ms:", *fmt(bounds)])
 
 
 def main() -> int:

@@ -22,8 +22,17 @@ Modes:
   (``speculative = true``: the reply starts at the tentative end, held
   until the silence confirms it);
 - ``model``: the end-of-turn judge with speculative replies
-  (``mode = "model"``, ``speculative = true``). A server that refuses the
-  setting (it predates it) is reported as such, not measured.
+  (``mode = "model"``, ``speculative = true``): the defaults. A server
+  that refuses the setting (it predates it) is reported as such, not
+  measured;
+- ``model-one-bound``: the same with one bound for every "incomplete"
+  (``unsure_silence_ms = incomplete_silence_ms``, 1500 ms): before the
+  judge's two halves were weighed apart (finished words in audio the model
+  finds unfinished wait ``unsure_silence_ms``, 800 ms);
+- ``model-decode-100``: the defaults, with the recogniser starting its
+  decode at 100 ms of quiet (``decode_at_ms``) instead of the VAD's
+  speech_stopped (200 ms): sooner words, and decodes thrown away when
+  the user goes on (the server CPU column shows what they cost).
 
 Figures per mode, measured at the client (what a caller perceives), all
 times on the client's clock:
@@ -60,8 +69,10 @@ times on the client's clock:
   such turn as stored (``GET /v1/turns/{id}``, its ``usage``), and the
   tools with effects they started (should be 0).
 
-The machine's load average before and after each mode's run is reported
-beside the figures (the machine may be shared: the figures move with it).
+The server's CPU time per request said (its process and its recogniser
+workers, from /proc, over the mode's run) and the machine's load average
+before and after each mode's run are reported beside the figures (the
+machine may be shared: the figures move with it).
 
 Usage: python bench/latency.py [--sessions N] [--per-session K] [--quick] [--modes silence,model] [--json] [--logs DIR]
 
@@ -96,14 +107,16 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import turn_corpus as T  # noqa: E402  (the labelled turn corpus)
 from bargein import stats  # noqa: E402  (min, p50, p95, max)
-from local_server import server  # noqa: E402  (its own process, the embedded defaults)
+from local_server import server, tree_usage  # noqa: E402  (its own process, the embedded defaults; its CPU)
 
 from client.call import SILENCE_DBFS, CallClient  # noqa: E402
 from client.results import CallError, CallResult, RequestMeasure, Utterance  # noqa: E402
 from media.frames import PLAYOUT_RATE  # noqa: E402
 from voice.endpointing import EndpointConfig  # noqa: E402
 
-MODES = ("silence", "speculative", "model")
+MODES = ("silence", "speculative", "model-one-bound", "model", "model-decode-100")
+#: what runs without ``--modes``: the three ways of ending a turn (the variants of "model" on request)
+DEFAULT_MODES = ("silence", "speculative", "model")
 BENCH_TOKEN = "bench-latency"  # the bench server's API token (tenant "default"): turns read back over REST
 PER_SESSION = 6  # requests said in one session
 REPLY_TIMEOUT_S = 30.0  # the longest wait for a reply to be over, s after the request was sent
@@ -118,7 +131,11 @@ OUTCOMES = ("confirmed", "withdrawn")
 MODE_ENV: dict[str, dict[str, str]] = {
     "silence": {"TURNKEEPER_SESSION__ENDPOINT__MODE": "silence", "TURNKEEPER_SESSION__ENDPOINT__SPECULATIVE": "false"},
     "speculative": {"TURNKEEPER_SESSION__ENDPOINT__MODE": "silence", "TURNKEEPER_SESSION__ENDPOINT__SPECULATIVE": "true"},
+    "model-one-bound": {"TURNKEEPER_SESSION__ENDPOINT__MODE": "model", "TURNKEEPER_SESSION__ENDPOINT__SPECULATIVE": "true",
+                        "TURNKEEPER_SESSION__ENDPOINT__UNSURE_SILENCE_MS": "1500"},
     "model": {"TURNKEEPER_SESSION__ENDPOINT__MODE": "model", "TURNKEEPER_SESSION__ENDPOINT__SPECULATIVE": "true"},
+    "model-decode-100": {"TURNKEEPER_SESSION__ENDPOINT__MODE": "model", "TURNKEEPER_SESSION__ENDPOINT__SPECULATIVE": "true",
+                         "TURNKEEPER_SESSION__ENDPOINT__DECODE_AT_MS": "100"},
 }
 
 
@@ -411,7 +428,8 @@ async def bench_mode(mode: str, sessions: list[list[T.RenderedRequest]], log_dir
     t0 = time.monotonic()
     try:
         async with server(f"tk-bench-latency-{mode}-", {**env, "TURNKEEPER_API_TOKENS": f"default:{BENCH_TOKEN}"},
-                          log_path) as (url, _proc):
+                          log_path) as (url, proc):
+            cpu0, _ = tree_usage(proc.pid)
             for n, said in enumerate(sessions, 1):
                 try:
                     result = await converse(url, said)
@@ -436,6 +454,7 @@ async def bench_mode(mode: str, sessions: list[list[T.RenderedRequest]], log_dir
                         print(f"  {mode} session {n}/{len(sessions)} {row['name']}: v2v {row['voice_to_voice_ms']} ms"
                               + (" CUT OFF" if row["cut_off"] else "") + (" split" if row["split"] else "")
                               + ("" if row["replied"] else " NO REPLY") + f" heard {row['transcripts']}", file=sys.stderr)
+            cpu1, _ = tree_usage(proc.pid)
             metrics = await read_metrics(url)
             counts = metric_values(metrics, SPECULATIVE_COUNTER, "outcome")
             withdrawn = await stored_usage(url, [t for r in rows for t in r["withdrawn"]])
@@ -443,6 +462,7 @@ async def bench_mode(mode: str, sessions: list[list[T.RenderedRequest]], log_dir
         tail = log_path.read_text(errors="replace").strip().splitlines()[-5:] if log_path.exists() else []
         return {"available": False, "env": env, "error": f"{exc}: " + " | ".join(tail)}
     return {**summarise(rows, len(sessions), counts or None, withdrawn, errors, unknown), "env": env,
+            "server_cpu_ms_per_request": round(1000 * (cpu1 - cpu0) / max(1, len(rows)), 1),
             "wall_s": round(time.monotonic() - t0, 1), "load_avg_before": [round(x, 2) for x in load_before],
             "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
 
@@ -481,7 +501,7 @@ def table(result: dict[str, Any]) -> str:
     with the modes side by side, then the modes not measured."""
     head = ["mode", "requests", "replied", "v2v min/p50/p95/max ms", "false cut-offs", "split (part acted on, effects)",
             "talked over", "no reply",
-            "spec started/turn", "withdrawn/turn", "tokens withdrawn", "load before/after"]
+            "spec started/turn", "withdrawn/turn", "tokens withdrawn", "server CPU ms/request", "load before/after"]
     rows, notes = [head], []
     for mode, r in result["modes"].items():
         if not r["available"]:
@@ -494,7 +514,8 @@ def table(result: dict[str, Any]) -> str:
             f"{sp['k']} of {sp['n']} ({sp['first_part_acted']}, {sp['effects_started_by_partial_turns']})",
             str(r["talked_over"]), str(r["no_reply"]),
             f"{spec['started_per_turn']}" + ("" if spec["counter_present"] else " (no counter)"), str(spec["withdrawn_per_turn"]),
-            str(r["withdrawn_tokens"]["total"]), f"{r['load_avg_before'][0]} / {r['load_avg_after'][0]}",
+            str(r["withdrawn_tokens"]["total"]), str(r.get("server_cpu_ms_per_request", "-")),
+            f"{r['load_avg_before'][0]} / {r['load_avg_after'][0]}",
         ])
         if r["call_errors"]:
             notes.append(f"{mode}: call errors: {'; '.join(r['call_errors'])}")
@@ -526,8 +547,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--per-session", type=positive_int, default=PER_SESSION, metavar="K",
                    help=f"requests said in each session (default {PER_SESSION})")
     p.add_argument("--quick", action="store_true", help="the quick corpus: 12 requests, three of each kind")
-    p.add_argument("--modes", type=parse_modes, default=list(MODES), metavar="M[,M]",
-                   help=f"endpointing modes to measure, in turn (default {','.join(MODES)})")
+    p.add_argument("--modes", type=parse_modes, default=list(DEFAULT_MODES), metavar="M[,M]",
+                   help=f"endpointing modes to measure, in turn, of {','.join(MODES)} (default {','.join(DEFAULT_MODES)})")
     p.add_argument("--logs", help="keep the servers' logs, each request's row (requests-<mode>.jsonl) and each call's "
                                   "events with their arrival times (calls-<mode>.jsonl) here")
     p.add_argument("--json", action="store_true", help="print one JSON object of the figures (no progress lines)")

@@ -97,3 +97,34 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (the server and its recogniser workers), from /proc."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
+def tree_usage(pid: int) -> tuple[float, float]:
+    """CPU seconds used so far (user + system) and resident MB now, summed
+    over ``pid``'s process tree (a process gone meanwhile counts 0)."""
+    ticks, rss_kb = 0, 0
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+            with open(f"/proc/{p}/status") as f:
+                rss_kb += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            continue
+    return ticks / os.sysconf("SC_CLK_TCK"), rss_kb / 1024

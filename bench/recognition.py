@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -61,7 +60,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import recognition_corpus as R  # noqa: E402  (the labelled corpus and its word error rate)
 from bargein import stats  # noqa: E402  (min, p50, p95, max)
-from local_server import server  # noqa: E402  (its own process, free-form recognition)
+from local_server import server, tree_usage  # noqa: E402  (its own process, free-form recognition)
 
 from client.call import CallClient  # noqa: E402
 from client.results import CallError, CallResult, Utterance  # noqa: E402
@@ -147,37 +146,6 @@ def summarise(provider: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "failovers": sum(r["failovers"] for r in rows),
         "misheard": [{"name": r["name"], "said": r["label"], "heard": r["heard"]} for r in rows if r["errors"]],
     }
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (the server and its recogniser workers), from /proc."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-    return out
-
-
-def tree_usage(pid: int) -> tuple[float, float]:
-    """CPU seconds used so far (user + system) and resident MB now, summed
-    over ``pid``'s process tree (a process gone meanwhile counts 0)."""
-    ticks, rss_kb = 0, 0
-    for p in process_tree(pid):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
-            with open(f"/proc/{p}/status") as f:
-                rss_kb += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-        except (OSError, StopIteration):
-            continue
-    return ticks / os.sysconf("SC_CLK_TCK"), rss_kb / 1024
 
 
 async def bench_one(provider: str, corpus: list[R.Entry], wavs: dict[str, Path], log_dir: Path, quiet: bool,

@@ -207,6 +207,11 @@ def test_each_mode_has_its_settings() -> None:
     assert L.mode_env("speculative") == {
         "TURNKEEPER_SESSION__ENDPOINT__MODE": "silence", "TURNKEEPER_SESSION__ENDPOINT__SPECULATIVE": "true"
     }
+    # the variants of the defaults differ from them in one setting each
+    assert L.mode_env("model-one-bound") == {**L.mode_env("model"), "TURNKEEPER_SESSION__ENDPOINT__UNSURE_SILENCE_MS": "1500"}
+    assert L.mode_env("model-decode-100") == {**L.mode_env("model"), "TURNKEEPER_SESSION__ENDPOINT__DECODE_AT_MS": "100"}
+    for mode in L.MODES:  # and the server takes each of them
+        L.EndpointConfig(**{k.removeprefix("TURNKEEPER_SESSION__ENDPOINT__").lower(): v for k, v in L.mode_env(mode).items()})
     with pytest.raises(ValueError, match="unknown endpointing mode 'vad'"):
         L.mode_env("vad")
 

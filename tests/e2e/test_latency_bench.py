@@ -40,5 +40,6 @@ def test_the_quick_bench_measures_every_request_in_silence_mode(tmp_path: Path) 
     # today's endpointing speculates nothing
     assert s["speculative"]["started"] == 0 and s["withdrawn_tokens"]["total"] == 0
     assert s["env"]["TURNKEEPER_SESSION__ENDPOINT__MODE"] == "silence"
+    assert 0 < s["server_cpu_ms_per_request"] < 60_000, s  # the server's own CPU, workers included: it did work
     rows = [json.loads(line) for line in (tmp_path / "requests-silence.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in rows] == ["complete", "mid_pause"] and all(r["transcripts"] for r in rows)
