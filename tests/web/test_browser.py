@@ -447,7 +447,7 @@ async def wait_server_event(peer, pred, what: str, timeout_s: float = 10.0) -> d
             if pred(ev):
                 return ev
         if asyncio.get_running_loop().time() > deadline:
-            types = [(e["type"], e.get("event") or e.get("status")) for e in await server_events(peer)]
+            types = [(e["type"], e.get("event") or e.get("status") or e.get("text")) for e in await server_events(peer)]
             pytest.fail(f"no {what} in the server's event log after {timeout_s} s: {types}")
         await asyncio.sleep(0.05)
 
@@ -596,7 +596,8 @@ async def test_ptt_turn_and_ptt_barge_in(server: Server, playwright, tmp_path: P
         # The second press opened a turn (silence: nothing recognized) that
         # release ended; the turn was never the VAD's doing.
         second = (await wait_server_event(
-            peer, lambda e: e["type"] == "turn" and e["turn_id"] != first and e["status"] == "FAILED", "second turn"
+            peer, lambda e: e["type"] == "turn" and e["turn_id"] != first and e["status"] in ("FAILED", "COMPLETED"),
+            "second turn",  # FAILED: nothing recognized (or a word Whisper made of the near-silence, answered)
         ))["turn_id"]
         stopped = await peer.manager.get(first)
         assert stopped.stop_reason.kind is StopReasonKind.BARGE_IN and stopped.stop_reason.initiator == "ptt"
@@ -638,8 +639,10 @@ async def test_space_key_repeat_sends_one_start(server: Server, playwright, tmp_
         assert await page.evaluate("window.__sent") == ["ptt.start", "ptt.end"]
         assert await page.get_attribute("#ptt", "aria-pressed") == "false"
         await wait_server_event(peer, lambda e: e["type"] == "vad" and e["event"] == "end_of_turn", "end_of_turn")
+        # the hold heard nothing: the turn fails with no_speech_recognized, or, once in a loaded
+        # CI run, Whisper made a word of the near-silence and it was answered; either way it ends
         await wait_server_event(
-            peer, lambda e: e["type"] == "turn" and e["status"] == "FAILED", "the silent turn's end"
+            peer, lambda e: e["type"] == "turn" and e["status"] in ("FAILED", "COMPLETED"), "the silent turn's end"
         )
         events = await server_events(peer)
         assert {e["turn_id"] for e in events if e["type"] == "turn"} == {opened["turn_id"]}
