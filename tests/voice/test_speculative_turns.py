@@ -109,16 +109,17 @@ def completed(h: Harness, n: int = 1) -> Callable[[], bool]:
 async def test_a_user_who_goes_on_takes_the_speculative_reply_back(
     store: SqliteStore, say: Callable[..., Path]
 ) -> None:
-    """ "what is the weather" + 700 ms + "like in paris today", the judge
+    """ "what is the weather" + 1.4 s + "like in paris today", the judge
     calling the first half incomplete: the first half's reply starts at
     its tentative end (its model request and read-only lookup run), then
     is taken back when the user goes on: CANCELLED, speculation_withdrawn,
     merged into the whole; nothing of it was played or delivered; its
     output is in the log, fenced; its tokens are on its own record."""
     judge = ScriptedJudge(False, True)
-    # "what is the weather" sounds finished: the bound for that (800 ms) would end the pause
-    async with session(store, judge, unsure_silence_ms=1500) as (h, model, _):
-        h.mic.say(pcm48(say("what is the weather")) + bytes(MS48 * 700) + pcm48(say("like in paris today")))
+    # "what is the weather" sounds finished: the default bound for that would end the pause; and
+    # the pause is long enough for its words to be in (its reply asks the model) on a loaded machine
+    async with session(store, judge, unsure_silence_ms=3000, incomplete_silence_ms=3000) as (h, model, _):
+        h.mic.say(pcm48(say("what is the weather")) + bytes(MS48 * 1400) + pcm48(say("like in paris today")))
         await h.wait_for(completed(h), timeout=40)
         first, whole = await store.list_session("sess-1")
         assert first.status is TurnStatus.CANCELLED and first.stop_reason is not None
