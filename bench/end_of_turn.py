@@ -77,8 +77,10 @@ from voice.endpointing import EndpointConfig  # noqa: E402
 TENTATIVE_MS = 200
 THRESHOLD = 0.5
 SWEEP = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+#: the session's longer bound (``session.endpoint.incomplete_silence_ms``), ms
+LONGER_MS = EndpointConfig().incomplete_silence_ms
 #: ``session.endpoint.unsure_silence_ms`` values weighed (the last: one bound for every "incomplete")
-UNSURE_SWEEP = (500, 600, 700, 800, 900, 1000, EndpointConfig().incomplete_silence_ms)
+UNSURE_SWEEP = (500, 600, 700, 800, 900, 1000, LONGER_MS)
 JUDGES = ("silence", "smart_turn@0ms", "smart_turn@200ms", "text", "smart_turn@200ms+text")
 
 
@@ -198,7 +200,7 @@ def wait_ms(row: dict[str, Any], unsure_ms: int) -> int:
     audio = row["p@200ms"] > THRESHOLD
     if row["text"]:
         return TENTATIVE_MS if audio else unsure_ms
-    return EndpointConfig().incomplete_silence_ms
+    return LONGER_MS
 
 
 def bound_figures(rows: list[dict[str, Any]], unsure_ms: int) -> dict[str, Any]:
@@ -208,7 +210,7 @@ def bound_figures(rows: list[dict[str, Any]], unsure_ms: int) -> dict[str, Any]:
     wait each bound)."""
     pauses = [r for r in rows if r["set"] == "pause"]
     ends = [r for r in rows if r["want"] is True]
-    longer = EndpointConfig().incomplete_silence_ms
+    longer = LONGER_MS
     waits = [wait_ms(r, unsure_ms) for r in ends]
     cut = sum(wait_ms(r, unsure_ms) <= r["pause_ms"] for r in pauses)
     return {"unsure_silence_ms": unsure_ms, "false_cutoffs": {"n": cut, "of": len(pauses)}, "ends_wait_ms": stats(waits),
@@ -259,7 +261,7 @@ def table(result: dict[str, Any]) -> str:
         + ", ".join(f"{k} {v}" for k, v in result["smart_turn_auc"].items()),
         "", *fmt(rows), "", f"Smart Turn at {result['tentative_ms']} ms of silence, by threshold:", *fmt(sweep),
         "", "The session's three bounds (audio and words complete: now; words only: unsure_silence_ms; words unfinished: "
-        f"{EndpointConfig().incomplete_silence_ms} ms), by unsure_silence_ms:", *fmt(bounds)])
+        f"{LONGER_MS} ms), by unsure_silence_ms:", *fmt(bounds)])
 
 
 def main() -> int:

@@ -348,18 +348,12 @@ class AgentSession(SessionControls):
         for d in decisions:
             if isinstance(d, Announce):
                 self._send(Vad(generation=self.fence.active, event=d.event))
-                heard = self._listening.stt if self._listening is not None else None
-                if isinstance(heard, Utterance):  # a pause in the utterance listened to, or the user going on
-                    if d.event in ("speech_stopped", "speech_rejected"):
-                        heard.speech_paused()
-                    elif d.event == "speech_started":
-                        heard.speech_resumed()
+                if d.event in ("speech_stopped", "speech_rejected"):
+                    self._pause_hint(paused=True)
+                elif d.event == "speech_started":
+                    self._pause_hint(paused=False)
             elif isinstance(d, DecodeSoFar | SpeechWentOn):
-                heard = self._listening.stt if self._listening is not None else None
-                if isinstance(heard, Utterance) and isinstance(d, DecodeSoFar):
-                    heard.speech_paused()  # the decode starts now, not at speech_stopped
-                elif isinstance(heard, Utterance):
-                    heard.speech_resumed()
+                self._pause_hint(paused=isinstance(d, DecodeSoFar))  # DecodeSoFar: the decode starts before speech_stopped
             elif isinstance(d, Pause):
                 self.playout.pause(trial=d.trial)
                 # the judge reads this speech on its own, a continuation too
@@ -465,6 +459,16 @@ class AgentSession(SessionControls):
         if cand is None or utterance is not self._utterance or not utterance.settled_words:
             return  # a first guess is not acted on (Utterance.settled_words)
         self._carry_out(self.turn_taking.heard(cand.n, self.clock.monotonic(), utterance.settled_words))
+
+    def _pause_hint(self, *, paused: bool) -> None:
+        """Tell the recogniser of the utterance listened to that the user
+        paused (it may decode what it has) or went on (that decode is stale)."""
+        heard = self._listening.stt if self._listening is not None else None
+        if isinstance(heard, Utterance):
+            if paused:
+                heard.speech_paused()
+            else:
+                heard.speech_resumed()
 
     def _drop_utterance(self) -> None:
         """The candidate's speech is no request (rejected, a backchannel,
