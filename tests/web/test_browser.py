@@ -172,7 +172,11 @@ async def test_conversation_in_chromium(server: Server, playwright, tmp_path: Pa
         assert not await entry.evaluate("el => el.classList.contains('interrupted')")
         states = await page.evaluate("window.__states")
         assert "running" in states and states[-1] == "completed", states
+        # nothing the user did stopped a turn; a reply started at a pause the
+        # speech went on after (a loaded machine's audio can have one) is
+        # shown as taken back, not as a stop
         assert "cancelled" not in states and "stopping" not in states, states
+        assert await page.locator("#transcript li.turn").count() == 1  # a withdrawn one's entry is gone
         # A data-channel ping got its pong.
         assert (await page.text_content("#rtt") or "").endswith("ms")
 
@@ -718,6 +722,20 @@ async def test_voice_events_are_rendered(server: Server, playwright, tmp_path: P
         emit("stop_deferred", generation=gen, turn_id=tid, why="must_complete")
         emit("agent.interrupted", generation=gen, turn_id=tid, heard="It is sunny and warm.", played_ms=1800,
              reply_chars=44)
+        # a reply started at the user's pause, taken back when they went on
+        # (session._withdraw): no transcript entry, "withdrawn" in the panel
+        wid = "e" * 32
+        withdrawn = {"kind": "speculation_withdrawn", "initiator": "end_of_turn", "at": "2026-12-05T12:00:00Z",
+                     "request_id": "r" * 32, "detail": None}
+        turn = {"error": None, "transcript": "what is the", "reply": None}
+        emit("turn", generation=gen + 2, turn_id=wid, status="QUEUED", label="queued", stop_reason=None, **turn)
+        emit("turn", generation=gen + 2, turn_id=wid, status="RUNNING", label="running", stop_reason=None, **turn)
+        emit("end_of_turn", generation=gen + 3, turn_id=wid, outcome="withdrawn", by="user_went_on", speculative=True,
+             wait_ms=640.0)
+        emit("turn", generation=gen + 2, turn_id=wid, status="CANCEL_REQUESTED", label="stopping",
+             stop_reason=withdrawn, **turn)
+        emit("turn", generation=gen + 2, turn_id=wid, status="CANCELLED", label="cancelled", stop_reason=withdrawn,
+             **turn)
 
         entry = page.locator(f'#transcript li.turn[data-turn-id="{tid}"]')
         await page.wait_for_function(
@@ -739,6 +757,18 @@ async def test_voice_events_are_rendered(server: Server, playwright, tmp_path: P
         assert await page.text_content("#vad") == "noise (ignored)"
         barge = await page.locator("#barge-ins li").all_inner_texts()
         assert any("by voice" in b and "paused 150 ms before" in b for b in barge), barge
+        await page.wait_for_function(
+            "id => document.querySelector(`#turn-log li[data-turn-id=\"${id}\"]`)?.dataset.state === 'withdrawn'"
+            " && document.querySelectorAll(`#turn-log li[data-turn-id=\"${id}\"]`).length === 4",
+            arg=wid,
+            timeout=10_000,
+        )
+        assert await page.locator(f'#transcript li.turn[data-turn-id="{wid}"]').count() == 0
+        assert await page.text_content("#turn-state") == "withdrawn"
+        logged = await page.locator(f'#turn-log li[data-turn-id="{wid}"]').all_inner_texts()
+        assert [t.split("→ ")[1] for t in reversed(logged)] == [
+            "queued", "running", "withdrawn (speculation_withdrawn)", "withdrawn (speculation_withdrawn)"
+        ], logged
         await page.screenshot(path="/tmp/turnkeeper-events.png", full_page=True)
         await page.click("#disconnect")
         await wait_peers(server.app, 0, timeout_s=5)

@@ -486,6 +486,10 @@
       case "agent.interrupted":
         onInterrupted(msg);
         break;
+      case "end_of_turn":
+        // the reply that started at the pause is taken back: the user went on
+        if (msg.outcome === "withdrawn" && msg.turn_id) withdraw(msg.turn_id, msg.generation);
+        break;
       case "false_interruption":
         addNote(msg, "false-interruption", `paused ${fmtMs(msg.paused_ms)} for a noise, resumed`);
         break;
@@ -536,12 +540,33 @@
 
   // ---- turns -----------------------------------------------------------------
 
+  // A reply started at the user's pause and taken back when they went on
+  // (stop reason speculation_withdrawn): nothing of it was heard or done, and
+  // the next turn answers the whole request. It is no turn of the user's:
+  // its transcript entry goes, and it is shown as "withdrawn", never as
+  // stopped, cancelled or interrupted.
+  const WITHDRAWN = "speculation_withdrawn";
+
+  function withdraw(turnId, generation) {
+    const e = entryFor(turnId, generation);
+    e.withdrawn = true;
+    e.li.remove();
+    if (byGeneration.get(generation) === e) byGeneration.delete(generation);
+    return e;
+  }
+
   function onTurn(msg) {
-    const label = msg.label || STATUS_LABELS[msg.status] || String(msg.status).toLowerCase();
-    const e = entryFor(msg.turn_id, msg.generation);
+    const taken = msg.stop_reason && msg.stop_reason.kind === WITHDRAWN;
+    const label = taken ? "withdrawn" : msg.label || STATUS_LABELS[msg.status] || String(msg.status).toLowerCase();
+    const e = taken ? withdraw(msg.turn_id, msg.generation) : entryFor(msg.turn_id, msg.generation);
     e.li.dataset.state = label;
     e.badge.textContent = label;
     e.badge.dataset.state = label;
+    if (e.withdrawn) {
+      showTurn(msg, label);
+      logTurn(msg, label);
+      return;
+    }
     if (msg.transcript && !e.userText.textContent) setUserText(e, msg.transcript);
 
     if (msg.reply) e.reply = msg.reply;
@@ -555,17 +580,20 @@
     }
     if (TERMINAL.has(msg.status)) e.li.removeAttribute("aria-busy");
 
-    // The panel follows the newest turn; an older turn's later states still
-    // go to the state-change log and its transcript entry.
-    if (msg.generation >= shown.generation) {
-      shown = { turnId: msg.turn_id, generation: msg.generation };
-      ui.turnId.textContent = msg.turn_id;
-      ui.turnGeneration.textContent = String(msg.generation);
-      ui.turnState.textContent = label;
-      ui.turnState.dataset.state = label;
-      ui.turnStopReason.textContent = describeStopReason(msg.stop_reason, msg.error);
-    }
+    showTurn(msg, label);
     logTurn(msg, label);
+  }
+
+  // The panel follows the newest turn; an older turn's later states still
+  // go to the state-change log and its transcript entry.
+  function showTurn(msg, label) {
+    if (msg.generation < shown.generation) return;
+    shown = { turnId: msg.turn_id, generation: msg.generation };
+    ui.turnId.textContent = msg.turn_id;
+    ui.turnGeneration.textContent = String(msg.generation);
+    ui.turnState.textContent = label;
+    ui.turnState.dataset.state = label;
+    ui.turnStopReason.textContent = describeStopReason(msg.stop_reason, msg.error);
   }
 
   function describeStopReason(reason, error) {
