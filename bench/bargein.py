@@ -31,7 +31,11 @@ Figures (min, p50, p95, max where they apply):
 - inserted gap per kind: the longest silence each clip inserted into the
   agent's reply as the client received it, told from the reply's own pauses
   by a reference reception of the story without any clip (tests/listening.py;
-  one extra call of about 45 s); ">=100 ms" counts the audible ones.
+  one extra call of about 45 s); ">=100 ms" counts the audible ones;
+- after its end (WebRTC): for a clip that paused the agent and let it go on
+  (a backchannel, a noise), from the last sample of its speech sent to the
+  agent's sound arriving again: the silence the caller hears once they
+  stopped (issue 32: <= 300 ms p95 after a backchannel).
 
 Over the phone path (``--transport twilio`` or ``telnyx``) the same corpus
 is played by the phone simulator (client/phone_call.py: a simulated Twilio
@@ -134,7 +138,8 @@ def corpus_items(quick: bool) -> list[Utterance]:
             pcm, _ = C.embed(C.espeak(STORY, voice, wpm), 0, 300)
             items.append(Utterance(up(pcm), label=f"story-{voice}-{wpm}", kind="speech"))
     for clip in C.backchannel_clips()[: 4 if quick else None]:
-        items.append(Utterance(up(clip.pcm), label=clip.name, kind="backchannel"))
+        end = clip.speech_at[1] if clip.speech_at is not None else None
+        items.append(Utterance(up(clip.pcm), label=clip.name, kind="backchannel", speech_end_s=end))
     for clip in C.nonspeech_clips()[:: 3 if quick else 1]:
         items.append(Utterance(up(clip.pcm), label=clip.name, kind="noise"))
     return items
@@ -234,7 +239,14 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             k["gaps"].append(m.gap_ms)
     if echo_calls:
         by_kind["echo"] = {"n": len(echo_calls), "barged_in": echo_false, "resumed": echo_pauses, "gaps": echo_gap_ms}
+    for m in measures:
+        if m.resumed_after_end_ms is not None:
+            by_kind[m.label.split("-")[0] if m.kind == "noise" else m.kind].setdefault("after_end", []).append(
+                m.resumed_after_end_ms
+            )
     for k in by_kind.values():
+        # the silence after the clip's own end, ms (the caller stopped; issue 32: <= 300 ms p95 after a backchannel)
+        k["resumed_after_end_ms"] = stats(k.pop("after_end", []))
         gaps = k.pop("gaps")
         k["inserted_gap_ms"] = stats(gaps)  # the longest silence each clip inserted, ms
         k["gaps_100ms_or_more"] = sum(g >= 100 for g in gaps)
@@ -323,11 +335,13 @@ def main() -> int:
           f"false interruptions (paused, resumed): {out['false_interruptions']}   "
           f"backchannels resumed: {out['backchannels_resumed']}")
     print("by kind: " + ", ".join(f"{k} {v['barged_in']}/{v['n']} barged in" for k, v in sorted(out["by_kind"].items())))  # type: ignore[union-attr]
-    print(f"inserted gap per kind (ms){'n':>10}{'p50':>9}{'max':>9}{'>=100':>7}")
+    print(f"inserted gap per kind (ms){'n':>10}{'p50':>9}{'max':>9}{'>=100':>7}"
+          f"   after its end: {'n':>3}{'p50':>7}{'p95':>7}{'max':>7}")
     for k, v in sorted(out["by_kind"].items()):  # type: ignore[union-attr]
-        g = v["inserted_gap_ms"]
+        g, a = v["inserted_gap_ms"], v["resumed_after_end_ms"]
+        after = "".join(f"{'-' if a[c] is None else a[c]:>7}" for c in ("p50", "p95", "max")) if a["n"] else ""
         print(f"  {k:<24}{g['n']:>10}{'-' if g['p50'] is None else g['p50']:>9}{'-' if g['max'] is None else g['max']:>9}"
-              f"{v['gaps_100ms_or_more']:>7}")
+              f"{v['gaps_100ms_or_more']:>7}   {'':>14}{a['n']:>3}{after}")
     if "phone" in out:
         ph = out["phone"]
         assert isinstance(ph, dict)

@@ -358,6 +358,20 @@ class CallClient:
         (client seconds), None if none came."""
         return next((at for at, level, _ in self._received if at > t and level > SILENCE_DBFS), None)
 
+    def _sound_again_after(self, t: float) -> float | None:
+        """Arrival of the first received frame with agent sound after ``t``
+        (client seconds) that follows a silent one: where the agent's sound
+        comes back after a pause; None if it never did."""
+        quiet = False
+        for at, level, _ in self._received:
+            if at <= t:
+                quiet = level <= SILENCE_DBFS
+                continue
+            if level > SILENCE_DBFS and quiet:
+                return at
+            quiet = level <= SILENCE_DBFS
+        return None
+
     async def _client_token(self, http: aiohttp.ClientSession) -> str | None:
         """The client token the offer presents (see ``token``).
 
@@ -656,6 +670,9 @@ class CallClient:
             if m.barged_in and m.kind == "speech" and end is not None:
                 reply = self._first_sound_after(end)
                 m.reply_after_ms = None if reply is None else round((reply - end) * 1000, 1)
+            elif m.resumed is not None and not m.barged_in and end is not None:
+                again = self._sound_again_after(end)
+                m.resumed_after_end_ms = None if again is None else round((again - end) * 1000, 1)
             t = self._onset_sent.get(k)
             m.onset_sent_at = t
             if t is None:

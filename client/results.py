@@ -101,6 +101,11 @@ class BargeInMeasure:
     #: last sample of it sent to the arrival of the next reply's first sound
     #: (None: not measured)
     reply_after_ms: float | None = None
+    #: WebRTC calls: for a clip that paused the agent and let it go on
+    #: (a backchannel, a false interruption), ms from the last sample of its
+    #: speech sent to the arrival of the agent's sound again (the silence
+    #: the caller hears after they stopped; issue 32 asks <= 300 ms p95)
+    resumed_after_end_ms: float | None = None
 
     @property
     def stop_ms(self) -> float | None:
@@ -122,6 +127,7 @@ class BargeInMeasure:
             "gap_ms": self.gap_ms,
             "outcome": self.outcome,
             "reply_after_ms": self.reply_after_ms,
+            "resumed_after_end_ms": self.resumed_after_end_ms,
         } | ({} if self.initiator is not None or (self.played_ms_at_ear is None and self.clear_after_fence_ms is None) else {
             "clear_after_fence_ms": self.clear_after_fence_ms,
             "old_audio_after_clear_ms": self.old_audio_after_clear_ms,

@@ -19,7 +19,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from voice.recognition import SttAdaptation, TentativeStream, UtteranceRecogniser, UtteranceStream, Word
+from voice.recognition import (
+    ShortDecode,
+    SttAdaptation,
+    SttError,
+    TentativeStream,
+    UtteranceRecogniser,
+    UtteranceStream,
+    Word,
+)
 
 #: standard deviation of the white noise before differencing (s16 units): about -58 dBFS after
 FILL_LEVEL = 30.0
@@ -73,6 +81,16 @@ class _FilledTentativeStream(_FilledStream):
     async def decode_so_far(self) -> str:
         """The inner stream's transcript so far."""
         return await self._inner.decode_so_far()
+
+    async def decode_short(self) -> str:
+        """The inner stream's short decode so far (:class:`voice.recognition.ShortDecode`).
+
+        Raises:
+            voice.recognition.SttError: the inner stream has none, or it failed.
+        """
+        if not isinstance(self._inner, ShortDecode):
+            raise SttError("this recogniser has no short decode")
+        return await self._inner.decode_short()
 
 
 class NarrowbandSpeech:

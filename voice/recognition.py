@@ -243,6 +243,24 @@ class TentativeStream(UtteranceStream, Protocol):
 
 
 @runtime_checkable
+class ShortDecode(Protocol):
+    """A stream that can tell the words of its audio so far quickly when
+    that audio is short (a backchannel candidate's, under a second): the
+    embedded Whisper on a short encoder window. Used by the session to
+    judge "uh-huh" against "wait" soon after it ends; a streaming
+    provider's interims do that job instead."""
+
+    async def decode_short(self) -> str:
+        """The words of the audio so far ("" if none was heard); the stream
+        stays open. Cancelling the wait leaves the decode to finish.
+
+        Raises:
+            SttError: the decode failed.
+        """
+        ...
+
+
+@runtime_checkable
 class PauseHints(Protocol):
     """A :class:`RecognitionStream` that takes hints of the user's pauses
     within an utterance (a recogniser of whole utterances starts a

@@ -39,6 +39,7 @@ from voice.recognition import (
     Final,
     RecognitionError,
     RecognitionEvent,
+    ShortDecode,
     StreamOptions,
     TentativeStream,
     UtteranceRecogniser,
@@ -94,6 +95,20 @@ class SegmentedStream:
         self._tentative = asyncio.get_running_loop().create_task(stream.decode_so_far())
         self._tentative.add_done_callback(lambda f: f.cancelled() or f.exception())  # read at finalize, if at all
         self.tentative_started += 1
+
+    async def decode_short(self) -> str | None:
+        """The open segment's words so far from a short decode
+        (:class:`voice.recognition.ShortDecode`: a backchannel candidate's),
+        the segment staying open; None if there is no open segment or its
+        recogniser has no short decode.
+
+        Raises:
+            voice.recognition.SttError: the decode failed.
+        """
+        stream = self._current
+        if self._closed or stream is None or not isinstance(stream, ShortDecode):
+            return None
+        return await stream.decode_short()
 
     def speech_resumed(self) -> None:
         """The user went on: the tentative decode no longer covers the segment."""

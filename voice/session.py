@@ -432,7 +432,11 @@ class AgentSession(SessionControls):
         syllable count say (:mod:`voice.backchannel`). More syllables than a
         backchannel has is speech whatever the words: decided at once,
         without waiting for the recogniser (Whisper's decode takes about
-        300 ms; a fast "tell me a story" would wait for it)."""
+        300 ms; a fast "tell me a story" would wait for it). The words come
+        from the recogniser's short decode where it has one
+        (:meth:`voice.transcription.Utterance.short_words`), which leaves the
+        utterance open: a backchannel drops it undecoded, speech goes on
+        into the turn and is decoded whole at its end."""
         cand = self.turn_taking.candidate
         if cand is None or cand.n != candidate:
             return
@@ -442,10 +446,18 @@ class AgentSession(SessionControls):
         if syllables > self.config.backchannel.max_syllables:
             text: str | None = ""  # not read: judge() calls it speech on the syllables alone
         else:
-            text = await utterance.heard() if utterance is not None else None
+            text = None
+            if utterance is not None:
+                # the short decode where the recogniser has one (Whisper, about 80 ms), else
+                # what it heard (a provider's interims, or the final: a whole decode)
+                text = await utterance.short_words()
+                if text is None:
+                    text = await utterance.heard()
             cand = self.turn_taking.candidate
             if cand is None or cand.n != candidate:
                 return  # decided meanwhile (the user went on)
+            if text is not None and cand.joined:
+                text = f"{cand.joined} {text}".strip()  # it went on after a backchannel: judged whole
         verdict = judge(self.config.backchannel, text, cand.speech_ms, syllables)
         self._carry_out(self.turn_taking.classified(candidate, self.clock.monotonic(), verdict, self._agent_state()))
 

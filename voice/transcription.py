@@ -279,6 +279,18 @@ class Utterance:
             return None
         return self.text
 
+    async def short_words(self) -> str | None:
+        """The words of its audio so far from the recogniser's short decode
+        (:class:`voice.recognition.ShortDecode`: the embedded Whisper on a
+        short window, for a backchannel candidate), without ending it; None
+        if the recogniser has none (a provider: read :meth:`heard`), or it
+        failed (logged; :meth:`heard` still can)."""
+        try:
+            return await self._transcription._short_words(self)
+        except SttError as exc:
+            log.warning("the short decode failed: %s", exc)
+            return None
+
     async def aclose(self) -> None:
         """Abandon it if it was never finished (its open segment discarded). Idempotent."""
         if not self.ended:
@@ -588,6 +600,16 @@ class Transcription:
             self._stream.speech_paused()
         else:
             self._stream.speech_resumed()
+
+    async def _short_words(self, utt: Utterance) -> str | None:
+        """A short decode of ``utt``'s open segment, if it is being sent
+        and the stream has one (:meth:`voice.segmented_stt.SegmentedStream.decode_short`)."""
+        seg = self._open
+        decode_short = getattr(self._stream, "decode_short", None)
+        if seg is None or seg.utterance is not utt or seg.finals or decode_short is None:
+            return None
+        text: str | None = await decode_short()
+        return text
 
     def _discard(self, utt: Utterance) -> None:
         seg = self._open

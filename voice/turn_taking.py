@@ -277,6 +277,12 @@ class Candidate:
         classification: None, ``"running"`` (asked) or ``"done"`` (answered).
         release_at: judged a backchannel: playout goes on at this clock time.
         verdict: the backchannel's verdict (the event's payload).
+        quiet: frames in a row the gate did not pass, up to now.
+        early: it was classified after ``BackchannelConfig.decide_after_ms``
+            of quiet frames, before the VAD's speech_stopped (a gated frame
+            then means the user went on).
+        joined: the words of the backchannel let go just before it, when it
+            came within ``rejoin_ms`` ("yeah ... but"): it is judged with them.
     """
 
     n: int
@@ -292,6 +298,9 @@ class Candidate:
     classification: Literal["running", "done"] | None = None
     release_at: float | None = None
     verdict: dict[str, Any] = field(default_factory=dict)
+    quiet: int = 0
+    early: bool = False
+    joined: str = ""
 
 
 @dataclass
@@ -347,8 +356,9 @@ class TurnTaking:
         self.ptt_active = False
         #: playout is paused by a Pause of ours
         self.paused = False
-        #: clock seconds when the last backchannel was let go
+        #: clock seconds when the last backchannel was let go, and its words
         self.backchannel_at: float | None = None
+        self.backchannel_text = ""
         #: endpointing of the utterance listened to (clock seconds)
         self.endpoint_at: float | None = None
         self.speech_end_at: float | None = None
@@ -404,14 +414,15 @@ class TurnTaking:
                 return out
             cand.confirmed_at = ev.at
             rejoin = self.backchannel_at
-            if rejoin is not None and ev.onset_at - rejoin <= bc.rejoin_ms / 1000:
-                # Speech right after a "backchannel": the user was pausing
-                # inside an utterance ("front ... right"), not acknowledging.
-                # It commits at once; the short part stays out of the turn.
+            if not (bc.enabled and agent.speaking):
+                out += self._commit(ev.at)
+            elif rejoin is not None and ev.onset_at - rejoin <= bc.rejoin_ms / 1000:
+                # Speech right after a backchannel: "uh ... huh", or "yeah
+                # ... but" (the user was pausing inside an utterance). It is
+                # judged with the backchannel's words: more backchannel
+                # words go on being one, any other word commits.
                 self.backchannel_at = None
-                out += self._commit(ev.at)
-            elif not (bc.enabled and agent.speaking):
-                out += self._commit(ev.at)
+                cand.joined = self.backchannel_text
         elif kind is DetectorEventKind.SPEECH_REJECTED:
             if self.listening:
                 # not speech after all: the silence still counts from the end of speech
@@ -446,9 +457,14 @@ class TurnTaking:
         cand = self.candidate
         if cand is not None and not self.listening:
             cand.frames += 1
+            cand.quiet = 0 if gated else cand.quiet + 1
+            if cand.early and gated and cand.ended_at is not None:
+                out += self._went_on(cand)  # speech again before the VAD said it stopped: one utterance
         if cand is not None and cand.confirmed_at is not None and cand.ended_at is None and gated:
             if cand.lead_ms + (cand.frames + 1) * FRAME_MS > self.backchannel.max_ms:
                 out += self._commit(at)  # still speaking: too long for a backchannel
+        elif cand is not None and cand.confirmed_at is not None and cand.ended_at is None and not self.listening:
+            out += self._decide_early(cand, at)
         elif cand is not None and cand.release_at is not None and at >= cand.release_at and not gated:
             out += self._let_go(cand, at, agent)
         if not self.listening:
@@ -705,10 +721,32 @@ class TurnTaking:
         cand.classification = "running"
         return [ClassifyBackchannel(cand.n)]
 
+    def _decide_early(self, cand: Candidate, at: float) -> list[Decision]:
+        """A confirmed candidate quiet for ``decide_after_ms`` (sooner than
+        the VAD's speech_stopped, which needs ``offset_ms``): its speech
+        ended where the quiet run began; it is classified now."""
+        quiet_ms = cand.quiet * FRAME_MS
+        due = self.backchannel.decide_after_ms
+        if cand.classification is not None or due >= self.offset_ms or quiet_ms < due:
+            return []
+        cand.early = True
+        cand.ended_at = at - quiet_ms / 1000
+        cand.speech_ms = cand.lead_ms + cand.frames * FRAME_MS - quiet_ms
+        return self._classify(cand)
+
+    def _went_on(self, cand: Candidate) -> list[Decision]:
+        """Speech again after an early classification of ``cand``: it did
+        not end; the classification (or a verdict waiting for its release)
+        is dropped, and it is judged whole when it ends."""
+        out: list[Decision] = [CancelClassification(cand.n)] if cand.classification == "running" else []
+        cand.early, cand.classification, cand.ended_at, cand.release_at, cand.verdict = False, None, None, None, {}
+        return out
+
     def _let_go(self, cand: Candidate, at: float, agent: AgentActivity) -> list[Decision]:
         """A backchannel: the paused reply goes on, the words are dropped."""
         self.candidate = None
         self.backchannel_at = at
+        self.backchannel_text = str(cand.verdict.get("text") or "")
         return self._resume(cand, at, "backchannel", agent, cand.verdict)
 
     def _resume(

@@ -223,11 +223,25 @@ class WhisperStream:
             raise RuntimeError("utterance already finished")
         return await self._decode(bytes(self._audio))
 
-    async def _decode(self, audio: bytes) -> str:
+    async def decode_short(self) -> str:
+        """Decode the audio kept so far on a short encoder window
+        (:func:`voice.whisper_worker.transcribe_short`: a backchannel
+        candidate's words in about a quarter of a full decode's time); the
+        utterance stays open (:class:`voice.recognition.ShortDecode`).
+
+        Raises:
+            RuntimeError: finished or closed already, or the recogniser closed.
+            voice.recognition.SttError: the worker died or could not decode.
+        """
+        if self._ended:
+            raise RuntimeError("utterance already finished")
+        return await self._decode(bytes(self._audio), short=True)
+
+    async def _decode(self, audio: bytes, short: bool = False) -> str:
         if not audio:
             return ""
         worker = await self._pool.acquire()
-        fut = worker.submit(whisper_worker.transcribe, audio)
+        fut = worker.submit(whisper_worker.transcribe_short if short else whisper_worker.transcribe, audio)
         fut.add_done_callback(lambda f: self._done(worker, f))
         try:
             text, self.confidence = await asyncio.shield(fut)

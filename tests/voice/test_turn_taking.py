@@ -188,6 +188,19 @@ SHORT = timeline(
 
 def test_a_short_utterance_is_classified_and_a_backchannel_resumes_after_the_wait() -> None:
     tt = machine()
+    got = play(tt, timeline(SHORT, frames(1490, 2000, gated=False), (1450, "verdict", 1, UH_HUH)))
+    assert norm(got) == norm([
+        (1010, Pause(1)),
+        # judged after 100 ms of quiet frames (decide_after_ms), before the VAD's speech_stopped at 1490
+        (1390, ClassifyBackchannel(1)),
+        # speech ended at 1290 (where the quiet run began): resumes 200 ms later
+        (1490, Resume("backchannel", playout=True, held=True, report=True, paused_ms=480.0, verdict=UH_HUH)),
+    ])
+    assert tt.candidate is None and tt.backchannel_at == 1.49
+
+
+def test_with_decide_after_at_the_vad_offset_it_is_judged_at_speech_stopped() -> None:
+    tt = machine(decide_after_ms=OFFSET_MS, resume_after_ms=450)
     got = play(tt, timeline(SHORT, frames(1490, 2000, gated=False), (1500, "verdict", 1, UH_HUH)))
     assert norm(got) == norm([
         (1010, Pause(1)),
@@ -195,14 +208,14 @@ def test_a_short_utterance_is_classified_and_a_backchannel_resumes_after_the_wai
         # speech ended at 1290 (speech_stopped minus the VAD's 200 ms offset): resumes 450 ms later
         (1750, Resume("backchannel", playout=True, held=True, report=True, paused_ms=740.0, verdict=UH_HUH)),
     ])
-    assert tt.candidate is None and tt.backchannel_at == 1.75
 
 
-def test_the_backchannel_length_given_to_the_classifier() -> None:
-    tt = machine()
+@pytest.mark.parametrize("decide_after_ms", [100, OFFSET_MS])
+def test_the_backchannel_length_given_to_the_classifier(decide_after_ms: int) -> None:
+    tt = machine(decide_after_ms=decide_after_ms)
     play(tt, SHORT)
     assert tt.candidate is not None
-    # 60 ms before speech_started, 25 frames to speech_stopped, minus the offset
+    # 60 ms before speech_started, 25 frames to speech_stopped, minus the offset (early: 20 frames minus 100 ms)
     assert tt.candidate.speech_ms == 60 + 25 * 20 - OFFSET_MS and tt.candidate.ended_at == pytest.approx(1.29)
 
 
@@ -211,10 +224,40 @@ def test_a_late_verdict_resumes_at_once_and_not_inside_a_gated_frame() -> None:
     rows = timeline(SHORT, (1800, "verdict", 1, UH_HUH), frames(1810, 1850, gated=True), frames(1870, 1900, gated=False))
     got = play(tt, rows)
     assert norm(got)[-1] == norm([(1800, Resume("backchannel", True, True, True, 790.0, UH_HUH))])[0]
-    tt = machine()
+    tt = machine(decide_after_ms=OFFSET_MS, resume_after_ms=450)  # at speech_stopped: gated frames hold the release
     rows = timeline(SHORT, (1500, "verdict", 1, UH_HUH), frames(1490, 1850, gated=True), frames(1870, 1900, gated=False))
     [(t, _)] = [(t, d) for t, d in play(tt, rows) if isinstance(d, Resume)]
     assert t == 1870  # due at 1740, but the gate was open until then
+
+
+def test_speech_after_an_early_judgement_drops_it_and_the_whole_is_judged() -> None:
+    """ "uh ... huh" with a 120 ms gap: judged after 100 ms of it, then the
+    gate opens again before the VAD said stopped: the judgement (and a
+    verdict waiting for its release) is dropped; the whole is judged once
+    it ends, from its real end."""
+    tt = machine()
+    rows = timeline(
+        (1010, "started", 970), (1210, "confirmed", 970), frames(1010, 1290, gated=True),
+        frames(1310, 1410, gated=False), (1400, "verdict", 1, UH_HUH), frames(1430, 1530, gated=True),
+        frames(1550, 2000, gated=False), (1700, "verdict", 1, UH_HUH),
+    )
+    got = play(tt, rows)
+    assert norm(got) == norm([
+        (1010, Pause(1)),
+        (1390, ClassifyBackchannel(1)),
+        # the verdict came at 1400, due at 1490: the gate opened at 1430 first
+        (1630, ClassifyBackchannel(1)),
+        (1730, Resume("backchannel", playout=True, held=True, report=True, paused_ms=720.0, verdict=UH_HUH)),
+    ])
+    # speech ended at 1530: 60 ms lead and the 27 frames from 1010 to 1530, the gap in it included
+    tt = machine()
+    play(tt, rows[: next(i for i, r in enumerate(rows) if r[0] == 1630) + 1])
+    assert tt.candidate is not None and tt.candidate.ended_at == pytest.approx(1.53)
+    assert tt.candidate.speech_ms == 60 + 27 * 20
+    # a running judgement is cancelled when the gate opens
+    tt = machine()
+    got = play(tt, timeline(SHORT[:-1], frames(1310, 1410, gated=False), (1430, "gated")))
+    assert [type(d).__name__ for _, d in got] == ["Pause", "ClassifyBackchannel", "CancelClassification"]
 
 
 def test_speech_is_no_backchannel_and_commits_on_its_verdict() -> None:
@@ -251,15 +294,27 @@ def test_text_that_commits_nothing(rows: list[Row]) -> None:
     assert norm(got) == norm([(1010, Pause(1))])
 
 
-def test_speech_right_after_a_backchannel_commits_at_once() -> None:
+def test_speech_right_after_a_backchannel_is_judged_with_its_words() -> None:
+    """ "yeah ... but" or "uh ... huh": speech confirmed within rejoin_ms
+    of a backchannel let go is judged with that backchannel's words (the
+    session joins them); it is not committed for coming soon."""
     tt = machine()
     rows = timeline(
         SHORT, frames(1490, 1760, gated=False), (1500, "verdict", 1, UH_HUH), (2010, "started", 1990), (2210, "confirmed", 1990)
     )
     got = play(tt, rows)
-    assert norm(got)[-2:] == norm([(2010, Pause(2)), (2210, Commit(2.21, "vad", 1.99, 200.0))])
-    tt = machine(rejoin_ms=100)  # later than rejoin_ms: judged on its own again
-    assert not any(isinstance(d, Commit) for _, d in play(tt, rows))
+    assert norm(got)[-2:] == norm([
+        (1500, Resume("backchannel", playout=True, held=True, report=True, paused_ms=490.0, verdict=UH_HUH)),
+        (2010, Pause(2)),
+    ])
+    assert tt.candidate is not None and tt.candidate.joined == "uh huh"
+    tt = machine(rejoin_ms=100)  # later than rejoin_ms: judged on its own
+    play(tt, rows)
+    assert tt.candidate is not None and tt.candidate.joined == ""
+    # the agent silent: it is a turn, as any speech
+    tt = machine()
+    got = play(tt, rows[:-1]) + play(tt, rows[-1:], SILENT)
+    assert isinstance(got[-1][1], Commit)
 
 
 def test_going_on_after_a_pause_joins_the_first_word_and_cancels_its_classification() -> None:
@@ -274,7 +329,7 @@ def test_going_on_after_a_pause_joins_the_first_word_and_cancels_its_classificat
     got = play(tt, rows)
     assert norm(got) == norm([
         (1010, Pause(1)),
-        (1490, ClassifyBackchannel(1)),
+        (1390, ClassifyBackchannel(1)),
         (1590, CancelClassification(1)),
         (1630, Commit(1.63, "vad", 0.97, 620.0)),  # 60 ms + 32 frames, the pause included
     ])

@@ -18,6 +18,7 @@ import pytest
 from conftest import plain, requires_espeak
 
 from media.frames import VAD_RATE, load_pcm
+from voice.backchannel import BackchannelConfig
 from voice.recognisers import SttConfig, build_recognisers
 from voice.recognition import EndOfUtterance, Final, RecognitionEvent, StreamOptions
 from voice.segmented_stt import SegmentedStream
@@ -185,6 +186,65 @@ async def test_short_answers_and_backchannels_are_heard_as_words(say: Callable[.
         noise = (rng.normal(0, 3000, VAD_RATE)).clip(-32768, 32767).astype("<i2").tobytes()
         assert await hear(noise) == ""
         assert await hear(bytes(VAD_RATE * 2)) == ""
+    finally:
+        await stt.aclose()
+
+
+@requires_espeak
+@pytest.mark.parametrize("narrowband", [False, True], ids=["wideband", "telephone"])
+async def test_the_short_decode_hears_a_backchannel_from_an_open_segment(say: Callable[..., Path], narrowband: bool) -> None:
+    """The backchannel judge's decode (a 6 s encoder window): "uh-huh",
+    "okay" as backchannel words, "wait" as no backchannel, noise as
+    nothing or a hum (the agent talks on), through a
+    session's stream (phone audio too) whose segment stays open: the
+    final of the whole segment, at its end, is still a full decode.
+    Audio longer than the window gets a full decode."""
+    import numpy as np
+
+    stt = WhisperSTT(WhisperConfig(workers=2))
+    await stt.start()
+    try:
+        async def short(pcm: bytes) -> str | None:
+            stream = stt.open(StreamOptions(narrowband=narrowband))
+            stream.send(pcm)
+            try:
+                text = await stream.decode_short()
+                return None if text is None else plain(text)
+            finally:
+                await stream.aclose()
+
+        # what the judge reads: backchannel words or not (tiny.en on a short window may
+        # double a word, "okay okay", or hear the telephone's "uh huh" as a hum, "mm h")
+        backchannels, requests = ["uh huh", "okay", "yeah", "right"], ["wait", "no stop", "hold on"]
+        heard = await asyncio.gather(*(short(pcm16(say(t), pad_s=0.2)) for t in backchannels + requests))
+        said = dict(zip(backchannels + requests, heard, strict=True))
+        assert all(BackchannelConfig().matches(said[t] or "-") for t in backchannels), said
+        assert not any(BackchannelConfig().matches(said[t] or "") for t in requests), said
+        assert [(said[t] or "").split()[0] for t in requests] == ["wait", "no", "hold"], said
+        # noise that got past the detector reads as nothing or a hum, never a request: the agent talks on
+        rng = np.random.default_rng(2)
+        noise = await short((rng.normal(0, 3000, VAD_RATE)).clip(-32768, 32767).astype("<i2").tobytes())
+        assert noise is not None and BackchannelConfig().matches(noise), noise
+
+        # the segment stays open: more audio, then its final covers all of it
+        stream = stt.open(StreamOptions(narrowband=narrowband))
+        stream.send(pcm16(say("yeah"), pad_s=0.2))
+        first = plain(await stream.decode_short() or "")
+        assert first.startswith("yeah") and BackchannelConfig().matches(first), first
+        stream.send(pcm16(say("but what about tomorrow"), pad_s=0.2))
+        stream.finalize()
+        whole = plain((await final_of(stream)).text)
+        assert whole.startswith("yeah but what") and whole.endswith("tomorrow"), whole
+        await stream.aclose()
+
+        # longer than the window: decoded whole
+        long = pcm16(say("what is the weather like today in paris and in london please"), pad_s=1.0)
+        assert len(long) > 6 * VAD_RATE * 2
+        assert (await short(long) or "").startswith("what is the weather like today")
+        # nothing sent: nothing to decode
+        empty = stt.open(StreamOptions())
+        assert await empty.decode_short() is None
+        await empty.aclose()
     finally:
         await stt.aclose()
 
