@@ -206,6 +206,33 @@ async def test_a_backchannel_cancels_nothing_and_is_not_the_next_turn(
     assert [plain(m.content) for m in (await h.session.history()) if m.role == "user"] == ["tell me a story", plain(weather.transcript)]
 
 
+@pytest.mark.parametrize(("first", "then", "barges_in"), [("uh", "huh", False), ("yeah", "but", True)])
+async def test_a_backchannel_the_user_goes_on_after_is_judged_with_what_follows(
+    h: Harness, say: Callable[..., Path], store: SqliteStore, first: str, then: str, barges_in: bool
+) -> None:
+    """ "uh ... huh" and "yeah ... but", 300 ms between the words, over the
+    talking agent: the first word is a backchannel and the reply goes on
+    (200 ms after it); the second comes within rejoin_ms and is judged
+    with it: "uh huh" goes on being one, "yeah but" barges in (issue 32,
+    item 4). Before, anything within rejoin_ms barged in: "uh ... huh"
+    cancelled the reply."""
+    await story_playing(h, say)
+    h.mic.say(trimmed(pcm48(say(first))) + bytes(int(0.3 * PLAYOUT_RATE) * 2) + trimmed(pcm48(say(then))))
+    await h.wait_for(lambda: types(h).count("backchannel") >= 1, timeout=10)
+    if barges_in:
+        await h.wait_for(lambda: "barge_in" in types(h), timeout=10)
+        [barge] = [e for e in h.events if e["type"] == "barge_in"]
+        assert barge["initiator"] == "vad"
+    else:
+        await h.wait_for(lambda: types(h).count("backchannel") == 2, timeout=10)
+        last = [e for e in h.events if e["type"] == "backchannel"][-1]
+        assert plain(last["text"]).startswith("uh"), last  # judged with the first word
+        await asyncio.sleep(1.0)
+        assert "barge_in" not in types(h) and h.playout.cleared_frames == 0
+        [turn] = await store.list_session("sess-1")
+        assert turn.status is TurnStatus.RUNNING
+
+
 @pytest.mark.parametrize(("voice", "wpm"), [("en+m3", 270), ("en-gb", 300), ("en-us+f3", 300)])
 async def test_fast_speech_the_recogniser_misses_is_no_backchannel(
     h: Harness, say: Callable[..., Path], voice: str, wpm: int
