@@ -22,6 +22,9 @@ Figures (min, p50, p95, max where they apply):
   sender to the arrival (at the client's RTP receiver, before its jitter
   buffer) of the packet where the agent's sound ends, for barge-ins that
   landed while the agent was audible;
+- audible stop by moment: the same, for speech whose first sample came in
+  the reply's first 300 ms, 0.3-1 s into it, or later (from the reply's
+  first sound at the client; ``--min-at``/``--max-at`` choose the moments);
 - commit time: server side, from the first gated frame of the speech to the
   committed barge-in (generation advanced, buffers cleared, work cancelled);
 - false cancels: barge-ins committed for a backchannel, a noise or echo;
@@ -32,10 +35,11 @@ Figures (min, p50, p95, max where they apply):
   agent's reply as the client received it, told from the reply's own pauses
   by a reference reception of the story without any clip (tests/listening.py;
   one extra call of about 45 s); ">=100 ms" counts the audible ones;
-- after its end (WebRTC): for a clip that paused the agent and let it go on
-  (a backchannel, a noise), from the last sample of its speech sent to the
-  agent's sound arriving again: the silence the caller hears once they
-  stopped (issue 32: <= 300 ms p95 after a backchannel).
+- after its end: for a clip that paused the agent and let it go on (a
+  backchannel, a noise), from the last sample of its speech sent to the
+  agent's sound again where the caller hears it (WebRTC: its arrival; the
+  phone's ear; the device's speaker): the silence the caller hears once
+  they stopped (issue 32: <= 300 ms p95 after a backchannel).
 
 Over the phone path (``--transport twilio`` or ``telnyx``) the same corpus
 is played by the phone simulator (client/phone_call.py: a simulated Twilio
@@ -94,6 +98,10 @@ STORY = "tell me a story"
 REFERENCE_S = 44.0  # the reference reception hears this much of the story (s after it starts)
 WEATHER = "what is the weather like today"
 BENCH_TOKEN = "bench-events"  # the bench server's API token for the default tenant (phone calls' events)
+
+
+#: moments of a reply, s after its first sound: (name, from, to)
+MOMENTS = (("first 300 ms", 0.0, 0.3), ("0.3-1 s", 0.3, 1.0), ("after 1 s", 1.0, float("inf")))
 
 
 def make_client(url: str, transport: str, device_token: str | None = None,
@@ -261,6 +269,13 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "audible_stop_first_pause_ms": stats(
             [m.stop_ms for m in speech if m.barged_in and m.speaking_at_onset and m.stop_ms is not None and m.resumed is None]
         ),
+        # the same by the moment of the reply the speech began in (its onset after the reply's first sound)
+        "audible_stop_by_moment_ms": {
+            name: stats([m.stop_ms for m in speech if m.barged_in and m.speaking_at_onset and m.stop_ms is not None
+                         and m.onset_sent_at is not None and m.agent_started_at is not None
+                         and lo <= m.onset_sent_at - m.agent_started_at < hi])
+            for name, lo, hi in MOMENTS
+        },
         "speech_resumed_before_commit": sum(m.barged_in and m.resumed is not None for m in speech),
         "commit_ms": stats([v for v in commit if v is not None]),
         "false_cancels": sum(m.barged_in for m in others) + echo_false,
@@ -326,8 +341,9 @@ def main() -> int:
             str(out["transport"]), "audible stop at the ear (ms)"), "audible_stop_ms"),
         ("  stopped at the first pause (ms)", "audible_stop_first_pause_ms"),
         ("commit time on server (ms)", "commit_ms"),
+        *((f"  audible stop, {name} of the reply", ("audible_stop_by_moment_ms", name)) for name, _, _ in MOMENTS),
     ):
-        s = out[key]
+        s = out[key[0]][key[1]] if isinstance(key, tuple) else out[key]  # type: ignore[index]
         assert isinstance(s, dict)
         cells = "".join(f"{'-' if s[c] is None else s[c]:>9}" for c in ("min", "p50", "p95", "max"))
         print(f"{name:<34}{s['n']:>4}{cells}")

@@ -45,8 +45,15 @@ import aiohttp
 from client.device import DeviceSimulator
 from client.device_mic import UPLINK_RATE
 from client.results import BargeInMeasure, CallError, CallResult, TurnView, Utterance, caller_turns
-from client.session_events import NO_SPEECH_S, SessionEvents, quiet, run_until_hangup, silent_run_end
-from media.frames import PLAYOUT_RATE, PcmResampler, first_sound_sample
+from client.session_events import (
+    NO_SPEECH_S,
+    SessionEvents,
+    quiet,
+    run_until_hangup,
+    silent_run_end,
+    sound_again_after,
+)
+from media.frames import PLAYOUT_RATE, PcmResampler, first_sound_sample, last_sound_sample
 from web.devices import framing
 
 LEAD_SILENCE_S = 0.3
@@ -107,6 +114,7 @@ class DeviceCallClient(SessionEvents):
         self.sim: DeviceSimulator | None = None
         self._init_events()
         self._onsets: dict[int, float] = {}  # utterance -> speech onset, s into it
+        self._ends: dict[int, float] = {}  # utterance -> where its speech ends, s into it
         self._revive: Utterance | None = None
         if version not in framing.VERSIONS:
             raise ValueError(f"protocol version {version} (one of {framing.VERSIONS})")
@@ -191,12 +199,16 @@ class DeviceCallClient(SessionEvents):
 
     # -- the script ----------------------------------------------------------------------
 
-    async def _say(self, sim: DeviceSimulator, index: int, pcm48: bytes, *, ptt: bool) -> float | None:
+    async def _say(self, sim: DeviceSimulator, index: int, pcm48: bytes, *, ptt: bool,
+                   speech_end_s: float | None = None) -> float | None:
         """Say an utterance; with ``ptt``, hold the button for its length.
         Returns when the button was pressed (None without ``ptt``)."""
         onset = first_sound_sample(pcm48)
         if onset is not None:
             self._onsets[index] = onset / PLAYOUT_RATE
+        end = last_sound_sample(pcm48) if speech_end_s is None else round(speech_end_s * PLAYOUT_RATE)
+        if end is not None:
+            self._ends[index] = end / PLAYOUT_RATE
         pcm = to_16k(pcm48)
         pressed = await sim.press() if ptt else None
         sim.say(pcm, index)
@@ -241,7 +253,7 @@ class DeviceCallClient(SessionEvents):
             else:
                 m.initiator = "voice"
                 m.sent_from = time.monotonic()
-                await self._say(sim, k, utt.pcm, ptt=False)
+                await self._say(sim, k, utt.pcm, ptt=False, speech_end_s=utt.speech_end_s)
             m.sent_until = time.monotonic()
             last = k - 1 == len(barge_ins)
             if utt.kind != "speech" and not (last and hangup_after_s is not None):
@@ -279,6 +291,10 @@ class DeviceCallClient(SessionEvents):
                                       and ev.get("type") == "turn" and ev.get("status") == "CANCEL_REQUESTED"), None)
             if m.initiator == "voice":
                 m.onset_sent_at = self._onset_sent(sim, k)
+                end = self._sent_at(sim, k, self._ends)
+                if m.resumed is not None and not m.barged_in and end is not None:
+                    again = sound_again_after(heard, end)
+                    m.resumed_after_end_ms = None if again is None else round((again - end) * 1000, 1)
             t = m.onset_sent_at
             if t is None:
                 continue
@@ -312,12 +328,18 @@ class DeviceCallClient(SessionEvents):
     def _onset_sent(self, sim: DeviceSimulator, k: int) -> float | None:
         """When the first sample of utterance ``k``'s speech left (clock s):
         when the packet carrying it was sent (once its 60 ms were captured)."""
-        onset_s = self._onsets.get(k)
-        if onset_s is None:
+        return self._sent_at(sim, k, self._onsets)
+
+    @staticmethod
+    def _sent_at(sim: DeviceSimulator, k: int, points: dict[int, float]) -> float | None:
+        """When the packet carrying the sample at ``points[k]`` (s into
+        utterance ``k``) was sent (clock s)."""
+        at_s = points.get(k)
+        if at_s is None:
             return None
-        onset = int(onset_s * UPLINK_RATE)
+        sample = int(at_s * UPLINK_RATE)
         for p in sim.log.sent:
-            if p.utterance == k and p.sample + UPLINK_RATE * 60 // 1000 > onset:
+            if p.utterance == k and p.sample + UPLINK_RATE * 60 // 1000 > sample:
                 return p.at
         return None
 

@@ -39,8 +39,8 @@ import aiohttp
 from client.phone import SILENCE_DBFS, PhoneSimulator
 from client.phone_dialects import Dialect, TelnyxDialect, TwilioDialect
 from client.results import BargeInMeasure, CallError, CallResult, Utterance, caller_turns
-from client.session_events import SessionEvents, quiet, run_until_hangup, silent_run_end
-from media.frames import PLAYOUT_RATE, PcmResampler, first_sound_sample
+from client.session_events import SessionEvents, quiet, run_until_hangup, silent_run_end, sound_again_after
+from media.frames import PLAYOUT_RATE, PcmResampler, first_sound_sample, last_sound_sample
 from media.g711 import MULAW_RATE
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,7 @@ class PhoneCallClient(SessionEvents):
         self.sim: PhoneSimulator | None = None
         self._init_events()
         self._onsets: dict[int, float] = {}  # utterance -> onset, s into it
+        self._ends: dict[int, float] = {}  # utterance -> where its speech ends, s into it
         self._keys_at: dict[int, float] = {}  # utterance of keys -> when the first was sent
         self._revive: Utterance | None = None
 
@@ -202,10 +203,13 @@ class PhoneCallClient(SessionEvents):
 
     # -- the script ------------------------------------------------------------------------
 
-    def _say(self, sim: PhoneSimulator, index: int, pcm48: bytes) -> None:
+    def _say(self, sim: PhoneSimulator, index: int, pcm48: bytes, speech_end_s: float | None = None) -> None:
         onset = first_sound_sample(pcm48)
         if onset is not None:
             self._onsets[index] = onset / PLAYOUT_RATE
+        end = last_sound_sample(pcm48) if speech_end_s is None else round(speech_end_s * PLAYOUT_RATE)
+        if end is not None:
+            self._ends[index] = end / PLAYOUT_RATE
         sim.say(to_8k(pcm48), index)
 
     async def _script(self, sim: PhoneSimulator, opening: Utterance, barge_ins: list[Utterance],
@@ -235,7 +239,7 @@ class PhoneCallClient(SessionEvents):
                     await sim.press(key)
                     await asyncio.sleep(KEY_GAP_S)
             else:
-                self._say(sim, k, utt.pcm)
+                self._say(sim, k, utt.pcm, utt.speech_end_s)
                 await sim.said()
             m.sent_until = time.monotonic()
             last = k - 1 == len(barge_ins)
@@ -258,6 +262,10 @@ class PhoneCallClient(SessionEvents):
                 continue
             until = self._verdict_until(measures, k - 2, VERDICT_WAIT_S)
             fence_at = self._judge_by_events(m, until)
+            end = self._sent_at(sim, k, self._ends)
+            if m.resumed is not None and not m.barged_in and end is not None:
+                again = sound_again_after(heard, end)
+                m.resumed_after_end_ms = None if again is None else round((again - end) * 1000, 1)
             t = self._onset_sent(sim, k)
             m.onset_sent_at = t
             if t is None:
@@ -284,13 +292,18 @@ class PhoneCallClient(SessionEvents):
         """When the first sample of utterance ``k``'s speech left (clock s)."""
         if k in self._keys_at:  # keys: the first one's dtmf message
             return self._keys_at[k]
-        onset_s = self._onsets.get(k)
-        if onset_s is None:
+        return self._sent_at(sim, k, self._onsets)
+
+    @staticmethod
+    def _sent_at(sim: PhoneSimulator, k: int, points: dict[int, float]) -> float | None:
+        """When the sample at ``points[k]`` (s into utterance ``k``) left (clock s)."""
+        at_s = points.get(k)
+        if at_s is None:
             return None
-        onset = int(onset_s * MULAW_RATE)
+        sample = int(at_s * MULAW_RATE)
         for f in sim.log.sent:
-            if f.utterance == k and f.sample + 160 > onset:
-                return f.at + max(0, onset - f.sample) / MULAW_RATE
+            if f.utterance == k and f.sample + 160 > sample:
+                return f.at + max(0, sample - f.sample) / MULAW_RATE
         return None
 
     def _after_clear(self, sim: PhoneSimulator, m: BargeInMeasure, at_clear: float, received_at_clear: int) -> None:

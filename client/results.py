@@ -101,10 +101,11 @@ class BargeInMeasure:
     #: last sample of it sent to the arrival of the next reply's first sound
     #: (None: not measured)
     reply_after_ms: float | None = None
-    #: WebRTC calls: for a clip that paused the agent and let it go on
-    #: (a backchannel, a false interruption), ms from the last sample of its
-    #: speech sent to the arrival of the agent's sound again (the silence
-    #: the caller hears after they stopped; issue 32 asks <= 300 ms p95)
+    #: for a clip that paused the agent and let it go on (a backchannel, a
+    #: false interruption), ms from the last sample of its speech sent to
+    #: the agent's sound again at the client (WebRTC: its arrival; phone:
+    #: the ear; device: the speaker): the silence the caller hears after
+    #: they stopped (issue 32 asks <= 300 ms p95)
     resumed_after_end_ms: float | None = None
 
     @property

@@ -152,6 +152,19 @@ def silent_run_end(heard: list[HeardFrame], t: float) -> float | None:
     return None
 
 
+def sound_again_after(heard: list[HeardFrame], t: float) -> float | None:
+    """When the caller heard the agent's sound come back after ``t`` (clock
+    s): the first frame with sound after ``t`` that follows a silent one;
+    None if it never did."""
+    quiet_before = False
+    for f in heard:
+        loud = f.dbfs > SILENCE_DBFS
+        if f.at > t and loud and quiet_before:
+            return f.at
+        quiet_before = not loud
+    return None
+
+
 def quiet(heard: list[HeardFrame]) -> bool:
     """The last four silent runs' worth of frames were all silent."""
     run = SILENT_RUN_MS // 20 * 4
