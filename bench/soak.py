@@ -37,7 +37,12 @@ not counted as gaps:
 - stopped: the agent went silent and did not resume (or a newer turn
   superseded the reply); for speech, the audible stop is the client's
   measure (client/call.py): from the stimulus's first sample handed to the RTP
-  sender to where the agent's sound ends at RTP arrival.
+  sender to where the agent's sound ends at RTP arrival; also by the moment
+  of the reply the speech began in, by half of the run (the server's age),
+  and the five slowest calls;
+- the silence after the stimulus's end, for a call where it paused the agent
+  and the agent went on (a backchannel, a noise): from its last sample sent
+  to the agent's sound arriving again.
 
 Also reported: the request's transcript stability (share of calls whose
 opening transcript equals the first call's, overall and per 50 calls), and
@@ -71,7 +76,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import corpus as C  # noqa: E402  (the tests' labelled corpus)
 import listening as L  # noqa: E402  (the inserted-gap measure)
-from bargein import stats, up  # noqa: E402
+from bargein import MOMENTS, stats, up  # noqa: E402
 from local_server import server  # noqa: E402
 
 from client.call import CallClient  # noqa: E402
@@ -224,6 +229,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     speaking_at_onset=m.speaking_at_onset,
                     barged_in=m.barged_in,
                     server_resumed=m.resumed,
+                    resumed_after_end_ms=m.resumed_after_end_ms,
+                    onset_in_reply_s=None if m.onset_sent_at is None or m.agent_started_at is None
+                    else round(m.onset_sent_at - m.agent_started_at, 3),
                     server_paused_ms=[e.get("paused_ms") for e in result.events if e.get("type") in ("false_interruption", "backchannel")],
                 )
             sessions.append(row)
@@ -267,11 +275,26 @@ def summarise(
             "gaps_over_300ms": sum(g > 300 for g in gaps),
             "beyond_reference": sum(s.get("unjudged_runs", 0) > 0 for s in rows),
         }
+        # the silence after the stimulus's own end, where it paused the agent and let it go on
+        entry["resumed_after_end_ms"] = stats([s["resumed_after_end_ms"] for s in judged if s.get("resumed_after_end_ms") is not None])
         if cls == "speech":
-            entry["audible_stop_ms"] = stats(
-                [s["stop_ms"] for s in judged if s["outcome"] == L.STOPPED and s.get("speaking_at_onset") and s.get("stop_ms") is not None]
-            )
+            stops = [s for s in judged if s["outcome"] == L.STOPPED and s.get("speaking_at_onset") and s.get("stop_ms") is not None]
+            entry["audible_stop_ms"] = stats([s["stop_ms"] for s in stops])
             entry["agent_silent_at_onset"] = sum(not s.get("speaking_at_onset") for s in judged)
+            # where the tail comes from: the moment of the reply the speech began in, and the server's age
+            entry["audible_stop_by_moment_ms"] = {
+                name: stats([s["stop_ms"] for s in stops if s.get("onset_in_reply_s") is not None and lo <= s["onset_in_reply_s"] < hi])
+                for name, lo, hi in MOMENTS
+            }
+            half = (len(sessions) + 1) // 2
+            entry["audible_stop_by_sessions_ms"] = {
+                f"sessions 1-{half}": stats([s["stop_ms"] for s in stops if s["n"] <= half]),
+                f"sessions {half + 1}-{len(sessions)}": stats([s["stop_ms"] for s in stops if s["n"] > half]),
+            }
+            entry["slowest"] = sorted(
+                ({"n": s["n"], "label": s["label"], "stop_ms": s["stop_ms"], "onset_in_reply_s": s.get("onset_in_reply_s")}
+                 for s in stops), key=lambda r: -r["stop_ms"],
+            )[:5]
         by_class[cls] = entry
     transcripts = [s.get("transcript") for s in sessions if s["outcome"] != "error"]
     blocks = []
@@ -315,11 +338,19 @@ def print_table(out: dict[str, Any]) -> None:
             + (f"   unjudged {e['unjudged']}" if e["unjudged"] else "")
             + (f"   beyond reference {e['beyond_reference']}" if e["beyond_reference"] else "")
         )
+    for cls, e in out["classes"].items():
+        a = e["resumed_after_end_ms"]
+        if a["n"]:
+            print(f"{cls}: silence after its end when the agent went on (ms): n {a['n']}  p50 {a['p50']}  p95 {a['p95']}  max {a['max']}")
     sp = out["classes"].get("speech")
     if sp:
         s = sp["audible_stop_ms"]
         print(f"speech audible stop (ms): n {s['n']}  min {s['min']}  p50 {s['p50']}  p95 {s['p95']}  max {s['max']}"
               f"   (agent already silent at onset: {sp['agent_silent_at_onset']})")
+        for part in ("audible_stop_by_moment_ms", "audible_stop_by_sessions_ms"):
+            for name, s in sp[part].items():
+                print(f"  {name:<22} n {s['n']:>3}  p50 {s['p50']}  p95 {s['p95']}  max {s['max']}")
+        print("  slowest: " + ", ".join(f"#{r['n']} {r['label']} {r['stop_ms']} ms at {r['onset_in_reply_s']} s" for r in sp["slowest"]))
     t = out["transcript"]
     print(f"request transcript: {t['first']!r}; same as the first session's: {t['same_as_first']} "
           f"(per 50: {t['same_as_first_per_50']})" + (f"; others: {t['others']}" if t["others"] else ""))
