@@ -222,7 +222,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             cut = L.newer_turn_at(result.event_times)  # a false barge-in on the echo
             if cut is not None and (until is None or cut < until):
                 until = cut
-            echo_gaps = L.listen(result.received, reference, until=until)
+            echo_gaps = L.listen(L.without_replays(result.received, L.replays_of(result.event_times)), reference, until=until)
             echo_gap_ms.append(round(echo_gaps.max_gap_ms, 1))
             measures.extend(result.barge_ins)
             if not args.json:

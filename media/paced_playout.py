@@ -59,6 +59,10 @@ class PacedPlayout(PlayoutBuffer):
         self.far_end_until = 0.0
         self.fenced_frames = 0
 
+    #: a far end that buffers plays what it holds: which frames the caller
+    #: heard is the marks' business, not this queue's (left for later)
+    rewinds = False
+
     async def run(self) -> None:
         """Pace the queue out, one tick every 20 ms of the clock, until
         cancelled (:meth:`pump` each tick)."""

@@ -6,7 +6,10 @@ decides per frame whether it may go out; :meth:`PlayoutBuffer.clear` empties
 the queue at once on a committed barge-in, and :meth:`PlayoutBuffer.pause`
 holds it (the track sends silence from its next 20 ms tick) while a possible
 barge-in is being confirmed, so :meth:`PlayoutBuffer.resume` can go on from
-the very frame where it stopped. :meth:`PlayoutBuffer.played_samples` says how
+the very frame where it stopped, or, after :meth:`PlayoutBuffer.rewind_to_word`,
+from the start of the word it stopped in (DESIGN.md: noise, echo or a
+backchannel resume from the word the reply paused in; a word cut in two is
+a word the caller lost). :meth:`PlayoutBuffer.played_samples` says how
 much of a generation's audio actually left, which is what "only what was
 heard" is measured in.
 """
@@ -14,10 +17,42 @@ heard" is measured in.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from media.frames import PLAYOUT_RATE, frame_bytes
+from media.frames import FRAME_MS, PLAYOUT_RATE, frame_bytes, rms_dbfs
+
+#: the most a resume plays again to start at the word it paused in, ms
+REWIND_MAX_MS = 500
+#: a frame at or below this level (dBFS) is a pause between words
+WORD_GAP_DBFS = -45.0
+#: ... and so is one this far (dB) below the loudest frame after it in the word
+WORD_DIP_DB = 15.0
+
+
+def word_start(levels: Sequence[float]) -> int:
+    """Where the word the last frame is in began: the index of its first
+    frame in ``levels`` (dBFS per 20 ms frame, oldest first; ``len(levels)``
+    if the last frame is itself a pause between words).
+
+    Going back from the last frame, the word began after the newest frame
+    that is a pause (at or below :data:`WORD_GAP_DBFS`) or a dip
+    :data:`WORD_DIP_DB` below the loudest frame after it. Without either in
+    ``levels`` (fluent speech runs words together), after its quietest
+    frame; with no frame quieter than the last, at index 0.
+    """
+    n = len(levels)
+    if n == 0 or levels[-1] <= WORD_GAP_DBFS:
+        return n
+    peak = -math.inf
+    for i in range(n - 1, -1, -1):
+        if levels[i] <= WORD_GAP_DBFS or levels[i] <= peak - WORD_DIP_DB:
+            return i + 1
+        peak = max(peak, levels[i])
+    quietest = min(range(n), key=lambda i: levels[i])
+    return quietest + 1 if quietest < n - 1 else 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +90,10 @@ class PlayoutBuffer:
         #: while True nothing is taken: the track sends silence (stage 1 of a barge-in)
         self.paused = False
         self._played: dict[int, int] = {}
+        #: the latest frames played, one generation's, in order (what a rewind can play again)
+        self._recent: deque[PlayoutFrame] = deque(maxlen=REWIND_MAX_MS // FRAME_MS)
+        #: frames queued again by rewind_to_word
+        self.replayed_frames = 0
 
     def push(self, frame: PlayoutFrame) -> None:
         """Queue a frame for playout.
@@ -80,8 +119,39 @@ class PlayoutBuffer:
         was, self.paused = self.paused, False
         return was
 
+    #: whether :meth:`rewind_to_word` may go back: a sink whose far end buffers
+    #: what it was sent (:mod:`media.paced_playout`) does not yet know which of
+    #: those frames were heard, and says no
+    rewinds = True
+
+    def rewind_to_word(self) -> int:
+        """While paused: queue again, ahead of the rest, the frames played
+        since the start of the word the pause fell in (:func:`word_start`,
+        at most :data:`REWIND_MAX_MS`), so that :meth:`resume` goes on from
+        there. Nothing if not paused, if the pause fell between words, or if
+        what is queued does not follow on from what was played (a newer
+        generation, a clear). Returns the audio queued again, ms."""
+        if not (self.rewinds and self.paused and self._recent):
+            return 0
+        last = self._recent[-1]
+        head = self._frames[0] if self._frames else None
+        if head is not None and (head.generation != last.generation or head.sample != last.sample + len(last.pcm) // 2):
+            return 0
+        tail = list(self._recent)
+        again = tail[word_start([rms_dbfs(f.pcm) if f.audible else -math.inf for f in tail]) :]
+        if not again:
+            return 0
+        self._recent.clear()
+        self.requeue(again)
+        self.replayed_frames += len(again)
+        return len(again) * FRAME_MS
+
     def note_played(self, frame: PlayoutFrame) -> None:
         """The delivery gate let ``frame`` out (called by the outbound track)."""
+        if self._recent and (self._recent[-1].generation != frame.generation
+                             or self._recent[-1].sample + len(self._recent[-1].pcm) // 2 != frame.sample):
+            self._recent.clear()  # another reply, or not the next frame: a rewind starts from this one
+        self._recent.append(frame)
         end = frame.sample + len(frame.pcm) // 2
         if end > self._played.get(frame.generation, 0):
             self._played[frame.generation] = end
@@ -113,6 +183,7 @@ class PlayoutBuffer:
         """Drop everything queued, at once. Returns how many frames went."""
         n = len(self._frames)
         self._frames.clear()
+        self._recent.clear()
         self.cleared_frames += n
         self._empty.set()
         return n

@@ -30,6 +30,13 @@ reception merely ended inside a pause.
 Inserted gaps under about 40 ms are measurement noise (Opus smear, one
 frame); the verdicts use 100 ms.
 
+Replays: a reply that paused for a noise or a backchannel goes on from the
+start of the word it paused in (its ``false_interruption``/``backchannel``
+event's ``replayed_ms``), so its first ``replayed_ms`` of sound after the
+pause were heard before; :func:`without_replays` takes them out of the
+reception so that sound time stays aligned with the reference (the silence
+the caller heard is unchanged).
+
 Everything here is pure (no I/O); times are client-clock seconds, lengths ms.
 """
 
@@ -141,6 +148,43 @@ class Listening:
             "beyond_reference_ms": self.beyond_reference,
             "unjudged_runs": self.unjudged,
         }
+
+
+def without_replays(frames: Sequence[Frame], replays: Sequence[tuple[float, float]]) -> list[Frame]:
+    """The reception without the sound the agent played a second time.
+
+    Args:
+        frames: the reception (see the module doc).
+        replays: ``(event arrival s, replayed ms)`` per resume that went back
+            to the start of the word it paused in (the ``replayed_ms`` of a
+            ``false_interruption`` or ``backchannel`` event).
+
+    Returns:
+        ``frames`` without, for each replay, the first ``replayed ms`` of
+        sound frames from where the sound came back after a silent frame,
+        at or after 50 ms before the event's arrival (the audio and the
+        event leave the server together and may arrive in either order).
+    """
+    out = list(frames)
+    for at, ms in sorted(replays):
+        n = int(round(ms / FRAME_MS))
+        if n <= 0:
+            continue
+        for i in range(1, len(out)):
+            if out[i][0] >= at - 0.05 and out[i][1] > SILENCE_DBFS and out[i - 1][1] <= SILENCE_DBFS:
+                j = i
+                while j < len(out) and j - i < n and out[j][1] > SILENCE_DBFS:
+                    j += 1
+                del out[i:j]
+                break
+    return out
+
+
+def replays_of(event_times: Sequence[tuple[float, dict[str, Any]]]) -> list[tuple[float, float]]:
+    """``(arrival s, replayed ms)`` of each resume from the start of a word,
+    from a call's ``event_times``."""
+    return [(at, float(e["replayed_ms"])) for at, e in event_times
+            if e.get("type") in ("false_interruption", "backchannel") and e.get("replayed_ms")]
 
 
 def silent_runs(frames: Sequence[Frame], *, until: float | None = None, threshold: float = SILENCE_DBFS) -> list[SilentRun]:
@@ -359,7 +403,8 @@ def judge_call(
             out.append(None)
             continue
         cut = next((s[0] for s in starts if seg_from is None or s[0] > seg_from), None)
-        frames = result.received if seg_from is None else [f for f in result.received if f[0] > seg_from]
+        received = without_replays(result.received, replays_of(result.event_times))
+        frames = received if seg_from is None else [f for f in received if f[0] > seg_from]
         until = measures[k + 1].sent_from if k + 1 < len(measures) else None
         superseded = cut is not None and (until is None or cut <= until)
         if superseded:

@@ -409,8 +409,10 @@ class AgentSession(SessionControls):
         return AgentActivity(speaking=len(self.playout) > 0 or (run.phase == "speaking" and not run.tts_done), replying=True)
 
     def _resume(self, d: Resume) -> None:
-        """Speech that was no barge-in: play on from where playout paused;
+        """Speech that was no barge-in: play on from the start of the word
+        playout paused in (:meth:`voice.transport.OutputSink.rewind_to_word`);
         its audio goes back to the pre-roll."""
+        replayed_ms = self.playout.rewind_to_word() if d.playout and d.held else 0
         if d.playout:
             self.playout.resume()
         self._drop_utterance()  # not a request: the recogniser hears no more of it
@@ -421,9 +423,9 @@ class AgentSession(SessionControls):
         else:
             self.backchannels += 1
         if d.report and d.reason == "backchannel":
-            self._send(Backchannel(generation=self.fence.active, paused_ms=d.paused_ms, **d.verdict))
-        elif d.report:
-            self._send(FalseInterruption(generation=self.fence.active, paused_ms=d.paused_ms))  # no verdict: it had none
+            self._send(Backchannel(generation=self.fence.active, paused_ms=d.paused_ms, replayed_ms=replayed_ms, **d.verdict))
+        elif d.report:  # no verdict: it had none
+            self._send(FalseInterruption(generation=self.fence.active, paused_ms=d.paused_ms, replayed_ms=replayed_ms))
 
     async def _classify_backchannel(self, candidate: int, held: list[bytes], utterance: Utterance | None) -> None:
         """Was candidate ``candidate`` (its audio: ``held``, its recognition:

@@ -206,28 +206,49 @@ async def test_a_backchannel_cancels_nothing_and_is_not_the_next_turn(
     assert [plain(m.content) for m in (await h.session.history()) if m.role == "user"] == ["tell me a story", plain(weather.transcript)]
 
 
+async def test_the_reply_goes_on_from_the_start_of_the_word_it_paused_in(h: Harness, say: Callable[..., Path]) -> None:
+    """After a backchannel the reply plays on from the start of the word the
+    pause fell in (DESIGN.md): what the track sends steps back by the
+    event's replayed_ms once, never more than a word (500 ms), and goes on
+    from there; the heard position is not counted twice."""
+    samples: list[int] = []
+    record_sent(h, lambda frame, at: samples.append(frame.sample) if frame is not None and frame.generation == 1 else None)
+    await story_playing(h, say, frames=40)
+    h.mic.say(pcm48(say("uh-huh")))
+    await h.wait_for(lambda: "backchannel" in types(h), timeout=10)
+    [bc] = [e for e in h.events if e["type"] == "backchannel"]
+    await asyncio.sleep(0.5)
+    steps = [b - a for a, b in zip(samples, samples[1:], strict=False) if b - a != 960]
+    if bc["replayed_ms"] == 0:
+        assert steps == []  # paused between two words: on from the very frame
+    else:
+        assert 0 < bc["replayed_ms"] <= 500 and steps == [960 - bc["replayed_ms"] * 48], (bc, steps)
+    assert h.playout.played_samples(1) == max(samples) + 960
+
+
 @pytest.mark.parametrize(("first", "then", "barges_in"), [("uh", "huh", False), ("yeah", "but", True)])
 async def test_a_backchannel_the_user_goes_on_after_is_judged_with_what_follows(
     h: Harness, say: Callable[..., Path], store: SqliteStore, first: str, then: str, barges_in: bool
 ) -> None:
-    """ "uh ... huh" and "yeah ... but", 300 ms between the words, over the
+    """ "uh ... huh" and "yeah ... but", 550 ms between the words, over the
     talking agent: the first word is a backchannel and the reply goes on
-    (200 ms after it); the second comes within rejoin_ms and is judged
+    (200 ms after it); the second comes within rejoin_ms (600) and is judged
     with it: "uh huh" goes on being one, "yeah but" barges in (issue 32,
-    item 4). Before, anything within rejoin_ms barged in: "uh ... huh"
-    cancelled the reply."""
+    item 4). Before, speech within rejoin_ms of a backchannel barged in
+    whatever it was: "uh ... huh" cancelled the reply. (On a loaded machine
+    the first verdict may come after the second word began: then the two
+    are one utterance, judged whole, with the same outcome.)"""
     await story_playing(h, say)
-    h.mic.say(trimmed(pcm48(say(first))) + bytes(int(0.3 * PLAYOUT_RATE) * 2) + trimmed(pcm48(say(then))))
-    await h.wait_for(lambda: types(h).count("backchannel") >= 1, timeout=10)
+    h.mic.say(trimmed(pcm48(say(first))) + bytes(int(0.55 * PLAYOUT_RATE) * 2) + trimmed(pcm48(say(then))))
     if barges_in:
         await h.wait_for(lambda: "barge_in" in types(h), timeout=10)
         [barge] = [e for e in h.events if e["type"] == "barge_in"]
         assert barge["initiator"] == "vad"
     else:
-        await h.wait_for(lambda: types(h).count("backchannel") == 2, timeout=10)
+        await h.wait_for(lambda: "backchannel" in types(h), timeout=10)
+        await asyncio.sleep(1.5)  # the second word's verdict too
         last = [e for e in h.events if e["type"] == "backchannel"][-1]
         assert plain(last["text"]).startswith("uh"), last  # judged with the first word
-        await asyncio.sleep(1.0)
         assert "barge_in" not in types(h) and h.playout.cleared_frames == 0
         [turn] = await store.list_session("sess-1")
         assert turn.status is TurnStatus.RUNNING

@@ -159,3 +159,19 @@ def test_judge_call_judges_a_clip_over_the_same_reply_begun_again() -> None:
     speech.gap_ms = cough.gap_ms = cough.outcome = None
     judged = L.judge_call(SimpleNamespace(received=got, event_times=events, barge_ins=[speech, cough], turns=turns), REF)
     assert judged[1] is None and cough.gap_ms is None
+
+
+def test_a_replayed_word_is_taken_out_and_the_pauses_after_it_still_align() -> None:
+    """A cough paused the reply 200 ms mid-word at 0.6 s of sound; it went on
+    from the start of that word (120 ms back, the event says): the caller
+    heard 200 ms of inserted silence, and the natural pauses after it are
+    still the reference's, not gaps."""
+    got = Q(10) + S(30) + Q(10) + S(6) + S(50 - 30) + Q(5) + S(50) + Q(8) + S(60)
+    event_at = T0 + 0.02 * 50  # the resume's event, as the replayed sound arrives
+    heard = L.listen(L.without_replays(rx(got), [(event_at, 120.0)]), REF)
+    assert [round(g) for g in heard.inserted(40.0)] == [200] and heard.outcome() == L.RESUMED
+    # not taken out, the replay shifts sound time by 120 ms: the natural pauses after it read as gaps
+    assert len(L.listen(rx(got), REF).inserted(40.0)) > 1
+    # the events that carry it
+    assert L.replays_of([(1.0, {"type": "backchannel", "replayed_ms": 80}), (2.0, {"type": "false_interruption",
+                         "replayed_ms": 0}), (3.0, {"type": "barge_in"})]) == [(1.0, 80.0)]
