@@ -70,9 +70,11 @@ class BackchannelConfig(BaseModel):
             the gate is open): a shorter pause inside an utterance ("uh ...
             huh", "yeah ... but") then never plays the reply between its
             words. Issue 32 asks the reply back within 300 ms of the
-            backchannel's end, as the caller hears it; 200 leaves the
-            recogniser's short decode (about 80 ms after ``decide_after_ms``)
-            and the way to the caller inside that.
+            backchannel's end, as the caller hears it. In 40 WebRTC soak
+            calls (bench/soak.py) ``decide_after_ms`` 60 and 150 here gave
+            p50 204 / p95 285 ms after the end, none cancelled; 100 and 200
+            gave 243 / 346 in 29 (the short decode's 70-100 ms and the way
+            to the caller come on top).
         max_syllables: an utterance with more syllable nuclei than this
             (counted from the audio, :mod:`media.syllables`) is speech,
             whatever the recogniser made of it: a fast "can you tell me a
@@ -86,8 +88,8 @@ class BackchannelConfig(BaseModel):
     unrecognised_max_ms: int = Field(550, ge=0, le=3000)
     max_syllables: int = Field(3, ge=1, le=20)
     rejoin_ms: int = Field(600, ge=0, le=10_000)
-    decide_after_ms: int = Field(100, ge=20, le=5000)
-    resume_after_ms: int = Field(200, ge=0, le=5000)
+    decide_after_ms: int = Field(60, ge=20, le=5000)
+    resume_after_ms: int = Field(150, ge=0, le=5000)
     words: list[str] = Field(default_factory=lambda: list(DEFAULT_BACKCHANNELS))
 
     def matches(self, text: str) -> bool:

@@ -232,7 +232,7 @@ async def test_a_backchannel_the_user_goes_on_after_is_judged_with_what_follows(
 ) -> None:
     """ "uh ... huh" and "yeah ... but", 550 ms between the words, over the
     talking agent: the first word is a backchannel and the reply goes on
-    (200 ms after it); the second comes within rejoin_ms (600) and is judged
+    (150 ms after it); the second comes within rejoin_ms (600) and is judged
     with it: "uh huh" goes on being one, "yeah but" barges in (issue 32,
     item 4). Before, speech within rejoin_ms of a backchannel barged in
     whatever it was: "uh ... huh" cancelled the reply. (On a loaded machine

@@ -188,15 +188,15 @@ SHORT = timeline(
 
 def test_a_short_utterance_is_classified_and_a_backchannel_resumes_after_the_wait() -> None:
     tt = machine()
-    got = play(tt, timeline(SHORT, frames(1490, 2000, gated=False), (1450, "verdict", 1, UH_HUH)))
+    got = play(tt, timeline(SHORT, frames(1490, 2000, gated=False), (1400, "verdict", 1, UH_HUH)))
     assert norm(got) == norm([
         (1010, Pause(1)),
-        # judged after 100 ms of quiet frames (decide_after_ms), before the VAD's speech_stopped at 1490
-        (1390, ClassifyBackchannel(1)),
-        # speech ended at 1290 (where the quiet run began): resumes 200 ms later
-        (1490, Resume("backchannel", playout=True, held=True, report=True, paused_ms=480.0, verdict=UH_HUH)),
+        # judged after 60 ms of quiet frames (decide_after_ms), before the VAD's speech_stopped at 1490
+        (1350, ClassifyBackchannel(1)),
+        # speech ended at 1290 (where the quiet run began): resumes 150 ms later
+        (1450, Resume("backchannel", playout=True, held=True, report=True, paused_ms=440.0, verdict=UH_HUH)),
     ])
-    assert tt.candidate is None and tt.backchannel_at == 1.49
+    assert tt.candidate is None and tt.backchannel_at == 1.45
 
 
 def test_with_decide_after_at_the_vad_offset_it_is_judged_at_speech_stopped() -> None:
@@ -231,7 +231,7 @@ def test_a_late_verdict_resumes_at_once_and_not_inside_a_gated_frame() -> None:
 
 
 def test_speech_after_an_early_judgement_drops_it_and_the_whole_is_judged() -> None:
-    """ "uh ... huh" with a 120 ms gap: judged after 100 ms of it, then the
+    """ "uh ... huh" with a 120 ms gap: judged after 60 ms of it, then the
     gate opens again before the VAD said stopped: the judgement (and a
     verdict waiting for its release) is dropped; the whole is judged once
     it ends, from its real end."""
@@ -244,10 +244,10 @@ def test_speech_after_an_early_judgement_drops_it_and_the_whole_is_judged() -> N
     got = play(tt, rows)
     assert norm(got) == norm([
         (1010, Pause(1)),
-        (1390, ClassifyBackchannel(1)),
-        # the verdict came at 1400, due at 1490: the gate opened at 1430 first
-        (1630, ClassifyBackchannel(1)),
-        (1730, Resume("backchannel", playout=True, held=True, report=True, paused_ms=720.0, verdict=UH_HUH)),
+        (1350, ClassifyBackchannel(1)),
+        # the verdict came at 1400, due at 1440: the gate opened at 1430 first
+        (1590, ClassifyBackchannel(1)),
+        (1700, Resume("backchannel", playout=True, held=True, report=True, paused_ms=690.0, verdict=UH_HUH)),
     ])
     # speech ended at 1530: 60 ms lead and the 27 frames from 1010 to 1530, the gap in it included
     tt = machine()
@@ -329,7 +329,7 @@ def test_going_on_after_a_pause_joins_the_first_word_and_cancels_its_classificat
     got = play(tt, rows)
     assert norm(got) == norm([
         (1010, Pause(1)),
-        (1390, ClassifyBackchannel(1)),
+        (1350, ClassifyBackchannel(1)),
         (1590, CancelClassification(1)),
         (1630, Commit(1.63, "vad", 0.97, 620.0)),  # 60 ms + 32 frames, the pause included
     ])
