@@ -198,7 +198,8 @@ async def test_a_push_to_talk_press_while_speaking_aborts_listens_and_drops_what
     assert m.stop_ms is not None and m.stop_ms <= 250
     # the server's lateness is still seen: the fake sends whole packets, so
     # its last old one leaves at most one packet before late_ms after the press
-    assert m.received_stop_ms is not None and m.received_stop_ms >= fake.late_ms - fake.frame_ms
+    # (give or take its sleep's timer jitter: 239.9 ms against 240 once in CI)
+    assert m.received_stop_ms is not None and m.received_stop_ms >= fake.late_ms - fake.frame_ms - 5
     assert fake.replies == 2 and [t.transcript for t in result.turns] == ["turn 1", "turn 2"]
 
 
