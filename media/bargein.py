@@ -52,7 +52,7 @@ from enum import StrEnum
 import numpy as np
 
 from media.bargein_config import BargeInConfig
-from media.echo_guard import ECHO_WINDOW_MS, EchoGuard, EchoReference
+from media.echo_guard import ECHO_SLIP_MS, ECHO_WINDOW_MS, EchoGuard, EchoReference
 from media.frames import FRAME_MS, VAD_RATE, frame_bytes
 from media.noise_floor import SILENCE_DBFS, NoiseFloor
 from media.speech_confirmation import PREROLL_SAMPLES, SpeechConfirmation
@@ -62,6 +62,11 @@ from media.vad import VadConfig, VoiceActivityDetector
 
 #: gated frames of a run that must sound like /s/ before it pauses on trial
 SIBILANT_FRAMES = 2
+#: frames in a row the echo guard explains, at the delay its echo had before
+#: the run, that reject a pause (reason "echo")...
+ECHO_REJECT_FRAMES = 3
+#: ...within this long (ms) of the pause: the echo still on its way back
+ECHO_REJECT_WITHIN_MS = 80
 
 
 class DetectorEventKind(StrEnum):
@@ -87,7 +92,8 @@ class DetectorEvent:
             after CONFIRMED, gated frames are added, 20 ms each).
         probability: highest Silero probability seen in the run.
         reason: for STARTED, "trial" for a pause on trial (else empty); for
-            REJECTED, "timeout" or "not_speech" (a trial pause not verified).
+            REJECTED, "timeout", "not_speech" (a trial pause not verified)
+            or "echo" (the run turned out the agent's own voice).
         onset_score: highest speech-onset score (0..1) of the run's frames
             scored before SPEECH_STARTED.
     """
@@ -154,6 +160,8 @@ class BargeInDetector:
     _verify_left: int
     _tentative_tried: bool
     _sibilant: int
+    _echo_run: int
+    _run_delay: int | None
 
     def __init__(self, vad: VadConfig | None = None, config: BargeInConfig | None = None, echo: EchoReference | None = None) -> None:
         self.vad_config = vad or VadConfig()
@@ -245,7 +253,7 @@ class BargeInDetector:
         if self.in_speech:
             self._speech_frame(gated, at, events)
         elif self.pending:
-            self._pending_frame(pcm, gated, echo_like, at, events)
+            self._pending_frame(pcm, gated, echo, echo_like, at, events)
         elif self._blocked:
             self._closed_run = 0 if gated else self._closed_run + 1
             if self._closed_run >= c.rearm_frames:
@@ -311,9 +319,25 @@ class BargeInDetector:
             self._blocked = True
             self._reset_run()
 
-    def _pending_frame(self, pcm: bytes, gated: bool, echo_like: bool, at: float, events: list[DetectorEvent]) -> None:
+    def _pending_frame(
+        self, pcm: bytes, gated: bool, echo: bool, echo_like: bool, at: float, events: list[DetectorEvent]
+    ) -> None:
         self._speech_ms += self._confirmation.feed(pcm, not echo_like, self._floor.dbfs)
         self._closed_run = 0 if gated else self._closed_run + 1
+        matched = self._echo.matched_delay_ms
+        again = echo and matched is not None and self._run_delay is not None and abs(matched - self._run_delay) <= ECHO_SLIP_MS
+        self._echo_run = self._echo_run + 1 if again else 0
+        if self._echo_run >= ECHO_REJECT_FRAMES and at - self._started_at <= ECHO_REJECT_WITHIN_MS / 1000 + 1e-9:
+            # The guard explains the run's audio, at the full bar, as the
+            # agent's own voice at the delay its echo had before the run:
+            # the run's start was echo the guard lost for a moment (the
+            # path's delay jumped). Playout resumes now, not after
+            # confirm_timeout_ms of silence. (A user's speech matches some
+            # stretch of the agent's now and then, but at a delay of its own.)
+            events.append(self._event(DetectorEventKind.SPEECH_REJECTED, at, reason="echo"))
+            self.pending = False
+            self._reset_run()
+            return
         if self._verify_left:
             # A tentative pause: the onset must score as speech within
             # pause_verify_ms, or playout resumes before the hole is heard.
@@ -380,6 +404,8 @@ class BargeInDetector:
         self._verify_left = 0
         self._tentative_tried = False
         self._sibilant = 0
+        self._echo_run = 0
+        self._run_delay = None
         self._confirmation.clear()
         if not keep_closed:
             self._closed_run = 0
@@ -389,5 +415,6 @@ class BargeInDetector:
         the buffer ends on a chunk boundary right after this frame."""
         self._candidate = True
         self._onset_at = at
+        self._run_delay = self._echo.locked_delay_ms
         # _recent already holds the current frame; pre-roll is what came before it
         self._confirmation.start(b"".join(list(self._recent)[:-1]))

@@ -48,7 +48,7 @@ import numpy as np
 
 from media.frames import FRAME_MS, PLAYOUT_RATE, VAD_RATE, frame_bytes
 from media.noise_floor import SILENCE_DBFS
-from media.timeline import SteadyClock
+from media.timeline import PACING_MAX_LAG_S, SteadyClock
 
 #: Hop of the echo features (ms) and the analysis window (ms, Hann).
 ECHO_HOP_MS = 10
@@ -84,6 +84,18 @@ ECHO_SOUNDING_DB = 30.0
 ECHO_MIN_SOUNDING_HOPS = 4
 #: Extra delay slack (ms) searched on both sides of 0..max_delay (clock jitter).
 ECHO_SLACK_MS = 20
+# The echo path's delay jumps when the far end's jitter buffer stretches or
+# drops playout: across the jump, no delay explains the whole window.
+#: how far (ms) the delay may have jumped
+ECHO_SLIP_MS = 60
+#: the newest inbound audio (ms) compared after a jump
+ECHO_SLIP_WINDOW_MS = 60
+#: for how long (ms) after a frame found to be echo a jump is looked for
+ECHO_SLIP_HOLD_MS = 200
+#: how much lower (0..1) the correlation at the echo's known delay may be than
+#: the best one and still be taken: the agent's speech has a rhythm, and a
+#: delay a syllable off can match about as well, then lose the echo
+ECHO_PREFER_MARGIN = 0.05
 # Echo return loss (ERL): how far below the played signal the echo reaches
 # the microphone. A headset, or a client whose own echo canceller works,
 # returns nothing; a speakerphone returns the agent 6-20 dB down.
@@ -166,8 +178,16 @@ class EchoReference:
         self._end_key: int | None = None  # hop key (clock * 100) of the newest reference hop
         self._tail = np.zeros(_FEAT48.win - _FEAT48.hop)
         self._last_audible: float | None = None
+        #: the best delay (ms) of the last comparison (None: there was none)
+        self.delay_ms: int | None = None
+        #: the echo path's per-band offset (log10 power) the last full
+        #: comparison found (NaN: not known for that band)
+        self.path_offset = np.full(len(ECHO_BANDS_HZ) - 1, np.nan)
         self._zeros48 = np.zeros(PLAYOUT_RATE * FRAME_MS // 1000)
-        self._steady = SteadyClock()
+        # what was sent late after a stall of the outbound track is played
+        # late: its timeline jumps over the hole at once (a burst cannot
+        # lag that far)
+        self._steady = SteadyClock(max_drift_s=PACING_MAX_LAG_S)
         #: mean square (full scale 1) of each played 20 ms frame, newest last,
         #: over every delay plus the ERL window
         self._fed_at: float | None = None  # clock seconds of the last played() call
@@ -224,29 +244,43 @@ class EchoReference:
         self._feats[:-k] = self._feats[k:]
         self._feats[-k:] = feats
 
-    def _excess_share(self, r: np.ndarray, inb: np.ndarray) -> float:
-        """Share (0..1, weighted by inbound band energy) of the newest 20 ms
-        that lies ``ECHO_EXCESS_DB`` above the echo predicted from the
-        reference window ``r`` (w, bands) plus the path's per-band offset."""
-        # The offset is learnt only from hops where the reference carried
-        # sound: at the onset of the agent's speech the window is mostly
-        # silence on both sides, and an offset taken from silence would call
-        # the echo's first syllable "unexplained". A band with too few such
-        # hops makes no claim of double talk.
+    def _path_offset(self, r: np.ndarray, inb: np.ndarray) -> np.ndarray:
+        """The echo path's per-band offset (log10 power, inbound minus
+        reference) over the window ``r``, ``inb`` (w, bands): the
+        ``ECHO_OFFSET_PCT`` percentile of the hops where the reference
+        carried sound; NaN for a band with fewer than
+        ``ECHO_MIN_SOUNDING_HOPS`` such hops."""
+        # Only hops where the reference carried sound: at the onset of the
+        # agent's speech the window is mostly silence on both sides, and an
+        # offset taken from silence would call the echo's first syllable
+        # "unexplained". A band with too few such hops makes no claim of
+        # double talk.
         sounding = r > self._silent + ECHO_SOUNDING_DB / 10
-        diff = np.where(sounding, inb - r, np.nan)
-        enough = sounding.sum(axis=0) >= ECHO_MIN_SOUNDING_HOPS
+        n_all = sounding.sum(axis=0)
+        offset = np.full(r.shape[1], np.nan)
+        enough = n_all >= ECHO_MIN_SOUNDING_HOPS
         if not enough.any():
-            return 0.0
+            return offset
         # the per-band percentile of the hops with sound (NaNs sort last)
-        ordered = np.sort(diff[:, enough], axis=0)
-        n = sounding.sum(axis=0)[enough]
+        ordered = np.sort(np.where(sounding, inb - r, np.nan)[:, enough], axis=0)
+        n = n_all[enough]
         pos = (n - 1) * (ECHO_OFFSET_PCT / 100)
         lo = np.floor(pos).astype(int)
         hi = np.minimum(lo + 1, n - 1)
         cols = np.arange(ordered.shape[1])
-        offset = ordered[lo, cols] + (ordered[hi, cols] - ordered[lo, cols]) * (pos - lo)
-        excess = inb[-2:, enough] - (r[-2:, enough] + offset)
+        offset[enough] = ordered[lo, cols] + (ordered[hi, cols] - ordered[lo, cols]) * (pos - lo)
+        return offset
+
+    @staticmethod
+    def _excess_share(r: np.ndarray, inb: np.ndarray, offset: np.ndarray) -> float:
+        """Share (0..1, weighted by inbound band energy) of the newest 20 ms
+        that lies ``ECHO_EXCESS_DB`` above the echo predicted from the
+        reference window ``r`` (w, bands) plus the path's per-band
+        ``offset`` (NaN: that band makes no claim)."""
+        enough = ~np.isnan(offset)
+        if not enough.any():
+            return 0.0
+        excess = inb[-2:, enough] - (r[-2:, enough] + offset[enough])
         e_all = 10 ** inb[-2:]
         e = e_all[:, enough]
         return float(np.sum(e * (excess > ECHO_EXCESS_DB / 10)) / (np.sum(e_all) + 1e-30))
@@ -293,7 +327,7 @@ class EchoReference:
         the analysis window) before ``at``."""
         return self._last_audible is not None and at - self._last_audible <= (self.max_delay_ms + ECHO_WINDOW_MS) / 1000
 
-    def similarity(self, recent16: bytes, at: float) -> float:
+    def similarity(self, recent16: bytes, at: float, prefer_ms: int | None = None) -> float:
         """How well recent inbound audio is explained by a delayed copy of the
         outbound signal.
 
@@ -302,33 +336,86 @@ class EchoReference:
                 ``ECHO_WINDOW_MS + 10`` ms (180 ms; 9 frames); only its tail
                 is used. Its last sample was received at clock ``at``.
             at: clock seconds of the newest inbound frame.
+            prefer_ms: the delay (ms) the echo is known at: it is taken if
+                its correlation is within ``ECHO_PREFER_MARGIN`` of the best.
 
         Returns:
             0..1: the best, over delays 0..max_delay_ms, of the envelope
             correlation, set to 0 when the newest 20 ms carries energy the
             echo cannot explain (double talk). 0 when too little audio was
-            given or nothing was played.
+            given or nothing was played. The best delay is left in
+            :attr:`delay_ms` (None when there was none).
         """
-        if self._end_key is None:
-            return 0.0
-        w = self._window_hops
+        sim, self.delay_ms = self._match(
+            recent16, at, self._window_hops, -self._slack, self.max_delay_ms // ECHO_HOP_MS + self._slack, prefer_ms=prefer_ms
+        )
+        return sim
+
+    def slipped_similarity(self, recent16: bytes, at: float, delay_ms: int, offset: np.ndarray) -> float:
+        """:meth:`similarity` of the newest ``ECHO_SLIP_WINDOW_MS`` only, at
+        delays within ``ECHO_SLIP_MS`` of ``delay_ms``: the echo after its
+        path's delay jumped (the far end's jitter buffer ran dry, or
+        dropped playout). Across the jump no delay explains the whole
+        window, and the newest frame, predicted at the old delay, carries
+        "unexplained" energy; the short window after the jump matches the
+        new delay. (A window split at the jump, its older part at the old
+        delay, does not tell a user's onset from echo: the older part's
+        match carries it.) Sets :attr:`delay_ms` to its best.
+
+        Args:
+            recent16: as for :meth:`similarity`.
+            at: clock seconds of the newest inbound frame.
+            delay_ms: the delay the echo had just before (ms).
+            offset: the path's per-band offset then (:attr:`path_offset`):
+                double talk is judged with it, since one taken from so short
+                a window would follow a user's voice in it.
+
+        Returns:
+            0..1, as for :meth:`similarity`.
+        """
+        d = delay_ms // ECHO_HOP_MS
+        slip = ECHO_SLIP_MS // ECHO_HOP_MS
+        sim, best = self._match(recent16, at, ECHO_SLIP_WINDOW_MS // ECHO_HOP_MS, d - slip, d + slip, offset)
+        if best is not None:
+            self.delay_ms = best
+        return sim
+
+    def _inbound(self, recent16: bytes, w: int) -> np.ndarray | None:
+        """Log band energies (w, bands) of the newest ``w`` hops of inbound
+        audio (16 kHz s16), or None if ``recent16`` is too short."""
         need = (w - 1) * _FEAT16.hop + _FEAT16.win
         x = np.frombuffer(recent16, dtype="<i2")
         if len(x) < need:
-            return 0.0
+            return None
         x = x[-need:].astype(np.float64) / 32768.0
-        inb = _FEAT16(np.lib.stride_tricks.sliding_window_view(x, _FEAT16.win)[:: _FEAT16.hop])  # (w, bands)
-        # Reference windows ending at hop keys in_end - d, d = -slack .. max + slack.
+        return _FEAT16(np.lib.stride_tricks.sliding_window_view(x, _FEAT16.win)[:: _FEAT16.hop])
+
+    def _match(
+        self, recent16: bytes, at: float, w: int, d_lo: int, d_hi: int,
+        offset: np.ndarray | None = None, prefer_ms: int | None = None,
+    ) -> tuple[float, int | None]:
+        """The envelope correlation of the newest ``w`` hops of inbound audio
+        with the reference at delays ``d_lo..d_hi`` hops, and the best delay
+        (ms; ``prefer_ms`` if it is within ``ECHO_PREFER_MARGIN`` of the
+        best). Zero for double talk, judged with the path's per-band
+        ``offset``; None: with the one the window shows, which is kept in
+        :attr:`path_offset`."""
+        if self._end_key is None:
+            return 0.0, None
+        inb = self._inbound(recent16, w)
+        if inb is None:
+            return 0.0, None
+        # Reference windows ending at hop keys in_end - d, d = d_lo .. d_hi.
         in_end = round(at * 1000 / ECHO_HOP_MS) + FRAME_MS // ECHO_HOP_MS
-        d_lo = -self._slack
-        d_hi = self.max_delay_ms // ECHO_HOP_MS + self._slack
+        d_lo = max(d_lo, -self._slack)
+        d_hi = min(d_hi, self.max_delay_ms // ECHO_HOP_MS + self._slack)
         # Index in the ring of the hop with key k: cap - 1 - (end_key - k).
         last = self._cap - 1 - (self._end_key - (in_end - d_lo))  # window end for d_lo
         first = self._cap - 1 - (self._end_key - (in_end - d_hi))  # window end for d_hi
         first = max(first, w - 1)
         last = min(last, self._cap - 1)
         if last < first:
-            return 0.0
+            return 0.0, None
         ref = np.lib.stride_tricks.sliding_window_view(self._feats[first - w + 1 : last + 1], w, axis=0)  # (L, bands, w)
         # Pearson over (hops, bands) after removing each band's mean over the
         # window; the inbound side is centred, so the reference's band means
@@ -339,20 +426,32 @@ class EchoReference:
         rss = np.einsum("lbw,lbw->l", ref, ref) - np.einsum("lb,lb->l", rsum, rsum) / w
         iss = float(np.einsum("wb,wb->", ic, ic))
         if iss < ECHO_MIN_VAR:
-            return 0.0
+            return 0.0, None
         # A flat reference window (silence) has no envelope to match; the
         # subtraction above leaves rounding noise there, so mask it out.
         corr = np.where(rss > ECHO_MIN_VAR, num / np.sqrt(np.maximum(rss, ECHO_MIN_VAR) * iss), 0.0)
         best = int(np.argmax(corr))
+        if prefer_ms is not None:
+            # the speech's own rhythm can match about as well a syllable
+            # off: the delay the echo is known at wins a near tie against a
+            # far one (a neighbouring one is the same path)
+            k = self._cap - 1 - (self._end_key - (in_end - prefer_ms // ECHO_HOP_MS)) - first
+            if 0 <= k < len(corr) and abs(k - best) * ECHO_HOP_MS > ECHO_SLACK_MS and corr[k] >= corr[best] - ECHO_PREFER_MARGIN:
+                best = k
         sim = float(corr[best])
+        # the window ending at ring index first + best ends at key in_end - delay
+        delay_ms = (in_end - (self._end_key - (self._cap - 1 - (first + best)))) * ECHO_HOP_MS
         if sim <= 0:
-            return 0.0
+            return 0.0, delay_ms
         # Double talk: does the newest 20 ms carry energy the echo cannot explain?
         # Predict it from the best reference window plus the window's median
         # per-band offset (attenuation, coloration).
-        if self._excess_share(ref[best].T, inb) >= ECHO_EXCESS_SHARE:
-            return 0.0
-        return min(1.0, sim)
+        r = ref[best].T
+        if offset is None:
+            offset = self.path_offset = self._path_offset(r, inb)
+        if self._excess_share(r, inb, offset) >= ECHO_EXCESS_SHARE:
+            return 0.0, delay_ms
+        return min(1.0, sim), delay_ms
 
 
 class EchoGuard:
@@ -376,9 +475,25 @@ class EchoGuard:
         self.reference = reference
         self.threshold = threshold
         self._until = -math.inf
+        self._now = -math.inf  # media time of the newest frame compared
+        #: the delay (ms) at which the newest frame was found echo at the
+        #: full bar (no hysteresis), None if it was not
+        self.matched_delay_ms: int | None = None
+        #: the echo's delay (ms), the media time it was last found at, and
+        #: the path's per-band offset then
+        self._locked: tuple[int | None, float, np.ndarray] = (None, -math.inf, np.empty(0))
         self.return_loss_db = 0.0
         self._inbound_energy: deque[float] = deque(maxlen=ERL_WINDOW_MS // FRAME_MS)
         self._louder_run = 0
+
+    @property
+    def locked_delay_ms(self) -> int | None:
+        """The delay (ms) the echo was last found at, at the full bar and
+        not louder than the loss allows, if that was at most
+        ``ECHO_SLIP_HOLD_MS`` before the newest frame compared (None
+        otherwise)."""
+        delay, found_at, _ = self._locked
+        return delay if self._now - found_at <= ECHO_SLIP_HOLD_MS / 1000 else None
 
     def playing(self, at: float) -> bool:
         """Whether something audible was played recently enough (see
@@ -405,13 +520,31 @@ class EchoGuard:
             learnt anew).
         """
         echo = echo_like = False
+        self.matched_delay_ms = None
+        self._now = media_at
         if voiced and self.playing(at):
             assert self.reference is not None
             # Hysteresis: right after echo, a lower bar keeps the agent's
             # own syllable onsets (similarity dipping to 0.6-0.8) echo; the
             # user's voice on top drives similarity to 0 (the excess rule).
             bar = self.threshold - ECHO_HYSTERESIS if media_at <= self._until else self.threshold
-            echo = echo_like = self.reference.similarity(b"".join(recent), media_at) >= bar
+            audio = b"".join(recent)
+            sim = self.reference.similarity(audio, media_at, prefer_ms=self.locked_delay_ms)
+            echo = echo_like = sim >= bar
+            slipped = False
+            matched: tuple[int | None, np.ndarray] | None = None
+            if sim >= self.threshold:
+                matched = (self.reference.delay_ms, self.reference.path_offset)
+            elif not echo_like and (locked := self._locked)[0] is not None and media_at - locked[1] <= ECHO_SLIP_HOLD_MS / 1000:
+                # the echo a moment ago, and now nothing matches: did its
+                # delay jump? (the newest 80 ms at a nearby delay, held to
+                # the full bar: a short window matches more by chance)
+                delay, _, offset = locked
+                assert delay is not None
+                slipped = self.reference.slipped_similarity(audio, media_at, delay, offset) >= self.threshold
+                if slipped:
+                    echo = echo_like = True
+                    matched = (self.reference.delay_ms, offset)
             if echo_like and self._louder_than_echo(level):
                 # Louder than the path lets the agent come back: the user,
                 # though the envelope matches (speech rising from silence
@@ -427,8 +560,12 @@ class EchoGuard:
                     self._louder_run = 0
             else:
                 self._louder_run = 0
-            if echo_like:
+            if echo_like and not slipped:
                 self._until = media_at + ECHO_HOLD_MS / 1000
+            if echo and matched is not None:
+                # the delay the echo is known at (a match the loss let stand)
+                self._locked = (matched[0], media_at, matched[1])
+                self.matched_delay_ms = matched[0]
         return echo, echo_like
 
     def heard(self, mean_square: float, at: float, received: bool) -> None:
@@ -475,3 +612,37 @@ class EchoGuard:
             if bound is not None:
                 erl = max(erl, min(bound, ERL_MAX_DB))
         self.return_loss_db = erl
+
+
+#: frames of the pre-roll kept however recently the guard found echo in it:
+#: its verdict lags the user's onset by a frame (hysteresis)
+PREROLL_KEEP_FRAMES = 3
+
+
+def after_echo(preroll: Iterable[tuple[bytes, bool]]) -> list[bytes]:
+    """The pre-roll of a user's speech without the agent's echo before it.
+
+    The pre-roll (``VadConfig.preroll_ms`` before the onset) is what the
+    recogniser and the end-of-turn judge hear of the speech's start; on a
+    speakerphone it holds the agent's own voice heard back, whose words the
+    recogniser would put in front of the user's ("we more what is the
+    weather like today"). A frame the guard explained as echo carries no
+    user speech it could not explain (the double-talk rule), and a gated run
+    ends at such a frame, so the user's speech starts after the last one:
+    the frames up to it are dropped, but the newest
+    ``PREROLL_KEEP_FRAMES`` are always kept (the guard's hysteresis can
+    take the user's first frame for echo; 60 ms of echo make no word).
+
+    Args:
+        preroll: (pcm, echo) per 20 ms frame, oldest first: the frame
+            (16 kHz mono s16) and :attr:`media.inbound_frame.InboundFrame.echo`.
+
+    Returns:
+        The pcm of the frames after the last echo frame (at least the newest
+        ``PREROLL_KEEP_FRAMES``), oldest first; all of them when none was
+        echo.
+    """
+    frames = list(preroll)
+    last = max((i for i, (_, echo) in enumerate(frames) if echo), default=-1)
+    start = min(last + 1, max(0, len(frames) - PREROLL_KEEP_FRAMES))
+    return [pcm for pcm, _ in frames[start:]]

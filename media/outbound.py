@@ -22,10 +22,7 @@ from clock import Clock
 from media.declick import Declicker
 from media.frames import FRAME_MS, PLAYOUT_RATE, pcm_to_frame, samples_per_frame
 from media.playout import PlayoutBuffer, PlayoutFrame
-
-#: If the loop stalls longer than this (s), restart pacing instead of bursting.
-MAX_LAG_S = 0.1
-
+from media.timeline import PACING_MAX_LAG_S
 
 #: the delivery gate's rule (DESIGN.md): may output of this generation reach the
 #: client? e.g. ``turn.generation.GenerationFence.passes``. A plain predicate, so
@@ -103,7 +100,7 @@ class PacedAudioTrack(MediaStreamTrack):
         else:
             self._tick += 1
             due = self._start + self._tick * FRAME_MS / 1000
-            if now - due > MAX_LAG_S:
+            if now - due > PACING_MAX_LAG_S:
                 # The loop stalled: restart pacing rather than burst frames out.
                 self._start, self._tick = now, 0
                 self.audit.resyncs += 1

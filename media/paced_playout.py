@@ -24,9 +24,7 @@ from clock import Clock
 from media.frames import FRAME_MS, PLAYOUT_RATE
 from media.outbound import Passes
 from media.playout import PlayoutBuffer, PlayoutFrame
-
-#: if the loop stalls longer than this (s), pacing restarts instead of bursting
-MAX_LAG_S = 0.1
+from media.timeline import PACING_MAX_LAG_S
 
 
 class PacedPlayout(PlayoutBuffer):
@@ -75,7 +73,7 @@ class PacedPlayout(PlayoutBuffer):
             else:
                 tick += 1
                 due = start + tick * FRAME_MS / 1000
-                if now - due > MAX_LAG_S:
+                if now - due > PACING_MAX_LAG_S:
                     start, tick = now, 0  # the loop stalled: restart rather than burst
                 else:
                     await self.clock.sleep(due - now)

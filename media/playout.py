@@ -26,6 +26,10 @@ from media.frames import FRAME_MS, PLAYOUT_RATE, frame_bytes, rms_dbfs
 
 #: the most a resume plays again to start at the word it paused in, ms
 REWIND_MAX_MS = 500
+#: a pause shorter than this (ms) resumes where it stopped: it cut off too
+#: little for a word said again to sound better than a gap (an echo onset
+#: the guard took back after 40-80 ms)
+REWIND_MIN_PAUSE_MS = 120
 #: a frame at or below this level (dBFS) is a pause between words
 WORD_GAP_DBFS = -45.0
 #: ... and so is one this far (dB) below the loudest frame after it in the word

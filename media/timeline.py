@@ -16,6 +16,12 @@ from collections import deque
 
 from media.frames import FRAME_MS
 
+#: A paced sender (:class:`media.outbound.PacedAudioTrack`,
+#: :class:`media.paced_playout.PacedPlayout`) that falls this far (s) behind
+#: its ticks restarts pacing instead of bursting frames out to catch up: a
+#: lag beyond it is a hole in what it sent, never a burst.
+PACING_MAX_LAG_S = 0.1
+
 
 class SteadyClock:
     """Media time of a 20 ms frame stream: the first frame's clock time plus
@@ -35,10 +41,15 @@ class SteadyClock:
       whose lag stays within ``SETTLE_SPREAD_S`` of each other and above
       ``MIN_HOLE_S``, media time jumps over the hole.
 
-    Any drift over ``MAX_DRIFT_S`` re-bases at once.
+    Any drift over ``max_drift_s`` re-bases at once.
+
+    Args:
+        max_drift_s: drift (s) that re-bases media time at once
+            (``MAX_DRIFT_S``; a paced sender's own stream, which cannot
+            burst beyond it, passes ``PACING_MAX_LAG_S``).
 
     Attributes:
-        MAX_DRIFT_S: drift (s) that re-bases media time at once (0.2).
+        MAX_DRIFT_S: the default ``max_drift_s`` (0.2).
         MIN_HOLE_S: least steady lag (s) taken for a hole (0.04: two frames).
         SETTLE_FRAMES: frames (20 ms each) whose lag must agree before a
             hole is jumped over (4).
@@ -50,7 +61,8 @@ class SteadyClock:
     SETTLE_FRAMES = 4
     SETTLE_SPREAD_S = 0.015
 
-    def __init__(self) -> None:
+    def __init__(self, max_drift_s: float = MAX_DRIFT_S) -> None:
+        self.max_drift_s = max_drift_s
         self._t: float | None = None
         self._lags: deque[float] = deque(maxlen=self.SETTLE_FRAMES)
 
@@ -65,7 +77,7 @@ class SteadyClock:
         t = at if self._t is None else self._t + FRAME_MS / 1000
         lag = at - t
         self._lags.append(lag)
-        if abs(lag) > self.MAX_DRIFT_S:
+        if abs(lag) > self.max_drift_s:
             t = at
             self._lags.clear()
         elif len(self._lags) == self.SETTLE_FRAMES:

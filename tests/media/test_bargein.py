@@ -8,6 +8,7 @@ outbound track does.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import corpus as C
@@ -23,7 +24,7 @@ from media.bargein import (
     DetectorEventKind as K,
 )
 from media.bargein_config import BargeInConfig
-from media.echo_guard import EchoReference
+from media.echo_guard import PREROLL_KEEP_FRAMES, EchoReference, after_echo
 from media.frames import PLAYOUT_RATE, VAD_RATE
 from media.speech_onset import shared_scorer
 from media.timeline import SteadyClock
@@ -90,7 +91,7 @@ def assert_well_formed(run: Run) -> None:
             assert state == "pending", run.kinds()
             state = "speech"
         elif e.kind == K.SPEECH_REJECTED:
-            assert state == "pending" and e.reason in ("timeout", "not_speech"), run.kinds()
+            assert state == "pending" and e.reason in ("timeout", "not_speech", "echo"), run.kinds()
             state = "idle"
         else:
             assert state == "speech", run.kinds()
@@ -208,6 +209,46 @@ def test_a_user_over_the_agent_into_a_quiet_microphone_is_not_echo(voice: str) -
     assert started.at == bare_started.at  # stage 1: no later than without the guard
     assert started.at - 1.2 <= 0.1
     assert guarded.detector.echo_return_loss_db >= 20  # learnt from the silent microphone
+
+
+def test_after_echo_drops_the_pre_roll_up_to_the_last_echo_frame() -> None:
+    frames = [(bytes([i]) * 640, echo) for i, echo in enumerate([False, True, True, False, True, False, False, False, False])]
+    assert after_echo(frames) == [f for f, _ in frames[5:]]
+    assert after_echo([(f, False) for f, _ in frames]) == [f for f, _ in frames]  # no echo: all of it
+    assert after_echo([(f, True) for f, _ in frames]) == [f for f, _ in frames[-PREROLL_KEEP_FRAMES:]]
+    assert after_echo([]) == []
+
+
+@pytest.mark.skipif(not C.have_espeak(), reason="espeak-ng is not installed")
+@pytest.mark.parametrize("voice", C.VOICES)
+def test_the_pre_roll_of_speech_over_the_echo_holds_the_user_not_the_agent(voice: str) -> None:
+    """A user over a speakerphone's echo: the 300 ms before their speech is
+    the agent's voice, which the recogniser heard as words in front of the
+    user's ("the smoke is the weather like today"). What is kept of it
+    starts at the user's first sound, give or take the guard's frame of
+    hysteresis."""
+    user = C.resample(C.opus_round_trip(C.espeak("what is the weather like today", voice, 175, PLAYOUT_RATE)), PLAYOUT_RATE, VAD_RATE)
+    sound = C.sound_extent(user)
+    assert sound is not None
+    lead_s = 2.0
+    clip = _over_the_agent(user, echo_from_s=0.0, lead_s=lead_s)
+    config = BargeInConfig()
+    ref = EchoReference(config.echo_max_delay_ms)
+    det = BargeInDetector(None, config, ref)
+    refs = C.frames48(clip.ref48)
+    preroll: deque[tuple[bytes, bool]] = deque(maxlen=VadConfig().preroll_frames)
+    for i, frame in enumerate(C.frames16(clip.pcm)):
+        ref.played(refs[i] if i < len(refs) else None, i * 0.02)
+        verdict, events = det.feed(frame, i * 0.02)
+        if any(e.kind is K.SPEECH_STARTED for e in events):
+            break
+        preroll.append((frame, verdict.echo))
+    else:
+        raise AssertionError("the user never started")
+    kept = after_echo(preroll)
+    kept_from = (i - len(kept)) * 0.02
+    assert sum(echo for _, echo in preroll) >= 5  # the guard heard the agent in the pre-roll
+    assert lead_s + sound[0] - 0.1 <= kept_from <= lead_s + sound[0] + 0.02, (kept_from, lead_s + sound[0])
 
 
 @pytest.mark.skipif(not C.have_espeak(), reason="espeak-ng is not installed")
@@ -449,6 +490,68 @@ def test_skipped_outbound_ticks_are_silence_to_the_echo_guard() -> None:
         erl.append(det.echo_return_loss_db)
     assert max(erl) <= 10.0 + 3
     assert events == [], [e.kind for e in events]
+
+
+def _agent_speech48() -> bytes:
+    """Both agent phrases back to back after 300 ms of silence, 48 kHz."""
+    ref48 = bytes(PLAYOUT_RATE * 2 * 3 // 10) + C.espeak(C.AGENT_PHRASES[0] + " " + C.AGENT_PHRASES[1], "en-us", 175, PLAYOUT_RATE)
+    return ref48[: len(ref48) // 1920 * 1920]
+
+
+@pytest.mark.skipif(not C.have_espeak(), reason="espeak-ng is not installed")
+def test_an_echo_whose_delay_jumps_pauses_nothing_for_long() -> None:
+    """The far end's playout ran dry for 20 ms and came back 20-60 ms later
+    (a jitter buffer after a late packet, a client's speaker after a
+    server stall): for the frames after the jump, no delay explains the
+    whole window, and each such frame was gated. A soak call paused 600 ms
+    for its own voice this way (3 of 16 speakerphone calls). The guard
+    now finds the echo again at the new delay from the newest 60 ms: most
+    jumps pause nothing, and any pause it began is taken back within
+    100 ms (reason "echo"), not after the 600 ms confirmation timeout."""
+    ref48 = _agent_speech48()
+    cases = started = 0
+    for jump_ms in (20, 40, 60):
+        for at_s in (1.17, 1.51, 2.19, 2.53, 2.87, 3.55):
+            a = C.to_array(C.echo_path(ref48, 40, 6.0))
+            b = C.to_array(C.echo_path(ref48, 40 + jump_ms, 6.0))
+            k = int(at_s * VAD_RATE) // 320 * 320
+            mic = np.concatenate([a[:k], np.zeros(320), b[k + 320 :]])
+            run = run_clip(C.Clip("jump", "echo", C.to_pcm(mic), None, ref48))
+            assert_well_formed(run)
+            assert K.SPEECH_CONFIRMED not in run.kinds(), (jump_ms, at_s, run.events)
+            for start, end in zip(run.events[::2], run.events[1::2]):
+                assert end.kind is K.SPEECH_REJECTED and end.reason in ("echo", "not_speech"), (jump_ms, at_s, run.events)
+                assert end.at - start.at <= 0.1, (jump_ms, at_s, run.events)
+            cases += 1
+            started += K.SPEECH_STARTED in run.kinds()
+    assert started <= cases // 4, (started, cases)
+
+
+@pytest.mark.skipif(not C.have_espeak(), reason="espeak-ng is not installed")
+@pytest.mark.parametrize("stall_ms", [120, 180])
+def test_an_outbound_stall_moves_the_reference_with_what_was_played(stall_ms: int) -> None:
+    """The server's loop stalled: the outbound track sent nothing for
+    ``stall_ms`` and then went on, restarting its pacing, with the audio it
+    had (so the client played all of it, that much later). The reference's
+    timeline used to wait four frames before taking the lag for a hole:
+    80 ms of reference stamped too early, and the agent's echo of it paused
+    the reply for 600 ms in half of such stalls. A paced track never bursts
+    beyond ``PACING_MAX_LAG_S``, so its timeline jumps at once."""
+    ref48 = _agent_speech48()
+    refs = C.frames48(ref48)
+    skipped = stall_ms // 20
+    for k in range(50, 200, 25):
+        played = b"".join(refs[:k]) + bytes(1920 * skipped) + b"".join(refs[k:])
+        config = BargeInConfig()
+        ref = EchoReference(config.echo_max_delay_ms)
+        det = BargeInDetector(None, config, ref)
+        events = []
+        for i, frame in enumerate(C.frames16(C.echo_path(played, 60, 6.0))):
+            if not k <= i < k + skipped:
+                j = i if i < k else i - skipped  # the frame the track sends at this tick
+                ref.played(refs[j] if j < len(refs) else None, i * 0.02)
+            events += det.feed(frame, i * 0.02)[1]
+        assert events == [], (k, [(e.kind, e.at, e.reason) for e in events])
 
 
 def test_filled_silence_is_no_evidence_of_a_quiet_path() -> None:
