@@ -36,8 +36,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from clock import Clock
+from media.echo_guard import after_echo
 from media.frames import FRAME_MS
 from media.inbound_frame import InboundFrame
+from media.playout import REWIND_MIN_PAUSE_MS
 from media.syllables import count_syllable_nuclei
 from media.vad import VadConfig
 from turn.event_catalogue import (
@@ -227,7 +229,9 @@ class AgentSession(SessionControls):
         #: what the user would stop a turn for if the session ended now
         self.close_reason = StopReasonKind.TRANSPORT_DISCONNECTED
         self.barge_ins: deque[BargeInRecord] = deque(maxlen=64)  # the latest, for tests and audits
-        self._preroll: deque[bytes] = deque(maxlen=max(1, self.vad.preroll_frames))
+        #: the latest frames before any candidate: (pcm, the echo guard
+        #: explained it as the agent's own voice)
+        self._preroll: deque[tuple[bytes, bool]] = deque(maxlen=max(1, self.vad.preroll_frames))
         self._runs: list[TurnHandle] = []
         self._listening: TurnHandle | None = None
         #: the candidate's audio (16 kHz frames, pre-roll first) while there is one
@@ -340,7 +344,7 @@ class AgentSession(SessionControls):
             if self._utterance is not None:
                 self._utterance.feed(frame.pcm)
         else:
-            self._preroll.append(frame.pcm)
+            self._preroll.append((frame.pcm, frame.echo))
         self._carry_out(tt.on_frame(frame.at, frame.gated, self._agent_state()))
 
     def _carry_out(self, decisions: list[Decision]) -> None:
@@ -360,8 +364,8 @@ class AgentSession(SessionControls):
                 # (Smart Turn hears a pause inside its window as an end more
                 # often: bench/end_of_turn.py); the words carry the context
                 self._turn_audio.clear()
-                self._turn_audio.extend(self._preroll)
-                self._held = [*self._preroll]
+                self._held = after_echo(self._preroll)
+                self._turn_audio.extend(self._held)
                 self._preroll.clear()
                 self._drop_utterance()
                 self._utterance = self.transcription.begin()  # the recogniser hears it from the pre-roll on
@@ -412,12 +416,13 @@ class AgentSession(SessionControls):
         """Speech that was no barge-in: play on from the start of the word
         playout paused in (:meth:`voice.transport.OutputSink.rewind_to_word`);
         its audio goes back to the pre-roll."""
-        replayed_ms = self.playout.rewind_to_word() if d.playout and d.held else 0
+        rewind = d.playout and d.held and d.paused_ms >= REWIND_MIN_PAUSE_MS
+        replayed_ms = self.playout.rewind_to_word() if rewind else 0
         if d.playout:
             self.playout.resume()
         self._drop_utterance()  # not a request: the recogniser hears no more of it
         for pcm in self._held[-self._preroll.maxlen :] if self._preroll.maxlen else []:
-            self._preroll.append(pcm)
+            self._preroll.append((pcm, False))
         if d.reason == "false_interruption":
             self.false_interruptions += d.held
         else:

@@ -545,9 +545,15 @@ async def test_the_agent_does_not_interrupt_itself_on_a_speakerphone(
         assert vad.count("speech_started") - vad.count("speech_rejected") == 1 and "barge_in" not in types(h), vad
         assert "false_interruption" not in types(h) and h.playout.cleared_frames == 0
         assert longest_hole_ms(sent) <= 60, sent
-        # the user speaking over it (double talk) still barges in
+        # the user speaking over it (double talk) still barges in, and is
+        # heard without the agent's words from before their onset (the
+        # pre-roll's echo once made it "the smoke is the weather like today")
         h.mic.say(pcm48(say("what is the weather like today")))
         await h.wait_for(lambda: "barge_in" in types(h), timeout=10)
+        await h.wait_for(lambda: any(e.get("status") == "COMPLETED" for e in h.turn_events()), timeout=30)
+        story, weather = await store.list_session("sess-1")
+        assert story.stop_reason is not None and story.stop_reason.kind is StopReasonKind.BARGE_IN
+        assert plain(weather.transcript) == "what is the weather like today"
     finally:
         await h.stop()
 
