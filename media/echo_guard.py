@@ -32,6 +32,14 @@ echo could be (``ECHO_LOUDER_DB`` over the loudest recent playout less the
 loss) opens the gate even if its envelope matches. It earns stage 2 no
 credit, though: only frames unlike the echo confirm a barge-in.
 
+The echo path's delay is not constant: when the far end's playout runs dry
+(a late packet, a stall of our outbound track) it comes back 20-60 ms later.
+Across such a jump no delay explains the 160 ms window, so for 200 ms after
+a frame found to be echo the guard also looks at the newest 60 ms alone near
+the delay it knew (:meth:`EchoReference.slipped_similarity`); and a stall
+of the outbound track moves the reference's timeline at once
+(``PACING_MAX_LAG_S``), since what was sent late was played late.
+
 Units: inbound PCM 16 kHz mono s16, outbound 48 kHz mono s16, 20 ms frames;
 levels dBFS (mean square, full scale 1); delays and durations ms; times
 clock seconds, compared on each side's media timeline
