@@ -1,6 +1,7 @@
 """Two-stage barge-in detection for one inbound stream.
 
-Stage 1 (cheap, every 20 ms frame): webrtcvad says "voiced", the frame is
+Stage 1 (cheap, every 20 ms frame): webrtcvad says "voiced" (or the frame
+sounds like /s/, which webrtcvad often calls unvoiced), the frame is
 ``gate_margin_db`` above the adaptive noise floor, and the echo guard does not
 explain it as our own playout heard back. ``pause_after_ms`` of such gated
 frames in a row, the newest of them scored as speech by the speech-onset
@@ -243,10 +244,15 @@ class BargeInDetector:
         self._recent.append(pcm)
         media_at = self._steady.tick(at)
         voiced = self._vad.is_voiced(pcm)
-        echo, echo_like = self._echo.compare(voiced, level, self._recent, at, media_at)
-        self._echo.heard(ms / 32768.0**2, at, received)
         floor = self.noise_floor_dbfs
-        gated = voiced and not echo and level >= floor + c.gate_margin_db
+        loud = level >= floor + c.gate_margin_db
+        # webrtcvad calls the /s/ of "side", "so", "sorry" unvoiced until its
+        # vowel, 80-120 ms later: a loud sibilant frame is let into the gate
+        # too (its run pauses only on trial: pause_sibilant_verify_ms)
+        sibilant = loud and bool(c.pause_sibilant_verify_ms) and is_sibilant(pcm)
+        echo, echo_like = self._echo.compare(voiced or sibilant, level, self._recent, at, media_at)
+        self._echo.heard(ms / 32768.0**2, at, received)
+        gated = (voiced or sibilant) and not echo and loud
         events: list[DetectorEvent] = []
         in_run = self._candidate or self.pending or self.in_speech
 
@@ -259,7 +265,7 @@ class BargeInDetector:
             if self._closed_run >= c.rearm_frames:
                 self._blocked = False
         else:
-            self._idle_frame(pcm, gated, echo, echo_like, at, events)
+            self._idle_frame(pcm, gated, sibilant, echo, echo_like, at, events)
 
         if not in_run and not self._candidate and not self.pending and not self.in_speech and not echo:
             self._floor.update(level)
@@ -267,7 +273,9 @@ class BargeInDetector:
 
     # -- states
 
-    def _idle_frame(self, pcm: bytes, gated: bool, echo: bool, echo_like: bool, at: float, events: list[DetectorEvent]) -> None:
+    def _idle_frame(
+        self, pcm: bytes, gated: bool, sibilant: bool, echo: bool, echo_like: bool, at: float, events: list[DetectorEvent]
+    ) -> None:
         c = self.config
         if not self._candidate:
             if not gated:
@@ -286,7 +294,7 @@ class BargeInDetector:
                 self._reset_run()
                 return
         self._speech_ms += self._confirmation.feed(pcm, not echo_like, self._floor.dbfs)
-        if gated and c.pause_sibilant_verify_ms and is_sibilant(pcm):
+        if gated and sibilant:
             self._sibilant += 1
         if self._gated < c.pause_frames:
             return
@@ -299,8 +307,9 @@ class BargeInDetector:
         verified = self._onset_max >= c.pause_speech_threshold
         trial = not self._tentative_tried and c.pause_tentative_threshold < c.pause_speech_threshold
         tentative = trial and score >= c.pause_tentative_threshold
-        # /s/ ("stop", "so"): noise to Silero until the vowel comes
-        sibilant = trial and not tentative and self._sibilant >= SIBILANT_FRAMES
+        # /s/ ("stop", "so"): noise to Silero until the vowel comes, so a
+        # sibilant run waits for its vowel however its /s/ scored
+        sibilant = trial and self._sibilant >= SIBILANT_FRAMES
         if gated and (verified or tentative or sibilant):
             self._candidate = False
             self.pending = True

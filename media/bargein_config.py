@@ -39,7 +39,9 @@ class BargeInConfig(BaseModel):
             (:func:`media.speech_onset.is_sibilant`, ``SIBILANT_FRAMES`` of
             them) pauses on trial too and waits this long (ms, multiple of
             20) for its vowel: "stop" at 120 wpm pauses at 60 ms instead of
-            180-200. 0 turns it off.
+            180-200. A sibilant frame above the gate's margin is gated even
+            when webrtcvad calls it unvoiced (a softly said "side": 80 ms
+            instead of 180). 0 turns both off.
         confirm_speech_ms: stage 2: ms of audio with Silero probability
             ``>= silero_threshold`` and energy ``>= floor + energy_margin_db``
             (and not echo) before SPEECH_CONFIRMED (multiple of 20).

@@ -141,6 +141,25 @@ def test_a_word_that_starts_with_s_pauses_on_its_s(word: str) -> None:
             assert slow is not None and slow.at >= started.at
 
 
+def test_an_s_webrtcvad_calls_unvoiced_pauses_on_its_s() -> None:
+    """A person (alsa-utils' "Side Right") says the /s/ softly enough that
+    webrtcvad calls it unvoiced for 100 ms: the gate stayed shut until the
+    vowel, and the agent went silent 190-200 ms after the caller's first
+    sound (the whole p95 tail of the 200-session soak). A loud sibilant
+    frame opens the gate too; the run pauses on trial and waits for its
+    vowel (not the 40 ms of a tentative pause: that resumed between the /s/
+    and the vowel)."""
+    [clip] = [c for c in C.speech_clips() if c.name == "alsa-Side_Right"]
+    assert clip.speech_at is not None
+    run = run_clip(clip)
+    assert run.kinds()[:2] == [K.SPEECH_STARTED, K.SPEECH_CONFIRMED], run.events
+    started = run.first(K.SPEECH_STARTED)
+    assert started is not None and started.reason == "trial"
+    assert (started.at + 0.02 - clip.speech_at[0]) * 1000 <= 100 + 1e-6, started
+    off = run_clip(clip, BargeInConfig(pause_sibilant_verify_ms=0)).first(K.SPEECH_STARTED)
+    assert off is not None and off.at - started.at >= 0.06  # the rule, not luck
+
+
 def test_what_sounds_like_s() -> None:
     from media.speech_onset import is_sibilant
 
