@@ -100,10 +100,6 @@ ECHO_SLIP_MS = 60
 ECHO_SLIP_WINDOW_MS = 60
 #: for how long (ms) after a frame found to be echo a jump is looked for
 ECHO_SLIP_HOLD_MS = 200
-#: how much lower (0..1) the correlation at the echo's known delay may be than
-#: the best one and still be taken: the agent's speech has a rhythm, and a
-#: delay a syllable off can match about as well, then lose the echo
-ECHO_PREFER_MARGIN = 0.05
 # Echo return loss (ERL): how far below the played signal the echo reaches
 # the microphone. A headset, or a client whose own echo canceller works,
 # returns nothing; a speakerphone returns the agent 6-20 dB down.
@@ -335,7 +331,7 @@ class EchoReference:
         the analysis window) before ``at``."""
         return self._last_audible is not None and at - self._last_audible <= (self.max_delay_ms + ECHO_WINDOW_MS) / 1000
 
-    def similarity(self, recent16: bytes, at: float, prefer_ms: int | None = None) -> float:
+    def similarity(self, recent16: bytes, at: float) -> float:
         """How well recent inbound audio is explained by a delayed copy of the
         outbound signal.
 
@@ -344,8 +340,6 @@ class EchoReference:
                 ``ECHO_WINDOW_MS + 10`` ms (180 ms; 9 frames); only its tail
                 is used. Its last sample was received at clock ``at``.
             at: clock seconds of the newest inbound frame.
-            prefer_ms: the delay (ms) the echo is known at: it is taken if
-                its correlation is within ``ECHO_PREFER_MARGIN`` of the best.
 
         Returns:
             0..1: the best, over delays 0..max_delay_ms, of the envelope
@@ -354,9 +348,7 @@ class EchoReference:
             given or nothing was played. The best delay is left in
             :attr:`delay_ms` (None when there was none).
         """
-        sim, self.delay_ms = self._match(
-            recent16, at, self._window_hops, -self._slack, self.max_delay_ms // ECHO_HOP_MS + self._slack, prefer_ms=prefer_ms
-        )
+        sim, self.delay_ms = self._match(recent16, at, self._window_hops, -self._slack, self.max_delay_ms // ECHO_HOP_MS + self._slack)
         return sim
 
     def slipped_similarity(self, recent16: bytes, at: float, delay_ms: int, offset: np.ndarray) -> float:
@@ -399,13 +391,11 @@ class EchoReference:
         return _FEAT16(np.lib.stride_tricks.sliding_window_view(x, _FEAT16.win)[:: _FEAT16.hop])
 
     def _match(
-        self, recent16: bytes, at: float, w: int, d_lo: int, d_hi: int,
-        offset: np.ndarray | None = None, prefer_ms: int | None = None,
+        self, recent16: bytes, at: float, w: int, d_lo: int, d_hi: int, offset: np.ndarray | None = None
     ) -> tuple[float, int | None]:
         """The envelope correlation of the newest ``w`` hops of inbound audio
         with the reference at delays ``d_lo..d_hi`` hops, and the best delay
-        (ms; ``prefer_ms`` if it is within ``ECHO_PREFER_MARGIN`` of the
-        best). Zero for double talk, judged with the path's per-band
+        (ms). Zero for double talk, judged with the path's per-band
         ``offset``; None: with the one the window shows, which is kept in
         :attr:`path_offset`."""
         if self._end_key is None:
@@ -439,13 +429,6 @@ class EchoReference:
         # subtraction above leaves rounding noise there, so mask it out.
         corr = np.where(rss > ECHO_MIN_VAR, num / np.sqrt(np.maximum(rss, ECHO_MIN_VAR) * iss), 0.0)
         best = int(np.argmax(corr))
-        if prefer_ms is not None:
-            # the speech's own rhythm can match about as well a syllable
-            # off: the delay the echo is known at wins a near tie against a
-            # far one (a neighbouring one is the same path)
-            k = self._cap - 1 - (self._end_key - (in_end - prefer_ms // ECHO_HOP_MS)) - first
-            if 0 <= k < len(corr) and abs(k - best) * ECHO_HOP_MS > ECHO_SLACK_MS and corr[k] >= corr[best] - ECHO_PREFER_MARGIN:
-                best = k
         sim = float(corr[best])
         # the window ending at ring index first + best ends at key in_end - delay
         delay_ms = (in_end - (self._end_key - (self._cap - 1 - (first + best)))) * ECHO_HOP_MS
@@ -537,7 +520,7 @@ class EchoGuard:
             # user's voice on top drives similarity to 0 (the excess rule).
             bar = self.threshold - ECHO_HYSTERESIS if media_at <= self._until else self.threshold
             audio = b"".join(recent)
-            sim = self.reference.similarity(audio, media_at, prefer_ms=self.locked_delay_ms)
+            sim = self.reference.similarity(audio, media_at)
             echo = echo_like = sim >= bar
             slipped = False
             matched: tuple[int | None, np.ndarray] | None = None
