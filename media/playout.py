@@ -128,14 +128,15 @@ class PlayoutBuffer:
     #: those frames were heard, and says no
     rewinds = True
 
-    def rewind_to_word(self) -> int:
+    def rewind_to_word(self, paused_ms: float) -> int:
         """While paused: queue again, ahead of the rest, the frames played
         since the start of the word the pause fell in (:func:`word_start`,
         at most :data:`REWIND_MAX_MS`), so that :meth:`resume` goes on from
-        there. Nothing if not paused, if the pause fell between words, or if
+        there. Nothing if not paused, if the pause (``paused_ms``, ms) was
+        under :data:`REWIND_MIN_PAUSE_MS`, if it fell between words, or if
         what is queued does not follow on from what was played (a newer
         generation, a clear). Returns the audio queued again, ms."""
-        if not (self.rewinds and self.paused and self._recent):
+        if not (self.rewinds and self.paused and self._recent) or paused_ms < REWIND_MIN_PAUSE_MS:
             return 0
         last = self._recent[-1]
         head = self._frames[0] if self._frames else None

@@ -39,7 +39,6 @@ from clock import Clock
 from media.echo_guard import after_echo
 from media.frames import FRAME_MS
 from media.inbound_frame import InboundFrame
-from media.playout import REWIND_MIN_PAUSE_MS
 from media.syllables import count_syllable_nuclei
 from media.vad import VadConfig
 from turn.event_catalogue import (
@@ -416,8 +415,7 @@ class AgentSession(SessionControls):
         """Speech that was no barge-in: play on from the start of the word
         playout paused in (:meth:`voice.transport.OutputSink.rewind_to_word`);
         its audio goes back to the pre-roll."""
-        rewind = d.playout and d.held and d.paused_ms >= REWIND_MIN_PAUSE_MS
-        replayed_ms = self.playout.rewind_to_word() if rewind else 0
+        replayed_ms = self.playout.rewind_to_word(d.paused_ms) if d.playout and d.held else 0
         if d.playout:
             self.playout.resume()
         self._drop_utterance()  # not a request: the recogniser hears no more of it

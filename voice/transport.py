@@ -98,10 +98,12 @@ class OutputSink(Protocol):
         """Go on from where :meth:`pause` held it. True if it was paused."""
         ...
 
-    def rewind_to_word(self) -> int:
-        """While paused: go back to the start of the word the pause fell in,
-        so :meth:`resume` plays it whole (0 where the sink cannot tell what
-        its far end played). Returns the audio to be played again, ms."""
+    def rewind_to_word(self, paused_ms: float) -> int:
+        """While paused (for ``paused_ms``): go back to the start of the word
+        the pause fell in, so :meth:`resume` plays it whole (0 where the
+        sink cannot tell what its far end played, or for a pause too short
+        to be worth a word said again). Returns the audio to be played
+        again, ms."""
         ...
 
     def clear(self) -> int:
