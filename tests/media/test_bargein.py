@@ -510,10 +510,10 @@ def test_an_echo_whose_delay_jumps_pauses_nothing_for_long() -> None:
     100 ms (reason "echo"), not after the 600 ms confirmation timeout."""
     ref48 = _agent_speech48()
     cases = started = 0
+    a = C.to_array(C.echo_path(ref48, 40, 6.0))
     for jump_ms in (20, 40, 60):
+        b = C.to_array(C.echo_path(ref48, 40 + jump_ms, 6.0))
         for at_s in (1.17, 1.51, 2.19, 2.53, 2.87, 3.55):
-            a = C.to_array(C.echo_path(ref48, 40, 6.0))
-            b = C.to_array(C.echo_path(ref48, 40 + jump_ms, 6.0))
             k = int(at_s * VAD_RATE) // 320 * 320
             mic = np.concatenate([a[:k], np.zeros(320), b[k + 320 :]])
             run = run_clip(C.Clip("jump", "echo", C.to_pcm(mic), None, ref48))
@@ -542,7 +542,7 @@ def test_an_outbound_stall_moves_the_reference_with_what_was_played(stall_ms: in
     ref48 = _agent_speech48()
     refs = C.frames48(ref48)
     skipped = stall_ms // 20
-    for k in range(50, 200, 25):
+    for k in range(60, 200, 40):
         played = b"".join(refs[:k]) + bytes(1920 * skipped) + b"".join(refs[k:])
         config = BargeInConfig()
         ref = EchoReference(config.echo_max_delay_ms)
