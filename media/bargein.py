@@ -249,7 +249,7 @@ class BargeInDetector:
         # webrtcvad calls the /s/ of "side", "so", "sorry" unvoiced until its
         # vowel, 80-120 ms later: a loud sibilant frame is let into the gate
         # too (its run pauses only on trial: pause_sibilant_verify_ms)
-        sibilant = loud and bool(c.pause_sibilant_verify_ms) and is_sibilant(pcm)
+        sibilant = loud and not voiced and bool(c.pause_sibilant_verify_ms) and is_sibilant(pcm)
         echo, echo_like = self._echo.compare(voiced or sibilant, level, self._recent, at, media_at)
         self._echo.heard(ms / 32768.0**2, at, received)
         gated = (voiced or sibilant) and not echo and loud
@@ -294,7 +294,7 @@ class BargeInDetector:
                 self._reset_run()
                 return
         self._speech_ms += self._confirmation.feed(pcm, not echo_like, self._floor.dbfs)
-        if gated and sibilant:
+        if gated and c.pause_sibilant_verify_ms and (sibilant or is_sibilant(pcm)):
             self._sibilant += 1
         if self._gated < c.pause_frames:
             return
