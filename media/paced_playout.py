@@ -57,10 +57,6 @@ class PacedPlayout(PlayoutBuffer):
         self.far_end_until = 0.0
         self.fenced_frames = 0
 
-    #: a far end that buffers plays what it holds: which frames the caller
-    #: heard is the marks' business, not this queue's (left for later)
-    rewinds = False
-
     async def run(self) -> None:
         """Pace the queue out, one tick every 20 ms of the clock, until
         cancelled (:meth:`pump` each tick)."""
@@ -105,9 +101,21 @@ class PacedPlayout(PlayoutBuffer):
         dropping (and counting) others on the way; None while paused or empty."""
         while (frame := self.pop()) is not None:
             if self.passes(frame.generation):
+                self.note_played(frame)  # sent: the far end plays it unless a clear recalls it (requeue)
                 return frame
             self.fenced_frames += 1
         return None
+
+    def rewind_to_word(self, paused_ms: float) -> int:
+        """:meth:`media.playout.PlayoutBuffer.rewind_to_word` for a far end
+        that buffers: the frames sent count as played (a ``clear`` that
+        recalls some puts them back with :meth:`requeue`), and nothing is
+        rewound while the far end still holds audio not yet due (it would
+        play on into the word and then say it again). Returns the audio
+        queued again, ms."""
+        if self.far_end_until > self.clock.monotonic() + 1e-9:
+            return 0
+        return super().rewind_to_word(paused_ms)
 
     def emit(self, frame: PlayoutFrame, now: float) -> None:
         """Put one frame that passed the gate on the wire (subclasses)."""

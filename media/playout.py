@@ -123,11 +123,6 @@ class PlayoutBuffer:
         was, self.paused = self.paused, False
         return was
 
-    #: whether :meth:`rewind_to_word` may go back: a sink whose far end buffers
-    #: what it was sent (:mod:`media.paced_playout`) does not yet know which of
-    #: those frames were heard, and says no
-    rewinds = True
-
     def rewind_to_word(self, paused_ms: float) -> int:
         """While paused: queue again, ahead of the rest, the frames played
         since the start of the word the pause fell in (:func:`word_start`,
@@ -136,7 +131,7 @@ class PlayoutBuffer:
         under :data:`REWIND_MIN_PAUSE_MS`, if it fell between words, or if
         what is queued does not follow on from what was played (a newer
         generation, a clear). Returns the audio queued again, ms."""
-        if not (self.rewinds and self.paused and self._recent) or paused_ms < REWIND_MIN_PAUSE_MS:
+        if not (self.paused and self._recent) or paused_ms < REWIND_MIN_PAUSE_MS:
             return 0
         last = self._recent[-1]
         head = self._frames[0] if self._frames else None
@@ -179,7 +174,13 @@ class PlayoutBuffer:
 
     def requeue(self, frames: list[PlayoutFrame]) -> None:
         """Put ``frames`` (sent, but recalled before they played) back at
-        the head of the queue, in their order, ahead of what is queued."""
+        the head of the queue, in their order, ahead of what is queued.
+        Those that :meth:`note_played` took as the latest played are no
+        longer counted so (a far end's buffer recalled by a ``clear``), and
+        a rewind goes on from the last frame heard."""
+        recalled = {id(f) for f in frames}
+        while self._recent and id(self._recent[-1]) in recalled:
+            self._recent.pop()
         self._frames.extendleft(reversed(frames))
         if self._frames:
             self._empty.clear()

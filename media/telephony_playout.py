@@ -221,6 +221,19 @@ class TelephonyPlayout(PacedPlayout):
         self.requeue(frames)
         return len(frames)
 
+    def rewind_to_word(self, paused_ms: float) -> int:
+        """Go back to the start of the word the pause fell in (see
+        :meth:`media.paced_playout.PacedPlayout.rewind_to_word`). The frames
+        queued again are no longer counted as sent, and the heard position
+        holds at the word's start until they go out again (the marks'
+        ``recalled``). Returns the audio queued again, ms."""
+        ms = super().rewind_to_word(paused_ms)
+        if ms:
+            first = self._frames[0]
+            self.sent_frames[first.generation] -= ms // FRAME_MS
+            self.marks.recalled(self.clock.monotonic(), {first.generation: first.sample})
+        return ms
+
     def _send_clear(self, now: float) -> None:
         """``clear`` now: the stretch being sent ends where it is (its
         unsent bytes dropped), and the provider holds nothing of ours."""

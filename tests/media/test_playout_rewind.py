@@ -9,9 +9,11 @@ import math
 import numpy as np
 import pytest
 
+from clock import VirtualClock
+from media.device_playout import DevicePlayout
 from media.frames import PLAYOUT_RATE, frame_bytes
-from media.paced_playout import PacedPlayout
 from media.playout import REWIND_MAX_MS, REWIND_MIN_PAUSE_MS, PlayoutBuffer, PlayoutFrame, word_start
+from media.telephony_playout import TelephonyPlayout
 
 N = frame_bytes(PLAYOUT_RATE) // 2  # samples per 20 ms frame
 
@@ -105,14 +107,94 @@ def test_no_rewind_when_not_paused_in_a_word_or_across_generations() -> None:
     assert 0 < long.rewind_to_word(300) <= REWIND_MAX_MS
 
 
-def test_a_sink_whose_far_end_buffers_does_not_rewind() -> None:
-    class Clock:
-        def monotonic(self) -> float:
-            return 0.0
+class PhoneWire:
+    def __init__(self) -> None:
+        self.kinds: list[str] = []
 
-    paced = PacedPlayout(Clock(), lambda g: True)  # type: ignore[arg-type]
-    for i in range(6):
-        paced.push(frame(i, -20))
-    play(paced, 3)
-    paced.pause()
-    assert paced.rewind_to_word(300) == 0
+    def send_media(self, payload: bytes, generation: int) -> None:
+        self.kinds.append("media")
+
+    def send_mark(self, name: str, generation: int) -> None:
+        self.kinds.append("mark")
+
+    def send_clear(self) -> None:
+        self.kinds.append("clear")
+
+
+class DeviceWire:
+    def __init__(self) -> None:
+        self.packets = 0
+
+    def send_audio(self, packet: bytes, generation: int) -> None:
+        self.packets += 1
+
+    def send_cleared(self) -> None:
+        pass
+
+
+#: a word (0-4), a pause (5-7), the word the pause falls in (8-) and more
+LEVELS = [-20] * 5 + [-70] * 3 + [-20] * 22
+
+
+async def test_a_phone_resumes_from_the_start_of_the_word_the_caller_heard_part_of() -> None:
+    """The phone's pause recalls what the provider had not played
+    (``clear``); a resume then goes back over the frames the caller did
+    hear of the word, so it is said whole, and the heard position holds at
+    the word's start until it goes out again."""
+    clock = VirtualClock()
+    out = TelephonyPlayout(clock, lambda g: True, PhoneWire(), send_ahead_ms=60, mark_every_ms=200)  # type: ignore[arg-type]
+    sent: list[int] = []
+    for i, lv in enumerate(LEVELS):
+        out.push(frame(i, lv))
+    t0 = clock.monotonic()
+    for k in range(15):  # frames 0-16 sent by t0+280 ms; 0-13 played, 14-16 at the provider
+        await clock.advance(t0 + k * 0.02 - clock.monotonic())
+        out.pump(clock.monotonic())
+    out.pause()
+    assert out.recalled_frames == 3
+    await clock.advance(0.3)
+    assert out.rewind_to_word(300) == 6 * 20  # frames 8-13: heard of the word the pause fell in
+    assert out.played_samples(1) == 8 * N
+    out.resume()
+    while (f := out.next_deliverable()) is not None and len(sent) < 4:
+        sent.append(f.sample // N)
+    assert sent == [8, 9, 10, 11]
+    assert out.replayed_frames == 6
+
+
+async def test_a_device_rewinds_once_it_has_played_what_it_holds() -> None:
+    """A device plays on what it was sent after a pause (no recall in its
+    protocol): no rewind while it still holds audio not yet due; after
+    that, the frames sent count as heard and the word goes out again from
+    its start."""
+    clock = VirtualClock()
+    out = DevicePlayout(clock, lambda g: True, DeviceWire(), sample_rate=24_000, frame_ms=60, send_ahead_ms=40)  # type: ignore[arg-type]
+    for i, lv in enumerate(LEVELS):
+        out.push(frame(i, lv))
+    t0 = clock.monotonic()
+    for k in range(10):
+        await clock.advance(t0 + k * 0.02 - clock.monotonic())
+        out.pump(clock.monotonic())
+    out.pause()
+    assert out.far_end_until > clock.monotonic()
+    assert out.rewind_to_word(300) == 0  # the device is still playing into the word
+    await clock.advance(0.3)
+    again = out.rewind_to_word(300)
+    assert again > 0 and again % 20 == 0
+    out.resume()
+    first = out.next_deliverable()
+    assert first is not None and first.sample == 8 * N
+
+
+def test_a_plain_buffer_rewinds_only_what_left_it() -> None:
+    """A recall (frames sent, then taken back before they played) is not
+    played: a rewind goes on from the last frame that did play."""
+    buf = PlayoutBuffer()
+    for i, lv in enumerate(LEVELS):
+        buf.push(frame(i, lv))
+    sent = play(buf, 13)
+    buf.requeue(sent[-2:])  # frames 11 and 12 recalled
+    buf.pause()
+    assert buf.rewind_to_word(300) == 3 * 20  # frames 8-10
+    buf.resume()
+    assert [f.sample // N for f in play(buf, 5)] == [8, 9, 10, 11, 12]
