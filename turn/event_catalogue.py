@@ -150,7 +150,8 @@ class FalseInterruption(_Turnless):
     type: Literal["false_interruption"] = "false_interruption"
     paused_ms: float = Field(description="how long playout was paused, ms (1 decimal; 0 if it was not)")
     replayed_ms: int = Field(0, description="the reply went on this far back from where it paused, ms: from the "
-                             "start of the word it paused in (0: from the very frame, or a phone or device)")
+                             "start of the word it paused in (0: from the very frame: a pause under 120 ms, between words, or a "
+                             "device still playing what it held)")
 
 
 class Backchannel(_Turnless):
@@ -159,7 +160,8 @@ class Backchannel(_Turnless):
     type: Literal["backchannel"] = "backchannel"
     paused_ms: float = Field(description="how long playout was paused, ms (1 decimal; 0 if it was not)")
     replayed_ms: int = Field(0, description="the reply went on this far back from where it paused, ms: from the "
-                             "start of the word it paused in (0: from the very frame, or a phone or device)")
+                             "start of the word it paused in (0: from the very frame: a pause under 120 ms, between words, or a "
+                             "device still playing what it held)")
     text: str = Field(description="what the recogniser heard (may be empty)")
     syllables: int = Field(description="syllable nuclei counted in the user's speech")
 
