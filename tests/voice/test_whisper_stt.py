@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import plain, requires_espeak
 
-from media.frames import VAD_RATE, load_pcm
+from media.frames import VAD_RATE, PcmResampler, load_pcm
+from media.g711 import MULAW_RATE, MulawDecoder, pcm_to_mulaw
 from voice.backchannel import BackchannelConfig
 from voice.recognisers import SttConfig, build_recognisers
 from voice.recognition import EndOfUtterance, Final, RecognitionEvent, StreamOptions
@@ -245,6 +246,43 @@ async def test_the_short_decode_hears_a_backchannel_from_an_open_segment(say: Ca
         empty = stt.open(StreamOptions())
         assert await empty.decode_short() is None
         await empty.aclose()
+    finally:
+        await stt.aclose()
+
+
+def telephone(pcm: bytes) -> bytes:
+    """16 kHz audio as a phone call brings it: 8 kHz mu-law (as the phone
+    simulator sends it) decoded and resampled back as the server does."""
+    down = PcmResampler(MULAW_RATE)
+    mulaw = pcm_to_mulaw(down.pcm(pcm, VAD_RATE) + down.flush())
+    decoder = MulawDecoder(VAD_RATE)
+    return b"".join(decoder.decode(mulaw[i : i + 160]) for i in range(0, len(mulaw), 160))
+
+
+@requires_espeak
+async def test_i_see_over_the_phone_is_a_backchannel_and_i_want_is_not(say: Callable[..., Path]) -> None:
+    """The phone's band takes the /s/ of "see": with the every-decode prompt
+    the short decode heard "I see" as "I-B", "Bye, D" or "I'd be" (1 of these
+    9 clips judged a backchannel), so a caller's "I see" cancelled the reply.
+    Its own prompt puts "I see" first (``whisper_worker.SHORT_PROMPT``: 7 of
+    9 here); requests that start alike stay requests."""
+    stt = WhisperSTT(WhisperConfig(workers=2))
+    await stt.start()
+    try:
+
+        async def short(text: str, voice: str, wpm: int) -> str:
+            stream = stt.open(StreamOptions(narrowband=True))
+            stream.send(telephone(pcm16(say(text, voice, wpm), pad_s=0.2)))
+            try:
+                return plain(await stream.decode_short() or "")
+            finally:
+                await stream.aclose()
+
+        clips = [(v, w) for v in ("en-us", "en-gb+f3", "en+m3") for w in (130, 160, 190)]
+        heard = {(t, v, w): await short(t, v, w) for t in ("I see", "I want", "see you") for v, w in clips}
+        judge = BackchannelConfig()
+        assert sum(judge.matches(heard["I see", v, w]) for v, w in clips) >= 6, heard
+        assert not any(judge.matches(h) for (t, _, _), h in heard.items() if t != "I see"), heard
     finally:
         await stt.aclose()
 
