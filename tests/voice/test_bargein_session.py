@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import corpus as C
@@ -18,6 +18,7 @@ from av.audio.frame import AudioFrame
 from conftest import plain, requires_espeak
 from test_agent_session import Harness, Mic, pcm48
 
+from clock import Clock
 from demo_shop.service import DemoService
 from demo_shop.tools import demo_tools
 from media.bargein_config import BargeInConfig
@@ -26,10 +27,12 @@ from media.frames import PLAYOUT_RATE, VAD_RATE
 from media.inbound import InboundAudio
 from turn.models import StopReasonKind, TurnStatus
 from turn.sqlite_store import SqliteStore
+from turn.usage import RequestMeter
 from voice.backchannel import BackchannelConfig
 from voice.endpointing import EndpointConfig
 from voice.heard import heard_text
 from voice.llm import LocalAgent, LocalLlmConfig
+from voice.providers import Message, ToolCall, ToolSpec
 
 pytestmark = requires_espeak
 
@@ -387,15 +390,39 @@ async def test_a_short_pause_inside_an_utterance_gives_one_turn(
     assert [e.get("event") for e in h.events if e["type"] == "vad"].count("end_of_turn") == 1
 
 
+class HeldFirstReply(LocalAgent):
+    """The local agent whose first request yields nothing until
+    ``release`` is set: a model too slow for its reply to be heard before
+    the user goes on."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(LocalLlmConfig(), clock)
+        self.release = asyncio.Event()
+        self.requests = 0
+
+    async def stream(
+        self, messages: list[Message], *, tools: list[ToolSpec] | None = None, meter: RequestMeter | None = None
+    ) -> AsyncIterator[str | ToolCall]:
+        self.requests += 1
+        if self.requests == 1:
+            await self.release.wait()
+        async for item in super().stream(messages, tools=tools, meter=meter):
+            yield item
+
+
 async def test_going_on_after_the_endpoint_cancels_the_unheard_reply_and_answers_the_whole(
     store: SqliteStore, say: Callable[..., Path]
 ) -> None:
     h = Harness(store)
     # a slow model: the reply to the first part cannot start playing in time
-    h.session.providers.llm = LocalAgent(LocalLlmConfig(tokens_per_second=3), h.clock)
+    # (held until the second part is confirmed; a pace of 3 tokens/s was
+    # not slow enough where the endpoint fires fast: 120 ms of it played)
+    h.session.providers.llm = llm = HeldFirstReply(h.clock)
     await h.start()
     try:
         h.mic.say(pcm48(say("hello again")) + bytes(1920 * 40) + pcm48(say("what is the weather like today")))
+        await h.wait_for(lambda: sum(e.get("event") == "speech_confirmed" for e in h.events) >= 2, timeout=30)
+        llm.release.set()
         await h.wait_for(lambda: any(e.get("status") == "COMPLETED" for e in h.turn_events()), timeout=60)
         first, whole = await store.list_session("sess-1")
         assert first.status is TurnStatus.CANCELLED and first.stop_reason.kind is StopReasonKind.BARGE_IN  # type: ignore[union-attr]
