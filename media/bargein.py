@@ -259,7 +259,7 @@ class BargeInDetector:
         if self.in_speech:
             self._speech_frame(gated, at, events)
         elif self.pending:
-            self._pending_frame(pcm, gated, echo, echo_like, at, events)
+            self._pending_frame(pcm, gated, echo_like, at, events)
         elif self._blocked:
             self._closed_run = 0 if gated else self._closed_run + 1
             if self._closed_run >= c.rearm_frames:
@@ -328,13 +328,12 @@ class BargeInDetector:
             self._blocked = True
             self._reset_run()
 
-    def _pending_frame(
-        self, pcm: bytes, gated: bool, echo: bool, echo_like: bool, at: float, events: list[DetectorEvent]
-    ) -> None:
+    def _pending_frame(self, pcm: bytes, gated: bool, echo_like: bool, at: float, events: list[DetectorEvent]) -> None:
         self._speech_ms += self._confirmation.feed(pcm, not echo_like, self._floor.dbfs)
         self._closed_run = 0 if gated else self._closed_run + 1
         matched = self._echo.matched_delay_ms
-        again = echo and matched is not None and self._run_delay is not None and abs(matched - self._run_delay) <= ECHO_SLIP_MS
+        # (the guard sets matched_delay_ms only for a frame it found echo)
+        again = matched is not None and self._run_delay is not None and abs(matched - self._run_delay) <= ECHO_SLIP_MS
         self._echo_run = self._echo_run + 1 if again else 0
         if self._echo_run >= ECHO_REJECT_FRAMES and at - self._started_at <= ECHO_REJECT_WITHIN_MS / 1000 + 1e-9:
             # The guard explains the run's audio, at the full bar, as the

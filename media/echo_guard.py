@@ -460,6 +460,9 @@ class EchoGuard:
         return_loss_db: the echo path's loss as far as the evidence goes
             (dB, 0..``ERL_MAX_DB``; 0: assume the echo comes back at full
             level until shown otherwise).
+        matched_delay_ms: the delay (ms) at which the newest frame compared
+            was found echo (at the full bar, or slipped from the delay
+            known just before), None if it was not found echo.
     """
 
     def __init__(self, reference: EchoReference | None, threshold: float) -> None:
@@ -467,8 +470,6 @@ class EchoGuard:
         self.threshold = threshold
         self._until = -math.inf
         self._now = -math.inf  # media time of the newest frame compared
-        #: the delay (ms) at which the newest frame was found echo at the
-        #: full bar (no hysteresis), None if it was not
         self.matched_delay_ms: int | None = None
         #: the echo's delay (ms), the media time it was last found at, and
         #: the path's per-band offset then
