@@ -290,7 +290,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         # agent resumed first (taken for a backchannel or a noise)
         "speech_detail": [
             {"label": m.label, "stop_ms": None if m.stop_ms is None else round(m.stop_ms, 1),
-             "resumed": m.resumed, "commit_ms": m.server_onset_to_fence_ms}
+             "resumed": m.resumed, "commit_ms": m.server_onset_to_fence_ms,
+             # its onset, ms after the reply's first sound at the client
+             "into_reply_ms": None if m.onset_sent_at is None or m.agent_started_at is None
+             else round((m.onset_sent_at - m.agent_started_at) * 1000, 1)}
             for m in speech
         ],
         "transport": args.transport,
