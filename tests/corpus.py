@@ -34,6 +34,7 @@ import av
 import numpy as np
 
 from media.frames import PLAYOUT_RATE, VAD_RATE, PcmResampler, load_pcm, pcm_to_frame
+from media.g711 import MULAW_FRAME_BYTES, MulawDecoder, pcm_to_mulaw
 
 ALSA = Path("/usr/share/sounds/alsa")
 ALSA_SPEECH = ["Front_Center", "Front_Left", "Front_Right", "Rear_Center", "Rear_Left", "Side_Right"]
@@ -389,6 +390,15 @@ def nonspeech_clips() -> list[Clip]:
 
 
 # -------------------------------------------------------------------- echo
+
+
+def mulaw_round_trip(pcm8k: bytes) -> bytes:
+    """8 kHz mono s16 as a phone call delivers it to the server: G.711
+    mu-law in 20 ms frames (``MULAW_FRAME_BYTES``), decoded and resampled to
+    16 kHz mono s16 as ``media.g711.MulawDecoder`` does for a media stream."""
+    mulaw = pcm_to_mulaw(pcm8k)
+    decoder = MulawDecoder(VAD_RATE)
+    return b"".join(decoder.decode(mulaw[i : i + MULAW_FRAME_BYTES]) for i in range(0, len(mulaw), MULAW_FRAME_BYTES))
 
 
 def opus_round_trip(pcm48: bytes, bitrate: int = 32000) -> bytes:

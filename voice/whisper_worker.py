@@ -54,16 +54,15 @@ SAMPLE_RATE = 16_000
 PROMPT = "Mm-hmm, uh-huh."
 #: the prompt of :func:`transcribe_short` (only ever a backchannel
 #: candidate's, said while the agent speaks): "I see" first. A phone's band
-#: (G.711, nothing above 4 kHz) takes the /s/ of "see", and tiny.en then
-#: heard "I see" as "I-B.", "Bye, D." or "I'd be..." in 8 of 9 espeak-ng
-#: clips (3 voices at 130, 160, 190 wpm, mu-law 8 kHz with the band fill),
-#: so the backchannel cancelled the reply (15 of 16 on the phone path of
-#: bench/backchannels.py). With it first: 9 of 9, and the 7 backchannels and
-#: 22 interruptions ("wait", "I want", "I see it", "see you", "stop", ...)
-#: in those voices and speeds judged right in 143 of 144 wideband clips
-#: (as before) and 135 of 144 phone clips (was 126); other orders and
-#: phrasings did worse ("Mm-hmm, uh-huh, I see." heard "mm-hmm" as "And
-#: Mm-hmm." 4 times on the phone)
+#: (G.711, nothing above 4 kHz) takes the /s/ of "see", and with
+#: :data:`PROMPT` tiny.en heard "I see" as "I-B", "Bye, D" or "I'd be" (1
+#: of 9 espeak-ng clips judged a backchannel: 3 voices at 130, 160, 190
+#: wpm, mu-law 8 kHz and back), so the backchannel cancelled the reply (15
+#: of 16 on the phone path of bench/backchannels.py). With this prompt: 7
+#: of 9 ("mm-hmm" 5 -> 7; "uh-huh", "okay", "yeah", "right", "sure" as
+#: before; "I want" and "see you" still requests), and 1 "I see" cancel in
+#: 19 on that bench path. Other orders did worse ("Mm-hmm, uh-huh, I
+#: see." heard "mm-hmm" as "And Mm-hmm." on the phone)
 SHORT_PROMPT = "I see. Mm-hmm, uh-huh."
 #: a segment whose no-speech probability is above this is dropped
 NO_SPEECH_MAX = 0.6

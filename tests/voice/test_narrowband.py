@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import corpus as C
 from conftest import requires_espeak
 
 from media.frames import load_pcm
-from media.g711 import MULAW_FRAME_BYTES, MulawDecoder, pcm_to_mulaw
 from voice.narrowband import NarrowbandSpeech
 from voice.pocketsphinx_stt import PocketsphinxConfig, PocketsphinxSTT
 from voice.recognition import SttAdaptation, UtteranceRecogniser
@@ -25,9 +25,7 @@ PHRASES = [
 
 def telephone(path: Path) -> bytes:
     """``path`` as a phone call delivers it: mu-law 8 kHz in 20 ms frames, decoded to 16 kHz."""
-    mulaw = pcm_to_mulaw(load_pcm(path, 8000))
-    decoder = MulawDecoder(16000)
-    return b"".join(decoder.decode(mulaw[i : i + MULAW_FRAME_BYTES]) for i in range(0, len(mulaw), MULAW_FRAME_BYTES))
+    return C.mulaw_round_trip(load_pcm(path, 8000))
 
 
 async def recognised(stt: UtteranceRecogniser, pcm: bytes, adaptation: SttAdaptation) -> str:

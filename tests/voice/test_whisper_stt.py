@@ -14,11 +14,12 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
+import corpus as C
 import pytest
 from conftest import plain, requires_espeak
 
-from media.frames import VAD_RATE, PcmResampler, load_pcm
-from media.g711 import MULAW_RATE, MulawDecoder, pcm_to_mulaw
+from media.frames import VAD_RATE, load_pcm
+from media.g711 import MULAW_RATE
 from voice.backchannel import BackchannelConfig
 from voice.recognisers import SttConfig, build_recognisers
 from voice.recognition import EndOfUtterance, Final, RecognitionEvent, StreamOptions
@@ -250,15 +251,6 @@ async def test_the_short_decode_hears_a_backchannel_from_an_open_segment(say: Ca
         await stt.aclose()
 
 
-def telephone(pcm: bytes) -> bytes:
-    """16 kHz audio as a phone call brings it: 8 kHz mu-law (as the phone
-    simulator sends it) decoded and resampled back as the server does."""
-    down = PcmResampler(MULAW_RATE)
-    mulaw = pcm_to_mulaw(down.pcm(pcm, VAD_RATE) + down.flush())
-    decoder = MulawDecoder(VAD_RATE)
-    return b"".join(decoder.decode(mulaw[i : i + 160]) for i in range(0, len(mulaw), 160))
-
-
 @requires_espeak
 async def test_i_see_over_the_phone_is_a_backchannel_and_i_want_is_not(say: Callable[..., Path]) -> None:
     """The phone's band takes the /s/ of "see": with the every-decode prompt
@@ -272,7 +264,8 @@ async def test_i_see_over_the_phone_is_a_backchannel_and_i_want_is_not(say: Call
 
         async def short(text: str, voice: str, wpm: int) -> str:
             stream = stt.open(StreamOptions(narrowband=True))
-            stream.send(telephone(pcm16(say(text, voice, wpm), pad_s=0.2)))
+            pad = bytes(int(0.2 * MULAW_RATE) * 2)
+            stream.send(C.mulaw_round_trip(pad + load_pcm(say(text, voice, wpm), MULAW_RATE) + pad))
             try:
                 return plain(await stream.decode_short() or "")
             finally:
