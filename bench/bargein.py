@@ -272,8 +272,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         # the same by the moment of the reply the speech began in (its onset after the reply's first sound)
         "audible_stop_by_moment_ms": {
             name: stats([m.stop_ms for m in speech if m.barged_in and m.speaking_at_onset and m.stop_ms is not None
-                         and m.onset_sent_at is not None and m.agent_started_at is not None
-                         and lo <= m.onset_sent_at - m.agent_started_at < hi])
+                         and m.into_reply_s is not None and lo <= m.into_reply_s < hi])
             for name, lo, hi in MOMENTS
         },
         "speech_resumed_before_commit": sum(m.barged_in and m.resumed is not None for m in speech),
@@ -292,8 +291,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             {"label": m.label, "stop_ms": None if m.stop_ms is None else round(m.stop_ms, 1),
              "resumed": m.resumed, "commit_ms": m.server_onset_to_fence_ms,
              # its onset, ms after the reply's first sound at the client
-             "into_reply_ms": None if m.onset_sent_at is None or m.agent_started_at is None
-             else round((m.onset_sent_at - m.agent_started_at) * 1000, 1)}
+             "into_reply_ms": None if m.into_reply_s is None else round(m.into_reply_s * 1000, 1)}
             for m in speech
         ],
         "transport": args.transport,

@@ -230,8 +230,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     barged_in=m.barged_in,
                     server_resumed=m.resumed,
                     resumed_after_end_ms=m.resumed_after_end_ms,
-                    onset_in_reply_s=None if m.onset_sent_at is None or m.agent_started_at is None
-                    else round(m.onset_sent_at - m.agent_started_at, 3),
+                    onset_in_reply_s=None if m.into_reply_s is None else round(m.into_reply_s, 3),
                     server_paused_ms=[e.get("paused_ms") for e in result.events if e.get("type") in ("false_interruption", "backchannel")],
                 )
             sessions.append(row)

@@ -115,6 +115,15 @@ class BargeInMeasure:
             return None
         return max(0.0, (self.silent_at - self.onset_sent_at) * 1000)
 
+    @property
+    def into_reply_s(self) -> float | None:
+        """When its first sample was sent, s after the agent's reply was
+        first heard at the client (the moment of the reply it interrupted);
+        None if either is unknown."""
+        if self.onset_sent_at is None or self.agent_started_at is None:
+            return None
+        return self.onset_sent_at - self.agent_started_at
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "label": self.label,
