@@ -169,7 +169,7 @@ class BargeInDetector:
         self.config = config or BargeInConfig()
         self.echo = echo if self.config.echo_guard else None
         self._steady = SteadyClock()
-        self._echo = EchoGuard(self.echo, self.config.echo_threshold)
+        self._echo = EchoGuard(self.echo, self.config.echo_threshold, self.config.echo_assumed_loss_db)
         self._vad = VoiceActivityDetector(self.vad_config)
         self._frame_bytes = frame_bytes(VAD_RATE)
         c = self.config

@@ -68,6 +68,19 @@ class BargeInConfig(BaseModel):
             (two Opus trips, 40..400 ms, -6..-20 dB) score p5 0.89 / median
             0.97, double-talk frames median 0.49 (0 when the newest frame has
             unexplained energy).
+        echo_assumed_loss_db: the echo path's loss (dB) the echo guard
+            assumes before the session's playout has shown it (learning it
+            takes 800 ms of audible playout): a frame
+            ``media.echo_guard.ECHO_LOUDER_DB`` louder than the loudest
+            recent playout less this loss is not echo. 6: a passive
+            acoustic path (loudspeaker to microphone) does not amplify, and
+            the loud speakerphone of issue 32 (-6 dB) still has 6 dB of
+            margin; a user louder than the agent is heard at once at a
+            session's first reply. 0 for clients whose echo path has gain
+            (automatic gain control on a speakerphone): until the loss is
+            learnt, their echo would pause the first reply. An echo louder
+            than the assumption, matching frame after frame, drops it for
+            the session.
         floor_init_dbfs: noise floor (dBFS) before anything was heard.
         floor_min_dbfs / floor_max_dbfs: clamp of the noise floor (dBFS).
         floor_down_ms: time constant (ms) of the floor following a quieter
@@ -92,6 +105,7 @@ class BargeInConfig(BaseModel):
     echo_guard: bool = True
     echo_max_delay_ms: int = Field(500, ge=FRAME_MS, le=2000)
     echo_threshold: float = Field(0.8, gt=0.0, lt=1.0)
+    echo_assumed_loss_db: float = Field(6.0, ge=0.0, le=40.0)
     floor_init_dbfs: float = Field(-60.0, ge=-100.0, le=0.0)
     floor_min_dbfs: float = Field(-70.0, ge=-100.0, le=0.0)
     floor_max_dbfs: float = Field(-20.0, ge=-100.0, le=0.0)

@@ -18,8 +18,9 @@ agent's voice comes back in the microphone; the barge-in detector
   energy the best-matching echo cannot account for (``ECHO_EXCESS_DB`` in
   enough bands).
 - :class:`EchoGuard`, one per inbound stream, the comparison: the
-  similarity against ``echo_threshold`` with hysteresis after echo, and
-  the echo return loss.
+  similarity against ``echo_threshold`` with hysteresis after echo (a
+  lower bar for ``ECHO_HOLD_MS``, at the delay that echo was found at
+  only), and the echo return loss.
 
 The window's envelope cannot tell a user's onset from the agent's: speech
 rising from silence matches some rise in the agent's speech at some delay.
@@ -28,9 +29,13 @@ echo path from what is played to what the microphone hears back, the term
 of ITU-T G.168), as a lower bound
 (:meth:`EchoReference.return_loss_bound_db`): while the microphone stays
 quiet under a loud agent, the bound is large, and a frame louder than any
-echo could be (``ECHO_LOUDER_DB`` over the loudest recent playout less the
-loss) opens the gate even if its envelope matches. It earns stage 2 no
-credit, though: only frames unlike the echo confirm a barge-in.
+echo could be (``ECHO_LOUDER_DB`` over the loss below the loudest playout
+the matched delay can bring back now,
+:meth:`EchoReference.loudest_near_dbfs`) opens the gate even if its
+envelope matches. It earns stage 2 no credit, though: only frames unlike
+the echo confirm a barge-in. Until playout has shown the loss (800 ms of
+it), the guard assumes ``BargeInConfig.echo_assumed_loss_db``: a
+loudspeaker does not play louder than it was sent.
 
 The echo path's delay is not constant: when the far end's playout runs dry
 (a late packet, a stall of our outbound track) it comes back 20-60 ms later.
@@ -51,6 +56,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -92,6 +98,10 @@ ECHO_SOUNDING_DB = 30.0
 ECHO_MIN_SOUNDING_HOPS = 4
 #: Extra delay slack (ms) searched on both sides of 0..max_delay (clock jitter).
 ECHO_SLACK_MS = 20
+#: How long (ms) a room carries a played sound on at a level that matters:
+#: the echo heard now may come from this much earlier than the path's delay
+#: says (a reverberation time of 0.4 s decays 15 dB in 100 ms).
+ECHO_REVERB_MS = 100
 # The echo path's delay jumps when the far end's jitter buffer stretches or
 # drops playout: across the jump, no delay explains the whole window.
 #: how far (ms) the delay may have jumped
@@ -152,6 +162,23 @@ _FEAT16 = _Features(VAD_RATE)
 _FEAT48 = _Features(PLAYOUT_RATE)
 
 
+class EchoMatch(NamedTuple):
+    """What one comparison of inbound audio with the reference found.
+
+    Attributes:
+        similarity: 0..1, the envelope correlation at the best delay (0 for
+            double talk, too little audio, or nothing played).
+        delay_ms: that delay (ms), None when no delay could be compared.
+        path_offset: the echo path's per-band offset (log10 power, inbound
+            minus reference; NaN for a band not known) used to judge double
+            talk, None when the comparison did not get that far.
+    """
+
+    similarity: float
+    delay_ms: int | None
+    path_offset: np.ndarray | None
+
+
 class EchoReference:
     """Ring of what the server recently played (the outbound signal), as
     10 ms log band energies.
@@ -182,11 +209,6 @@ class EchoReference:
         self._end_key: int | None = None  # hop key (clock * 100) of the newest reference hop
         self._tail = np.zeros(_FEAT48.win - _FEAT48.hop)
         self._last_audible: float | None = None
-        #: the best delay (ms) of the last comparison (None: there was none)
-        self.delay_ms: int | None = None
-        #: the echo path's per-band offset (log10 power) the last full
-        #: comparison found (NaN: not known for that band)
-        self.path_offset = np.full(len(ECHO_BANDS_HZ) - 1, np.nan)
         self._zeros48 = np.zeros(PLAYOUT_RATE * FRAME_MS // 1000)
         # what was sent late after a stall of the outbound track is played
         # late: its timeline jumps over the hole at once (a burst cannot
@@ -296,6 +318,35 @@ class EchoReference:
         loudest = max(self._energy)
         return 10 * math.log10(loudest) if loudest > 0 else SILENCE_DBFS
 
+    def loudest_near_dbfs(self, at: float, delay_ms: int) -> float:
+        """The loudest 20 ms played that can be heard back in the inbound
+        frame at ``at`` through a path of delay ``delay_ms``: the frames
+        from ``ECHO_REVERB_MS`` before to ``ECHO_SLACK_MS`` after the one
+        the delay points at (a room's reverberation carries a syllable on,
+        and the delay found is only as exact as the window's envelope),
+        dBFS. Tighter than :meth:`loudest_dbfs` where the reply's level
+        changes, most of all at its start: echo of a reply's first
+        syllables cannot be as loud as its loudest word.
+
+        Args:
+            at: media time (s) of the newest inbound frame, as given to
+                :meth:`similarity`.
+            delay_ms: the echo path's delay (ms), as :attr:`EchoMatch.delay_ms`
+                found it.
+        """
+        if self._end_key is None:
+            return SILENCE_DBFS
+        frame_hops = FRAME_MS // ECHO_HOP_MS
+        in_end = round(at * 1000 / ECHO_HOP_MS) + frame_hops
+        back = (self._end_key - (in_end - delay_ms // ECHO_HOP_MS)) // frame_hops  # frames before the newest
+        lo = max(0, back - ECHO_SLACK_MS // FRAME_MS)
+        hi = min(len(self._energy) - 1, back + ECHO_REVERB_MS // FRAME_MS)
+        if hi < lo:
+            return SILENCE_DBFS
+        n = len(self._energy)
+        loudest = max(self._energy[n - 1 - i] for i in range(lo, hi + 1))
+        return 10 * math.log10(loudest) if loudest > 0 else SILENCE_DBFS
+
     def return_loss_bound_db(self, inbound_ms: float, at: float) -> float | None:
         """A lower bound of the echo return loss, from inbound energy.
 
@@ -331,7 +382,7 @@ class EchoReference:
         the analysis window) before ``at``."""
         return self._last_audible is not None and at - self._last_audible <= (self.max_delay_ms + ECHO_WINDOW_MS) / 1000
 
-    def similarity(self, recent16: bytes, at: float) -> float:
+    def similarity(self, recent16: bytes, at: float) -> EchoMatch:
         """How well recent inbound audio is explained by a delayed copy of the
         outbound signal.
 
@@ -342,16 +393,31 @@ class EchoReference:
             at: clock seconds of the newest inbound frame.
 
         Returns:
-            0..1: the best, over delays 0..max_delay_ms, of the envelope
-            correlation, set to 0 when the newest 20 ms carries energy the
-            echo cannot explain (double talk). 0 when too little audio was
-            given or nothing was played. The best delay is left in
-            :attr:`delay_ms` (None when there was none).
+            The best, over delays 0..max_delay_ms, of the envelope
+            correlation (0..1), set to 0 when the newest 20 ms carries
+            energy the echo cannot explain (double talk), 0 when too little
+            audio was given or nothing was played; its delay and the path
+            offset the window showed.
         """
-        sim, self.delay_ms = self._match(recent16, at, self._window_hops, -self._slack, self.max_delay_ms // ECHO_HOP_MS + self._slack)
-        return sim
+        return self._match(recent16, at, self._window_hops, -self._slack, self.max_delay_ms // ECHO_HOP_MS + self._slack)
 
-    def slipped_similarity(self, recent16: bytes, at: float, delay_ms: int, offset: np.ndarray) -> float:
+    def similarity_near(self, recent16: bytes, at: float, delay_ms: int) -> EchoMatch:
+        """:meth:`similarity` at delays within ``ECHO_SLACK_MS`` of
+        ``delay_ms`` only: is the window the echo the guard just found, at
+        its delay?
+
+        Args:
+            recent16: as for :meth:`similarity`.
+            at: clock seconds of the newest inbound frame.
+            delay_ms: the delay (ms) the echo was found at.
+
+        Returns:
+            As for :meth:`similarity`.
+        """
+        d = delay_ms // ECHO_HOP_MS
+        return self._match(recent16, at, self._window_hops, d - self._slack, d + self._slack)
+
+    def slipped_similarity(self, recent16: bytes, at: float, delay_ms: int, offset: np.ndarray) -> EchoMatch:
         """:meth:`similarity` of the newest ``ECHO_SLIP_WINDOW_MS`` only, at
         delays within ``ECHO_SLIP_MS`` of ``delay_ms``: the echo after its
         path's delay jumped (the far end's jitter buffer ran dry, or
@@ -360,25 +426,23 @@ class EchoReference:
         "unexplained" energy; the short window after the jump matches the
         new delay. (A window split at the jump, its older part at the old
         delay, does not tell a user's onset from echo: the older part's
-        match carries it.) Sets :attr:`delay_ms` to its best.
+        match carries it.)
 
         Args:
             recent16: as for :meth:`similarity`.
             at: clock seconds of the newest inbound frame.
             delay_ms: the delay the echo had just before (ms).
-            offset: the path's per-band offset then (:attr:`path_offset`):
-                double talk is judged with it, since one taken from so short
-                a window would follow a user's voice in it.
+            offset: the path's per-band offset then
+                (:attr:`EchoMatch.path_offset`): double talk is judged with
+                it, since one taken from so short a window would follow a
+                user's voice in it.
 
         Returns:
-            0..1, as for :meth:`similarity`.
+            As for :meth:`similarity`.
         """
         d = delay_ms // ECHO_HOP_MS
         slip = ECHO_SLIP_MS // ECHO_HOP_MS
-        sim, best = self._match(recent16, at, ECHO_SLIP_WINDOW_MS // ECHO_HOP_MS, d - slip, d + slip, offset)
-        if best is not None:
-            self.delay_ms = best
-        return sim
+        return self._match(recent16, at, ECHO_SLIP_WINDOW_MS // ECHO_HOP_MS, d - slip, d + slip, offset)
 
     def _inbound(self, recent16: bytes, w: int) -> np.ndarray | None:
         """Log band energies (w, bands) of the newest ``w`` hops of inbound
@@ -392,17 +456,16 @@ class EchoReference:
 
     def _match(
         self, recent16: bytes, at: float, w: int, d_lo: int, d_hi: int, offset: np.ndarray | None = None
-    ) -> tuple[float, int | None]:
+    ) -> EchoMatch:
         """The envelope correlation of the newest ``w`` hops of inbound audio
         with the reference at delays ``d_lo..d_hi`` hops, and the best delay
         (ms). Zero for double talk, judged with the path's per-band
-        ``offset``; None: with the one the window shows, which is kept in
-        :attr:`path_offset`."""
+        ``offset`` (None: with the one the window shows)."""
         if self._end_key is None:
-            return 0.0, None
+            return EchoMatch(0.0, None, None)
         inb = self._inbound(recent16, w)
         if inb is None:
-            return 0.0, None
+            return EchoMatch(0.0, None, None)
         # Reference windows ending at hop keys in_end - d, d = d_lo .. d_hi.
         in_end = round(at * 1000 / ECHO_HOP_MS) + FRAME_MS // ECHO_HOP_MS
         d_lo = max(d_lo, -self._slack)
@@ -413,7 +476,7 @@ class EchoReference:
         first = max(first, w - 1)
         last = min(last, self._cap - 1)
         if last < first:
-            return 0.0, None
+            return EchoMatch(0.0, None, None)
         ref = np.lib.stride_tricks.sliding_window_view(self._feats[first - w + 1 : last + 1], w, axis=0)  # (L, bands, w)
         # Pearson over (hops, bands) after removing each band's mean over the
         # window; the inbound side is centred, so the reference's band means
@@ -424,7 +487,7 @@ class EchoReference:
         rss = np.einsum("lbw,lbw->l", ref, ref) - np.einsum("lb,lb->l", rsum, rsum) / w
         iss = float(np.einsum("wb,wb->", ic, ic))
         if iss < ECHO_MIN_VAR:
-            return 0.0, None
+            return EchoMatch(0.0, None, None)
         # A flat reference window (silence) has no envelope to match; the
         # subtraction above leaves rounding noise there, so mask it out.
         corr = np.where(rss > ECHO_MIN_VAR, num / np.sqrt(np.maximum(rss, ECHO_MIN_VAR) * iss), 0.0)
@@ -433,16 +496,16 @@ class EchoReference:
         # the window ending at ring index first + best ends at key in_end - delay
         delay_ms = (in_end - (self._end_key - (self._cap - 1 - (first + best)))) * ECHO_HOP_MS
         if sim <= 0:
-            return 0.0, delay_ms
+            return EchoMatch(0.0, delay_ms, None)
         # Double talk: does the newest 20 ms carry energy the echo cannot explain?
         # Predict it from the best reference window plus the window's median
         # per-band offset (attenuation, coloration).
         r = ref[best].T
         if offset is None:
-            offset = self.path_offset = self._path_offset(r, inb)
+            offset = self._path_offset(r, inb)
         if self._excess_share(r, inb, offset) >= ECHO_EXCESS_SHARE:
-            return 0.0, delay_ms
-        return min(1.0, sim), delay_ms
+            return EchoMatch(0.0, delay_ms, offset)
+        return EchoMatch(min(1.0, sim), delay_ms, offset)
 
 
 class EchoGuard:
@@ -465,16 +528,20 @@ class EchoGuard:
             known just before), None if it was not found echo.
     """
 
-    def __init__(self, reference: EchoReference | None, threshold: float) -> None:
+    def __init__(self, reference: EchoReference | None, threshold: float, assumed_loss_db: float = 0.0) -> None:
         self.reference = reference
         self.threshold = threshold
+        #: the least loss believed without evidence: the assumption, until
+        #: an echo louder than it shows the path has gain
+        self._least_loss_db = assumed_loss_db
         self._until = -math.inf
+        self._held_delay: int | None = None  # the delay (ms) of the echo that set _until
         self._now = -math.inf  # media time of the newest frame compared
         self.matched_delay_ms: int | None = None
         #: the echo's delay (ms), the media time it was last found at, and
         #: the path's per-band offset then
         self._locked: tuple[int | None, float, np.ndarray] = (None, -math.inf, np.empty(0))
-        self.return_loss_db = 0.0
+        self.return_loss_db = assumed_loss_db
         self._inbound_energy: deque[float] = deque(maxlen=ERL_WINDOW_MS // FRAME_MS)
         self._louder_run = 0
 
@@ -516,28 +583,40 @@ class EchoGuard:
         self._now = media_at
         if voiced and self.playing(at):
             assert self.reference is not None
-            # Hysteresis: right after echo, a lower bar keeps the agent's
-            # own syllable onsets (similarity dipping to 0.6-0.8) echo; the
-            # user's voice on top drives similarity to 0 (the excess rule).
-            bar = self.threshold - ECHO_HYSTERESIS if media_at <= self._until else self.threshold
             audio = b"".join(recent)
-            sim = self.reference.similarity(audio, media_at)
-            echo = echo_like = sim >= bar
+            found = self.reference.similarity(audio, media_at)
+            delay = found.delay_ms  # the delay of the newest comparison that had one
+            echo = echo_like = found.similarity >= self.threshold
             slipped = False
             matched: tuple[int | None, np.ndarray] | None = None
-            if sim >= self.threshold:
-                matched = (self.reference.delay_ms, self.reference.path_offset)
-            elif not echo_like and (locked := self._locked)[0] is not None and media_at - locked[1] <= ECHO_SLIP_HOLD_MS / 1000:
+            if echo_like:
+                assert found.path_offset is not None  # a match got as far as the double-talk check
+                matched = (found.delay_ms, found.path_offset)
+            elif media_at <= self._until and self._held_delay is not None:
+                # Hysteresis: right after echo, a lower bar keeps the
+                # agent's own syllable onsets (similarity dipping to 0.6-0.8)
+                # echo, at the delay that echo had: a user's voice matching
+                # some other stretch of the reply by chance is not carried
+                # along (at a reply's start their onset matches the reply's
+                # own onset, and the hold would take the next 200 ms for
+                # echo). The user's voice on top of the echo drives
+                # similarity to 0 (the excess rule).
+                near = self.reference.similarity_near(audio, media_at, self._held_delay)
+                delay = near.delay_ms if near.delay_ms is not None else delay
+                echo = echo_like = near.similarity >= self.threshold - ECHO_HYSTERESIS
+            if not echo_like and (locked := self._locked)[0] is not None and media_at - locked[1] <= ECHO_SLIP_HOLD_MS / 1000:
                 # the echo a moment ago, and now nothing matches: did its
                 # delay jump? (the newest 80 ms at a nearby delay, held to
                 # the full bar: a short window matches more by chance)
-                delay, _, offset = locked
-                assert delay is not None
-                slipped = self.reference.slipped_similarity(audio, media_at, delay, offset) >= self.threshold
+                locked_delay, _, offset = locked
+                assert locked_delay is not None
+                jumped = self.reference.slipped_similarity(audio, media_at, locked_delay, offset)
+                delay = jumped.delay_ms if jumped.delay_ms is not None else delay
+                slipped = jumped.similarity >= self.threshold
                 if slipped:
                     echo = echo_like = True
-                    matched = (self.reference.delay_ms, offset)
-            if echo_like and self._louder_than_echo(level):
+                    matched = (delay, offset)
+            if echo_like and self._louder_than_echo(level, media_at, delay):
                 # Louder than the path lets the agent come back: the user,
                 # though the envelope matches (speech rising from silence
                 # matches some rise in the agent's speech). It opens the gate
@@ -548,12 +627,13 @@ class EchoGuard:
                 if self._louder_run < ERL_RECHECK_FRAMES:
                     echo = False
                 else:
-                    self.return_loss_db = 0.0
+                    self.return_loss_db = self._least_loss_db = 0.0
                     self._louder_run = 0
             else:
                 self._louder_run = 0
             if echo_like and not slipped:
                 self._until = media_at + ECHO_HOLD_MS / 1000
+                self._held_delay = delay
             if echo and matched is not None:
                 # the delay the echo is known at (a match the loss let stand)
                 self._locked = (matched[0], media_at, matched[1])
@@ -581,15 +661,18 @@ class EchoGuard:
         if self.playing(at) and received:
             self._learn_return_loss(at)
 
-    def _louder_than_echo(self, level: float) -> bool:
-        """The frame (``level`` dBFS) is louder than any echo of what was
-        played can be, given the loss seen so far: the user, not the agent.
+    def _louder_than_echo(self, level: float, media_at: float, delay_ms: int | None) -> bool:
+        """The frame (``level`` dBFS, at media time ``media_at``) is louder
+        than any echo of what was played can be, given the loss seen so far
+        and the delay (ms) its envelope matched at
+        (:meth:`EchoReference.loudest_near_dbfs`): the user, not the agent.
 
         An envelope that rises from silence matches some rising stretch of
         the agent's speech, whoever speaks; without this, a user talking
         into a quiet headset was taken for echo for the first 150-250 ms."""
         assert self.reference is not None
-        return level > self.reference.loudest_dbfs() - self.return_loss_db + ECHO_LOUDER_DB
+        played = self.reference.loudest_dbfs() if delay_ms is None else self.reference.loudest_near_dbfs(media_at, delay_ms)
+        return level > played - self.return_loss_db + ECHO_LOUDER_DB
 
     def _learn_return_loss(self, at: float) -> None:
         """While the agent is audible: fade by ``ERL_DECAY_DB``, then rise to
@@ -598,7 +681,7 @@ class EchoGuard:
         Only a rise is taken from the bound: the user's own speech in the
         window lowers it, and would undo the estimate right at their onset."""
         assert self.reference is not None
-        erl = max(0.0, self.return_loss_db - ERL_DECAY_DB)
+        erl = max(self._least_loss_db, self.return_loss_db - ERL_DECAY_DB)
         if len(self._inbound_energy) == self._inbound_energy.maxlen:
             bound = self.reference.return_loss_bound_db(sum(self._inbound_energy) / len(self._inbound_energy), at)
             if bound is not None:
