@@ -4,6 +4,7 @@ hears it (issue 11.6).
 
     python bench/soak.py [--sessions 200] [--seed 1] [--min-at 1] [--max-at 6]
                          [--classes speech,backchannel,...] [--hangup-after 0.5]
+                         [--transport webrtc|twilio|telnyx|device]
                          [--dump DIR] [--json]
 
 Starts one turnkeeper server in its own process on loopback (embedded
@@ -25,6 +26,13 @@ tests/corpus.py), and echo: a speakerphone call (the client plays the agent's
 audio back into its microphone at -6 dB, 40 or 60 ms later) with nothing else
 said; its whole reply is judged. The first call is the reference: the same
 request with no stimulus (class ``none``).
+
+Over the phone path (``--transport twilio`` or ``telnyx``: the phone
+simulator, client/phone_call.py, 8 kHz mu-law both ways) and the device path
+(``--transport device``: the simulated xiaozhi-esp32 in realtime mode,
+client/device_call.py) the same calls are made and judged at the simulated
+caller's ear or the device's speaker, as in bench/bargein.py. Neither
+simulator has an echo path, so there the echo class is left out.
 
 Each call is judged from the client's reception (tests/listening.py): the
 silent runs of the received reply set against the reference's at the same
@@ -76,10 +84,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import corpus as C  # noqa: E402  (the tests' labelled corpus)
 import listening as L  # noqa: E402  (the inserted-gap measure)
-from bargein import MOMENTS, stats, up  # noqa: E402
+from bargein import BENCH_TOKEN, MOMENTS, make_client, stats, up  # noqa: E402
 from local_server import server  # noqa: E402
 
-from client.call import CallClient  # noqa: E402
+from client.command import issue_device_token  # noqa: E402
 from client.results import CallError, CallResult, Utterance  # noqa: E402
 from media.frames import VAD_RATE  # noqa: E402
 
@@ -137,15 +145,16 @@ def progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-async def one_call(url: str, story: bytes, stim: Stimulus, at_s: float, hangup_after: float) -> CallResult:
-    """Ask for the story, play ``stim`` ``at_s`` s after the agent starts
-    talking, hang up ``hangup_after`` s after it was sent.
+async def one_call(url: str, story: bytes, stim: Stimulus, at_s: float, hangup_after: float,
+                   transport: str = "webrtc", device_token: str | None = None) -> CallResult:
+    """Ask for the story over ``transport``, play ``stim`` ``at_s`` s after
+    the agent starts talking, hang up ``hangup_after`` s after it was sent.
 
     Raises:
-        CallError: the call failed (see :meth:`CallClient.run`).
+        CallError: the call failed (see :meth:`client.call.CallClient.run`).
     """
     echo = {} if stim.echo_delay_ms is None else {"echo_gain_db": -6.0, "echo_delay_ms": stim.echo_delay_ms}
-    client = CallClient(url, **echo)
+    client = make_client(url, transport, device_token, **echo)
     kind = "speech" if stim.cls == "speech" else stim.cls
     return await client.run(
         Utterance(story, label="story"),
@@ -159,7 +168,7 @@ async def one_call(url: str, story: bytes, stim: Stimulus, at_s: float, hangup_a
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     pool = stimuli()
-    classes = [c for c in args.classes.split(",") if c]
+    classes = [c for c in args.classes.split(",") if c and not (c == "echo" and args.transport != "webrtc")]
     unknown = set(classes) - set(pool) - {"none"}
     if unknown:
         raise SystemExit(f"unknown classes: {', '.join(sorted(unknown))} (known: {', '.join(CLASSES)}, none)")
@@ -177,7 +186,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     reference: list[L.Frame] | None = None
     first_transcript: str | None = None
     started = time.monotonic()
-    async with server("tk-soak-") as (url, proc):
+    env = {"TURNKEEPER_API_TOKENS": f"default:{BENCH_TOKEN}"} if args.transport != "webrtc" else None
+    async with server("tk-soak-", env) as (url, proc):
+        device_token = await issue_device_token(url, BENCH_TOKEN) if args.transport == "device" else None
         samples.append(proc_sample(proc.pid, 0))
         plan = [("none", reference_stim, args.max_at + 5.5), *[(c, None, None) for c in order]]
         for n, (cls, stim, at_s) in enumerate(plan, start=1):
@@ -188,7 +199,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.monotonic()
             row: dict[str, Any] = {"n": n, "class": cls, "label": stim.label, "at_s": at_s}
             try:
-                result = await one_call(url, story, stim, at_s, args.hangup_after)
+                result = await one_call(url, story, stim, at_s, args.hangup_after, args.transport, device_token)
             except CallError as exc:
                 if n == 1:
                     raise RuntimeError(f"the reference call failed: {exc}") from exc
@@ -306,6 +317,7 @@ def summarise(
             others[str(t)] = others.get(str(t), 0) + 1
     return {
         "sessions": len(sessions),
+        "transport": args.transport,
         "seconds": round(seconds, 1),
         "seed": args.seed,
         "at_s": [args.min_at, args.max_at],
@@ -325,7 +337,8 @@ def summarise(
 
 
 def print_table(out: dict[str, Any]) -> None:
-    print(f"{out['sessions']} sessions in {out['seconds']:.0f} s (seed {out['seed']}, stimulus at {out['at_s'][0]}-{out['at_s'][1]} s)")
+    print(f"{out['transport']}: {out['sessions']} sessions in {out['seconds']:.0f} s"
+          f" (seed {out['seed']}, stimulus at {out['at_s'][0]}-{out['at_s'][1]} s)")
     head = f"{'class':<12}{'n':>4}{'kept':>6}{'paused':>8}{'stopped':>9}{'gap p50':>9}{'gap max':>9}{'>300ms':>8}{'max ins':>9}"
     print(head)
     for cls, e in out["classes"].items():
@@ -369,6 +382,8 @@ def main() -> int:
         help="hang up this long after the stimulus (with its 1 s of trailing silence) was sent, s (default 0.5)",
     )
     p.add_argument("--classes", default=",".join(CLASSES), help=f"comma-separated (default {','.join(CLASSES)}; also: none)")
+    p.add_argument("--transport", choices=["webrtc", "twilio", "telnyx", "device"], default="webrtc",
+                   help="WebRTC (aiortc), the phone simulator, or the device simulator (default webrtc)")
     p.add_argument("--dump", type=Path, help="write each call's reception (frames, events) to DIR/NNNN-class.json")
     p.add_argument("--json", action="store_true", help="print one JSON object of the figures on stdout")
     args = p.parse_args()
