@@ -28,6 +28,12 @@ and frame duration. Then it behaves as the firmware does:
   :class:`client.device_speaker.DeviceSpeaker`; after an ``abort`` the
   device keeps playing whatever it still receives.
 
+A Wi-Fi link can be simulated (``wifi_jitter_ms``): each message from the
+server then reaches the firmware later by a random extra delay, and never
+before the one sent ahead of it (one TCP stream: a late packet holds back
+the ones behind it). The speaker records where its queue ran dry while
+speaking (:attr:`client.device_speaker.DeviceSpeaker.underruns`).
+
 Binary messages are framed by the announced protocol version (1, 2 or 3,
 :mod:`web.devices.framing`). Everything sent and received is logged with
 its time (:class:`DeviceLog`); what the speaker played can be written to a
@@ -40,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import uuid
 import wave
 from pathlib import Path
@@ -77,9 +84,13 @@ class DeviceSimulator:
         clock: pacing clock (system clock by default).
         hello_timeout_s: how long to wait for the server's hello, s.
         hello: extra fields for the device's hello (newer firmware's).
+        wifi_jitter_ms: the 95th percentile (ms) of the extra delay a
+            Wi-Fi link adds to each message from the server (exponential,
+            mean a third of it; 0: none, loopback as it is).
+        seed: the jitter's random seed.
 
     Raises:
-        ValueError: an unknown protocol version.
+        ValueError: an unknown protocol version, or a negative jitter.
     """
 
     def __init__(
@@ -93,9 +104,16 @@ class DeviceSimulator:
         clock: Clock | None = None,
         hello_timeout_s: float = HELLO_TIMEOUT_S,
         hello: dict[str, Any] | None = None,
+        wifi_jitter_ms: float = 0.0,
+        seed: int | None = None,
     ) -> None:
         if version not in framing.VERSIONS:
             raise ValueError(f"protocol version {version} (one of {framing.VERSIONS})")
+        if wifi_jitter_ms < 0:
+            raise ValueError("wifi_jitter_ms must not be negative")
+        self._jitter_mean_s = wifi_jitter_ms / 3 / 1000  # exponential: p95 = mean * ln 20, about 3 means
+        self._rng = random.Random(seed)
+        self._arrived = 0.0  # when the newest message from the server reached the firmware
         if url.startswith("http"):
             url = "ws" + url[len("http") :]
         self.url, self.token, self.version = url, token, version
@@ -390,8 +408,18 @@ class DeviceSimulator:
         log.warning("server broke the device protocol: %s", text)
         self.log.errors.append(text)
 
-    def _on_text(self, data: str) -> None:
+    def _arrival(self) -> float:
+        """When the message received now reaches the firmware: now, plus
+        the Wi-Fi link's random delay if one is simulated, never before
+        the message ahead of it."""
         now = self.clock.monotonic()
+        if self._jitter_mean_s > 0:
+            now = max(self._arrived, now + self._rng.expovariate(1 / self._jitter_mean_s))
+            self._arrived = now
+        return now
+
+    def _on_text(self, data: str) -> None:
+        now = self._arrival()
         try:
             message = json.loads(data)
         except ValueError:
@@ -437,7 +465,7 @@ class DeviceSimulator:
         self._hello_event.set()
 
     def _on_binary(self, data: bytes) -> None:
-        now = self.clock.monotonic()
+        now = self._arrival()
         if self.server_hello is None:
             self._violation(f"a binary message of {len(data)} bytes before the server's hello")
             return

@@ -85,7 +85,8 @@ class DeviceCallClient(SessionEvents):
         device_token: the device's token (``Authorization: Bearer``).
         token: a bearer token of the device's tenant, to read its events.
         version: binary protocol version (1, 2 or 3).
-        device_id / hello_timeout_s: as :class:`client.device.DeviceSimulator`.
+        device_id / hello_timeout_s / wifi_jitter_ms / seed: as
+            :class:`client.device.DeviceSimulator`.
 
     Raises:
         ValueError: an unknown mode, a URL that is not ws(s):// or
@@ -102,6 +103,8 @@ class DeviceCallClient(SessionEvents):
         version: int = 1,
         device_id: str = "02:00:00:00:00:01",
         hello_timeout_s: float = 10.0,
+        wifi_jitter_ms: float = 0.0,
+        seed: int | None = None,
     ) -> None:
         if mode not in CALL_MODES:
             raise ValueError(f"device call mode {mode!r} (one of {CALL_MODES})")
@@ -109,6 +112,7 @@ class DeviceCallClient(SessionEvents):
             raise ValueError(f"the device URL must be ws://, wss://, http:// or https://, not {url!r}")
         self.url, self.mode, self.device_token, self.token = url, mode, device_token, token
         self.version, self.device_id, self.hello_timeout_s = version, device_id, hello_timeout_s
+        self.wifi_jitter_ms, self.seed = wifi_jitter_ms, seed
         self.base_url = http_base(url)
         self.session_id = ""
         self.sim: DeviceSimulator | None = None
@@ -143,7 +147,8 @@ class DeviceCallClient(SessionEvents):
         measures = [BargeInMeasure(label=u.label, at_s=u.at_s or 0.0, kind=u.kind) for u in barge_ins]
         self._revive = revive
         sim = self.sim = DeviceSimulator(self.url, self.device_token, version=self.version, device_id=self.device_id,
-                                         hello_timeout_s=self.hello_timeout_s)
+                                         hello_timeout_s=self.hello_timeout_s, wifi_jitter_ms=self.wifi_jitter_ms,
+                                         seed=self.seed)
         async with aiohttp.ClientSession() as http:
             await sim.connect()
             self.session_id = sim.session_id or sim.response_headers.get("X-Turnkeeper-Session", "")

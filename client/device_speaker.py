@@ -86,6 +86,11 @@ class DeviceSpeaker:
         self.overflows = 0
         #: ms of queued audio a reset threw away unplayed
         self.reset_ms = 0.0
+        #: (clock s, ms) of each time the queue ran dry between two packets
+        #: of one stretch of speaking (from a reset on): the silence heard
+        #: before the late packet played
+        self.underruns: list[tuple[float, float]] = []
+        self._since_reset = False  # a packet was pushed since the last reset
 
     def queued_s(self, now: float) -> float:
         """Audio queued and not yet played at ``now``, s."""
@@ -99,6 +104,9 @@ class DeviceSpeaker:
         if start - at > self.capacity_s:
             self.overflows += 1
             return None
+        if self._since_reset and at > self._end + 1e-6:
+            self.underruns.append((self._end, (at - self._end) * 1000))
+        self._since_reset = True
         n = len(pcm) // 2
         seg = Segment(start, start + n / self.rate, pcm[: n * 2], self._pushed, sound_end_s(pcm, self.rate))
         self._pushed += n
@@ -115,6 +123,7 @@ class DeviceSpeaker:
                 self.reset_ms += (seg.end - cut) * 1000
                 seg.end = cut
         self._end = min(self._end, at)
+        self._since_reset = False
 
     def render(self, t0: float, t1: float) -> bytes:
         """What the speaker played from ``t0`` to ``t1``: mono s16 at

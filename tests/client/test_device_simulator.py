@@ -85,6 +85,37 @@ def test_a_reset_cuts_what_is_still_queued() -> None:
     assert nxt is not None and nxt.start == 0.1
 
 
+def test_the_speaker_records_where_its_queue_ran_dry_mid_reply() -> None:
+    sp = DeviceSpeaker(16_000)
+    pcm = tone(60, 16_000)
+    sp.push(pcm, 1.0)  # the reply's first packet: nothing ran dry before it
+    sp.push(pcm, 1.05)  # in time
+    sp.push(pcm, 1.15)  # 30 ms after the queue ran dry at 1.12
+    assert sp.underruns == [(pytest.approx(1.12), pytest.approx(30.0))]
+    sp.reset(2.0)  # the next reply (tts start)
+    sp.push(pcm, 2.5)
+    assert len(sp.underruns) == 1
+
+
+def test_a_wifi_link_delays_the_servers_messages_in_order() -> None:
+    """The jitter model: every message is late by a random amount (p95 as
+    asked, about), and never overtakes the one before it (one TCP stream)."""
+    sim = DeviceSimulator("ws://127.0.0.1:1/v1/devices/ws", wifi_jitter_ms=30.0, seed=7)
+    clock_now = sim.clock.monotonic()
+    arrivals = [sim._arrival() for _ in range(2000)]
+    assert all(b >= a for a, b in itertools.pairwise(arrivals))
+    assert arrivals[0] >= clock_now
+    # each delay alone (the in-order rule only adds to it)
+    alone = DeviceSimulator("ws://127.0.0.1:1/v1/devices/ws", wifi_jitter_ms=30.0, seed=7)
+    delays = sorted(alone._rng.expovariate(1 / alone._jitter_mean_s) * 1000 for _ in range(4000))
+    assert 24 <= delays[int(0.95 * len(delays))] <= 36
+    with pytest.raises(ValueError, match="jitter"):
+        DeviceSimulator("ws://127.0.0.1:1/v1/devices/ws", wifi_jitter_ms=-1)
+    plain = DeviceSimulator("ws://127.0.0.1:1/v1/devices/ws")
+    before = plain.clock.monotonic()
+    assert before <= plain._arrival() <= plain.clock.monotonic()
+
+
 # -- against the fake server -----------------------------------------------------------------------
 
 
