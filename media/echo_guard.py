@@ -18,9 +18,8 @@ agent's voice comes back in the microphone; the barge-in detector
   energy the best-matching echo cannot account for (``ECHO_EXCESS_DB`` in
   enough bands).
 - :class:`EchoGuard`, one per inbound stream, the comparison: the
-  similarity against ``echo_threshold`` with hysteresis after echo (a
-  lower bar for ``ECHO_HOLD_MS``, at the delay that echo was found at
-  only), and the echo return loss.
+  similarity against ``echo_threshold`` with hysteresis after echo, and
+  the echo return loss.
 
 The window's envelope cannot tell a user's onset from the agent's: speech
 rising from silence matches some rise in the agent's speech at some delay.
@@ -401,22 +400,6 @@ class EchoReference:
         """
         return self._match(recent16, at, self._window_hops, -self._slack, self.max_delay_ms // ECHO_HOP_MS + self._slack)
 
-    def similarity_near(self, recent16: bytes, at: float, delay_ms: int) -> EchoMatch:
-        """:meth:`similarity` at delays within ``ECHO_SLACK_MS`` of
-        ``delay_ms`` only: is the window the echo the guard just found, at
-        its delay?
-
-        Args:
-            recent16: as for :meth:`similarity`.
-            at: clock seconds of the newest inbound frame.
-            delay_ms: the delay (ms) the echo was found at.
-
-        Returns:
-            As for :meth:`similarity`.
-        """
-        d = delay_ms // ECHO_HOP_MS
-        return self._match(recent16, at, self._window_hops, d - self._slack, d + self._slack)
-
     def slipped_similarity(self, recent16: bytes, at: float, delay_ms: int, offset: np.ndarray) -> EchoMatch:
         """:meth:`similarity` of the newest ``ECHO_SLIP_WINDOW_MS`` only, at
         delays within ``ECHO_SLIP_MS`` of ``delay_ms``: the echo after its
@@ -518,6 +501,10 @@ class EchoGuard:
         threshold: similarity (0..1) at or above which a voiced frame is
             explained by the outbound signal (``BargeInConfig.echo_threshold``);
             ``ECHO_HYSTERESIS`` lower for ``ECHO_HOLD_MS`` after echo.
+        assumed_loss_db: the echo path's loss (dB) believed until playout
+            has shown it (``BargeInConfig.echo_assumed_loss_db``); dropped
+            to 0 for the session once an echo louder than it matched
+            ``ERL_RECHECK_FRAMES`` frames in a row.
 
     Attributes:
         return_loss_db: the echo path's loss as far as the evidence goes
@@ -535,7 +522,6 @@ class EchoGuard:
         #: an echo louder than it shows the path has gain
         self._least_loss_db = assumed_loss_db
         self._until = -math.inf
-        self._held_delay: int | None = None  # the delay (ms) of the echo that set _until
         self._now = -math.inf  # media time of the newest frame compared
         self.matched_delay_ms: int | None = None
         #: the echo's delay (ms), the media time it was last found at, and
@@ -592,18 +578,16 @@ class EchoGuard:
             if echo_like:
                 assert found.path_offset is not None  # a match got as far as the double-talk check
                 matched = (found.delay_ms, found.path_offset)
-            elif media_at <= self._until and self._held_delay is not None:
+            elif media_at <= self._until:
                 # Hysteresis: right after echo, a lower bar keeps the
                 # agent's own syllable onsets (similarity dipping to 0.6-0.8)
-                # echo, at the delay that echo had: a user's voice matching
-                # some other stretch of the reply by chance is not carried
-                # along (at a reply's start their onset matches the reply's
-                # own onset, and the hold would take the next 200 ms for
-                # echo). The user's voice on top of the echo drives
-                # similarity to 0 (the excess rule).
-                near = self.reference.similarity_near(audio, media_at, self._held_delay)
-                delay = near.delay_ms if near.delay_ms is not None else delay
-                echo = echo_like = near.similarity >= self.threshold - ECHO_HYSTERESIS
+                # echo; the user's voice on top drives similarity to 0 (the
+                # excess rule). At any delay: held to the delay that echo
+                # had (within 20 ms), the agent's own echo was let through
+                # once in a real-time speakerphone test on a loaded machine
+                # (tests/voice/test_bargein_session.py), whose delay wanders
+                # more than that from frame to frame.
+                echo = echo_like = found.similarity >= self.threshold - ECHO_HYSTERESIS
             if not echo_like and (locked := self._locked)[0] is not None and media_at - locked[1] <= ECHO_SLIP_HOLD_MS / 1000:
                 # the echo a moment ago, and now nothing matches: did its
                 # delay jump? (the newest 80 ms at a nearby delay, held to
@@ -633,7 +617,6 @@ class EchoGuard:
                 self._louder_run = 0
             if echo_like and not slipped:
                 self._until = media_at + ECHO_HOLD_MS / 1000
-                self._held_delay = delay
             if echo and matched is not None:
                 # the delay the echo is known at (a match the loss let stand)
                 self._locked = (matched[0], media_at, matched[1])
