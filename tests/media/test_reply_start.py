@@ -8,9 +8,8 @@ the session's earlier replies is now kept between replies.
 
 A session's first reply has no earlier replies: there the guard assumes the
 echo comes back no louder than it was played (``echo_assumed_loss_db``),
-bounds it by what was played around the delay its envelope matched, not by
-the reply's loudest word, and lowers its bar after echo only at that
-echo's delay.
+and bounds it by what was played around the delay its envelope matched, not
+by the reply's loudest word.
 
 Frames are fed on virtual time; latencies are exact.
 """
@@ -100,9 +99,9 @@ def first_reply(user16: bytes, lead_s: float, echo: tuple[int, float] | None) ->
 def test_a_barge_in_at_the_start_of_the_first_reply_loses_at_most_its_onset(voice: str, wpm: int, lead_s: float) -> None:
     """Headset, a user as loud as the agent: the onset's first 60 ms still
     match the reply's own onset (nothing can tell them apart before the
-    echo path's loss is known), but no more. It was 140-200 ms: the match
-    was carried on by the lowered bar after echo, at other delays, and the
-    user's louder frames were measured against the reply's loudest word."""
+    echo path's loss is known), but no more. It was 140-200 ms: the user's
+    frames that matched the reply's envelope were measured against the
+    reply's loudest word and a loss of 0 dB, so none was louder than echo."""
     user = C.resample(C.opus_round_trip(C.espeak("tell me a story", voice, wpm, PLAYOUT_RATE)), PLAYOUT_RATE, VAD_RATE)
     clip = first_reply(user, lead_s, echo=None)
     guarded, bare = run_clip(clip), run_clip(clip, echo=False)
