@@ -60,10 +60,14 @@ INTERRUPT = "hey wait stop I have a question"
 
 
 def progress(msg: str) -> None:
+    """One line of progress on stderr (stdout is the table or the JSON)."""
     print(msg, file=sys.stderr, flush=True)
 
 
 def client(url: str, device_token: str, jitter_ms: float, seed: int) -> DeviceCallClient:
+    """A realtime-mode device call to the server at ``url`` (http://h:p)
+    behind a Wi-Fi link of ``jitter_ms`` (p95 of the extra delay per
+    message, ms; :class:`client.device.DeviceSimulator`), seeded ``seed``."""
     return DeviceCallClient(device_url(url), mode="realtime", device_token=device_token, token=BENCH_TOKEN,
                             wifi_jitter_ms=jitter_ms, seed=seed)
 
@@ -155,6 +159,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_table(out: dict[str, Any]) -> None:
+    """One row per (send-ahead, jitter) cell of :func:`run`'s result: reply
+    heard (s), underruns per minute and the silence they add (ms/min), the
+    longest (ms), and the audible stop's n, p50, p95, max (ms)."""
     print(f"{'send-ahead':>10} {'jitter p95':>10} {'reply s':>8} {'underruns/min':>14} {'dry ms/min':>11} {'longest':>8}"
           f" {'stop n':>7} {'p50':>7} {'p95':>7} {'max':>7}")
     for c in out["cells"]:
@@ -166,6 +173,7 @@ def print_table(out: dict[str, Any]) -> None:
 
 
 def ints(text: str) -> list[int]:
+    """A comma-separated list of integers ("20,40"); ValueError on anything else."""
     return [int(x) for x in text.split(",") if x]
 
 
