@@ -16,6 +16,11 @@ random offsets (0.3 to 2 s after the agent's audio starts again):
   the agent's audio back into its microphone (-6 dB, +60 ms) for 8 s before
   the user speaks over it.
 
+The WebRTC clients declare their microphone's echo canceller in the offer as
+the browser page does: the echo calls, a speakerphone with it off (the page's
+raw mode), the others on (``--undeclared-aec``: nothing declared, as before
+the declaration existed).
+
 Figures (min, p50, p95, max where they apply):
 
 - audible stop: from the first sample of speech handed to the client's RTP
@@ -104,11 +109,19 @@ BENCH_TOKEN = "bench-events"  # the bench server's API token for the default ten
 MOMENTS = (("first 300 ms", 0.0, 0.3), ("0.3-1 s", 0.3, 1.0), ("after 1 s", 1.0, float("inf")))
 
 
-def make_client(url: str, transport: str, device_token: str | None = None,
+def make_client(url: str, transport: str, device_token: str | None = None, declare_aec: bool = True,
                 **kw: object) -> CallClient | PhoneCallClient | DeviceCallClient:
     """The headless client of ``transport``: WebRTC, the phone simulator, or
-    the device simulator in realtime mode."""
+    the device simulator in realtime mode.
+
+    A WebRTC client declares its microphone's echo canceller as the
+    browser page does (``declare_aec``): on, unless it plays the agent back
+    into its microphone (``echo_gain_db``: a speakerphone with the
+    canceller off, the page's raw mode). ``declare_aec=False``: nothing
+    declared (the figures before the declaration existed)."""
     if transport == "webrtc":
+        if declare_aec:
+            kw.setdefault("echo_cancellation", kw.get("echo_gain_db") is None)
         return CallClient(url, **kw)  # type: ignore[arg-type]
     if transport == "device":
         return DeviceCallClient(device_url(url), mode="realtime", device_token=device_token, token=BENCH_TOKEN)
@@ -191,7 +204,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             script = [*chunk, last]
             for u in script:
                 u.at_s = round(rng.uniform(args.min_at, args.max_at), 2)
-            result = await make_client(url, args.transport, device_token).run(
+            result = await make_client(url, args.transport, device_token, args.declare_aec).run(
                 Utterance(up(story), label="story"), script, timeout_s=60 + 15 * len(script), settle_s=0.3,
                 revive=Utterance(up(story), label="story again"),  # the recogniser misheard: ask again
             )
@@ -209,7 +222,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             if not args.json:
                 print(f"  call {n + 1}/{len(chunks)} {result.session_id[:8]}: {len(script)} clips", file=sys.stderr)
         for n in range(0 if phone else args.echo_calls):
-            client = CallClient(url, echo_gain_db=-6, echo_delay_ms=60)
+            client = CallClient(url, echo_gain_db=-6, echo_delay_ms=60,
+                                echo_cancellation=False if args.declare_aec else None)
             result = await client.run(
                 Utterance(up(story), label="story"),
                 [Utterance(up(weather), at_s=8.0, label="weather over echo", kind="speech")],
@@ -326,6 +340,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="a small subset of the corpus")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print one JSON object of the figures")
+    p.add_argument("--undeclared-aec", dest="declare_aec", action="store_false",
+                   help="WebRTC clients declare nothing of their echo canceller (default: as the browser page does)")
     p.add_argument("--transport", choices=["webrtc", "twilio", "telnyx", "device"], default="webrtc",
                    help="WebRTC (default), a phone call through the simulated Twilio or Telnyx media stream, "
                         "or the simulated xiaozhi-esp32 device in realtime mode")

@@ -116,6 +116,11 @@ class CallClient:
             the client does what an app's backend does, minting a client
             token (``POST /v1/sessions``) for each offer. None: no
             credentials (a development server).
+        echo_cancellation: what the offer declares of the microphone's
+            echo canceller, as the browser page does from
+            ``MediaTrackSettings.echoCancellation``: True, a browser with
+            its canceller on (or a headset); False, one with it off; None,
+            nothing declared.
     """
 
     def __init__(
@@ -127,9 +132,11 @@ class CallClient:
         echo_gain_db: float | None = None,
         echo_delay_ms: int = 60,
         token: str | None = None,
+        echo_cancellation: bool | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.token = token
+        self.echo_cancellation = echo_cancellation
         self.clock = clock or SystemClock()
         self.jitter_prefetch = jitter_prefetch
         self.echo_gain = None if echo_gain_db is None else 10 ** (echo_gain_db / 20)
@@ -393,7 +400,10 @@ class CallClient:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
                 token = await self._client_token(http)
                 headers = {"Authorization": f"Bearer {token}"} if token else {}
-                async with http.post(url, json={"type": "offer", "sdp": sdp}, headers=headers) as resp:
+                offer: dict[str, Any] = {"type": "offer", "sdp": sdp}
+                if self.echo_cancellation is not None:
+                    offer["echo_cancellation"] = self.echo_cancellation
+                async with http.post(url, json=offer, headers=headers) as resp:
                     text = await resp.text()
                     status = resp.status
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:

@@ -68,6 +68,15 @@ SIBILANT_FRAMES = 2
 ECHO_REJECT_FRAMES = 3
 #: ...within this long (ms) of the pause: the echo still on its way back
 ECHO_REJECT_WITHIN_MS = 80
+#: frames in a row, from the frame where the echo guard dropped the loss it
+#: believed (:attr:`media.echo_guard.EchoGuard.relearnt`), explained as echo
+#: at the delay it found then, that reject a pause (reason "echo"): a
+#: user's first syllable can match the agent's for 3-6 frames (it is what
+#: made the guard relearn), its echo goes on matching. 7: no user run of
+#: 384 first-reply barge-ins (4 voices, 120-240 wpm) was rejected, a -6 dB
+#: echo let through by a declared echo canceller paused 160-180 ms (600 ms
+#: before: confirm_timeout_ms); 3 rejected 28 of those users, 5 rejected 8.
+RELEARNT_REJECT_FRAMES = 7
 
 
 class DetectorEventKind(StrEnum):
@@ -156,6 +165,8 @@ class BargeInDetector:
     _unvoiced: int
     _onset_at: float
     _started_at: float
+    _echo_judged_from: float
+    _echo_need: int
     _speech_ms: float
     _onset_max: float
     _verify_left: int
@@ -313,7 +324,7 @@ class BargeInDetector:
         if gated and (verified or tentative or sibilant):
             self._candidate = False
             self.pending = True
-            self._started_at = at
+            self._started_at = self._echo_judged_from = at
             verify_ms = c.pause_sibilant_verify_ms if sibilant else c.pause_verify_ms
             self._verify_left = 0 if verified else verify_ms // FRAME_MS
             self._tentative_tried = self._tentative_tried or not verified
@@ -333,9 +344,20 @@ class BargeInDetector:
         self._closed_run = 0 if gated else self._closed_run + 1
         matched = self._echo.matched_delay_ms
         # (the guard sets matched_delay_ms only for a frame it found echo)
+        if self._echo.relearnt and matched is not None:
+            # The run's frames matched the agent's voice frame after frame,
+            # louder than the loss the guard believed: the echo path is
+            # louder than assumed (a speakerphone with gain, a client's
+            # echo canceller that let the agent back), and the run may be
+            # that echo. Judged from here like a run whose start the guard
+            # lost for a moment, at the delay just found.
+            self._run_delay = matched
+            self._echo_judged_from = at
+            self._echo_need = RELEARNT_REJECT_FRAMES
         again = matched is not None and self._run_delay is not None and abs(matched - self._run_delay) <= ECHO_SLIP_MS
         self._echo_run = self._echo_run + 1 if again else 0
-        if self._echo_run >= ECHO_REJECT_FRAMES and at - self._started_at <= ECHO_REJECT_WITHIN_MS / 1000 + 1e-9:
+        within_ms = ECHO_REJECT_WITHIN_MS + (self._echo_need - ECHO_REJECT_FRAMES) * FRAME_MS
+        if self._echo_run >= self._echo_need and at - self._echo_judged_from <= within_ms / 1000 + 1e-9:
             # The guard explains the run's audio, at the full bar, as the
             # agent's own voice at the delay its echo had before the run:
             # the run's start was echo the guard lost for a moment (the
@@ -406,7 +428,8 @@ class BargeInDetector:
         self._dropouts = 0
         self._unvoiced = 0
         self._onset_at = 0.0
-        self._started_at = 0.0
+        self._started_at = self._echo_judged_from = 0.0
+        self._echo_need = ECHO_REJECT_FRAMES
         self._speech_ms = 0.0
         self._onset_max = 0.0
         self._verify_left = 0

@@ -81,6 +81,20 @@ class BargeInConfig(BaseModel):
             learnt, their echo would pause the first reply. An echo louder
             than the assumption, matching frame after frame, drops it for
             the session.
+        echo_cancelled_loss_db: the loss (dB) assumed instead, until
+            playout has shown it, for a client that declares its
+            microphone runs an echo canceller (a browser's
+            ``MediaTrackSettings.echoCancellation``, W3C Media Capture and
+            Streams): the acoustic path's loss plus the canceller's echo
+            return loss enhancement, which WebRTC's AEC3 puts at 20 dB and
+            more from its first second (it starts in a conservative
+            suppression phase). 20: a user 14 dB below the agent's level
+            is heard at once at a session's first reply, where with 6 dB
+            a user whose first syllable matched the reply's own first
+            syllable (the same envelope at a steady delay) was taken for
+            echo for up to 300 ms. A canceller that lets the agent back
+            louder than that costs one short pause: the re-check drops the
+            assumption as above.
         floor_init_dbfs: noise floor (dBFS) before anything was heard.
         floor_min_dbfs / floor_max_dbfs: clamp of the noise floor (dBFS).
         floor_down_ms: time constant (ms) of the floor following a quieter
@@ -106,6 +120,7 @@ class BargeInConfig(BaseModel):
     echo_max_delay_ms: int = Field(500, ge=FRAME_MS, le=2000)
     echo_threshold: float = Field(0.8, gt=0.0, lt=1.0)
     echo_assumed_loss_db: float = Field(6.0, ge=0.0, le=40.0)
+    echo_cancelled_loss_db: float = Field(20.0, ge=0.0, le=40.0)
     floor_init_dbfs: float = Field(-60.0, ge=-100.0, le=0.0)
     floor_min_dbfs: float = Field(-70.0, ge=-100.0, le=0.0)
     floor_max_dbfs: float = Field(-20.0, ge=-100.0, le=0.0)
@@ -133,3 +148,21 @@ class BargeInConfig(BaseModel):
     @property
     def rearm_frames(self) -> int:
         return self.rearm_ms // FRAME_MS
+
+    def for_client(self, echo_cancellation: bool | None) -> BargeInConfig:
+        """This configuration for one client's session.
+
+        Args:
+            echo_cancellation: what the client declared of its microphone:
+                True, it runs an echo canceller (the browser's
+                ``MediaTrackSettings.echoCancellation``, W3C Media Capture
+                and Streams); False or None (not declared), nothing is
+                assumed of it.
+
+        Returns:
+            self, or a copy whose ``echo_assumed_loss_db`` is at least
+            ``echo_cancelled_loss_db`` when the client declared a canceller.
+        """
+        if not echo_cancellation or self.echo_cancelled_loss_db <= self.echo_assumed_loss_db:
+            return self
+        return self.model_copy(update={"echo_assumed_loss_db": self.echo_cancelled_loss_db})

@@ -513,6 +513,10 @@ class EchoGuard:
         matched_delay_ms: the delay (ms) at which the newest frame compared
             was found echo (at the full bar, or slipped from the delay
             known just before), None if it was not found echo.
+        relearnt: the newest frame compared made the guard drop the loss
+            it believed (``ERL_RECHECK_FRAMES`` frames in a row matched the
+            agent's voice louder than that loss lets it come back): the
+            frames just before it were echo too.
     """
 
     def __init__(self, reference: EchoReference | None, threshold: float, assumed_loss_db: float = 0.0) -> None:
@@ -530,6 +534,7 @@ class EchoGuard:
         self.return_loss_db = assumed_loss_db
         self._inbound_energy: deque[float] = deque(maxlen=ERL_WINDOW_MS // FRAME_MS)
         self._louder_run = 0
+        self.relearnt = False
 
     @property
     def locked_delay_ms(self) -> int | None:
@@ -566,6 +571,7 @@ class EchoGuard:
         """
         echo = echo_like = False
         self.matched_delay_ms = None
+        self.relearnt = False
         self._now = media_at
         if voiced and self.playing(at):
             assert self.reference is not None
@@ -613,6 +619,7 @@ class EchoGuard:
                 else:
                     self.return_loss_db = self._least_loss_db = 0.0
                     self._louder_run = 0
+                    self.relearnt = True
             else:
                 self._louder_run = 0
             if echo_like and not slipped:

@@ -61,6 +61,8 @@ class PeerSession:
         plan: the limits of its turns (None: the tenant's plan).
         instructions: the system message of its model requests (None: none).
         user_id: the app's id of its user (from the client token), or None.
+        echo_cancellation: what the client declared of its microphone's
+            echo canceller (:meth:`media.bargein_config.BargeInConfig.for_client`).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class PeerSession:
         plan: Plan | None = None,
         instructions: str | None = None,
         user_id: str | None = None,
+        echo_cancellation: bool | None = None,
     ) -> None:
         self.id = session_id or uuid.uuid4().hex
         self.user_id = user_id
@@ -91,6 +94,8 @@ class PeerSession:
         #: the peer connection reached "connected" at least once
         self.connected = False
         self.settings = settings
+        #: the barge-in detector's configuration for this client
+        self.bargein = settings.bargein.for_client(echo_cancellation)
         self.clock = clock
         self.pc = RTCPeerConnection()
         self.fence = GenerationFence(clock)
@@ -206,7 +211,7 @@ class PeerSession:
         if self.pc.connectionState != "connected":
             return
         self.transport.receive(InboundAudio(
-            self._track, self.clock, self.settings.vad, self.settings.bargein, self.echo,
+            self._track, self.clock, self.settings.vad, self.bargein, self.echo,
             stall_ms=self.settings.inbound_stall_ms,
         ))
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"session-{self.id}")

@@ -32,11 +32,23 @@ log = logging.getLogger(__name__)
 
 
 class OfferRequest(BaseModel):
-    """Body of ``POST /v1/webrtc/offer`` (the JSON form of an
-    RTCSessionDescriptionInit, W3C WebRTC 1.0)."""
+    """Body of ``POST /v1/webrtc/offer``: the JSON form of an
+    RTCSessionDescriptionInit (W3C WebRTC 1.0), and optionally what the
+    client knows of its microphone.
+
+    Attributes:
+        type: ``"offer"``.
+        sdp: the offer (RFC 8866, JSEP RFC 8829).
+        echo_cancellation: the microphone track's
+            ``MediaTrackSettings.echoCancellation`` (W3C Media Capture and
+            Streams): True, the client cancels the agent's echo itself, so
+            the echo guard assumes ``bargein.echo_cancelled_loss_db`` until
+            playout shows the loss; absent or False, nothing is assumed.
+    """
 
     type: Literal["offer"]
     sdp: str = Field(min_length=1)
+    echo_cancellation: bool | None = Field(None, strict=True)
 
 
 async def read_json(request: web.Request) -> Any:
@@ -119,6 +131,7 @@ async def offer(request: web.Request) -> web.Response:
         plan=grant.plan(settings.plan_for(tenant)) if grant else None,
         instructions=grant.options.instructions if grant else None,
         user_id=grant.options.user_id if grant else None,
+        echo_cancellation=req.echo_cancellation,
     )
     peers[peer.id] = peer
     try:
@@ -151,7 +164,8 @@ OPENAPI_PATHS: dict[str, Any] = {
         "security": [{"bearer": []}, {}],
         "requestBody": {"required": True, "content": {"application/json": {"schema": {
             "type": "object", "required": ["type", "sdp"],
-            "properties": {"type": {"const": "offer"}, "sdp": {"type": "string", "minLength": 1}}}}}},
+            "properties": {"type": {"const": "offer"}, "sdp": {"type": "string", "minLength": 1},
+                               "echo_cancellation": {"type": "boolean"}}}}}},
         "responses": {
             "200": {"description": "the SDP answer and the session's id", "content": {"application/json": {"schema": {
                 "type": "object", "required": ["type", "sdp", "session_id"],

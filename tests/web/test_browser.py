@@ -320,6 +320,36 @@ async def test_server_side_close_is_shown(server: Server, playwright) -> None:  
         await browser.close()
 
 
+@pytest.mark.parametrize("query, declared", [("", True), ("?raw=1", False)])
+async def test_the_page_declares_its_echo_canceller(server: Server, playwright, query: str, declared: bool) -> None:  # type: ignore[no-untyped-def]
+    """The offer carries the microphone track's
+    ``MediaTrackSettings.echoCancellation``: on by default (the server's
+    echo guard then assumes the canceller's loss at a first reply), off in
+    raw mode (a speakerphone with no canceller: nothing assumed)."""
+    _require()
+    browser = await launch(playwright)
+    try:
+        page = await browser.new_page()
+        errors = collect_page_errors(page)
+        offers: list[dict] = []
+        page.on("request", lambda r: offers.append(json.loads(r.post_data or "{}")) if r.url.endswith("/v1/webrtc/offer") else None)
+        await page.goto(server.url + "/" + query)
+        await page.click("#connect")
+        await page.wait_for_function(
+            "document.getElementById('status').dataset.state === 'connected'", timeout=15_000
+        )
+        await wait_peers(server.app, 1, timeout_s=5)
+        assert [o.get("echo_cancellation") for o in offers] == [declared], offers
+        (peer,) = server.app[web_app.PEERS].values()
+        settings = server.app[web_app.SETTINGS].bargein
+        assert peer.bargein.echo_assumed_loss_db == (settings.echo_cancelled_loss_db if declared else settings.echo_assumed_loss_db)
+        await page.click("#disconnect")
+        await wait_peers(server.app, 0, timeout_s=5)
+        assert errors == [], errors
+    finally:
+        await browser.close()
+
+
 async def test_index_serves_the_client(server: Server, playwright) -> None:  # type: ignore[no-untyped-def]
     """``GET /`` is the client page, with its script and stylesheet."""
     _require()

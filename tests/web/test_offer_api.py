@@ -62,6 +62,8 @@ async def assert_still_serving(app: web.Application, url: str) -> None:
         ({"json": {"type": "offer", "sdp": ""}}, 400, "invalid_offer"),
         ({"json": {"type": "offer", "sdp": 42}}, 400, "invalid_offer"),
         ({"json": {"type": "answer", "sdp": "v=0\r\n"}}, 400, "invalid_offer"),
+        ({"json": {"type": "offer", "sdp": "v=0\r\n", "echo_cancellation": "yes"}}, 400, "invalid_offer"),
+        ({"json": {"type": "offer", "sdp": "v=0\r\n", "echo_cancellation": 1}}, 400, "invalid_offer"),
         ({"json": {"type": "offer", "sdp": "garbage"}}, 400, "invalid_sdp"),
         ({"json": {"type": "offer", "sdp": "v=0\r\nm=audio 9 UDP/TLS/RTP/SAVPF 111\r\nc=IN IP4 0.0.0.0\r\n"}}, 400, "invalid_sdp"),
         ({"json": {"type": "offer", "sdp": "v=0\r\no=- 1 1 IN IP4 0.0.0.0\r\ns=-\r\nt=0 0\r\n"}}, 400, "no_audio"),
@@ -165,3 +167,22 @@ async def test_offers_that_never_connect_cannot_fill_the_server(tmp_path: Path) 
         for pc in pcs:
             await pc.close()
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("declared, assumed_db", [(None, 6.0), (False, 6.0), (True, 20.0)])
+async def test_the_offer_s_echo_canceller_sets_what_the_echo_guard_assumes(
+    server: tuple[web.Application, str], declared: bool | None, assumed_db: float
+) -> None:
+    """``echo_cancellation`` (the microphone's ``MediaTrackSettings``, as
+    the browser page sends it) sets the echo loss the session's barge-in
+    detector assumes before playout shows it; absent or false, the default."""
+    app, url = server
+    pc, sdp = await make_offer()
+    try:
+        offer = {"type": "offer", "sdp": sdp} | ({} if declared is None else {"echo_cancellation": declared})
+        got_status, body = await post(url, json=offer)
+        assert got_status == 200, body
+        peer = app[PEERS][body["session_id"]]
+        assert peer.bargein.echo_assumed_loss_db == assumed_db
+    finally:
+        await pc.close()

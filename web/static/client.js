@@ -169,7 +169,7 @@
     if (!wanted(c)) return teardown(c);
 
     if (conn === c) setStatus("Sending offer…", "connecting");
-    const answer = await postOffer(pc.localDescription);
+    const answer = await postOffer(pc.localDescription, echoCancellation(stream));
     if (!wanted(c)) return teardown(c);
     c.sessionId = answer.session_id || "";
     if (conn === c) ui.sessionId.textContent = c.sessionId;
@@ -351,9 +351,19 @@
     return null;
   }
 
-  // POST the offer; returns {type, sdp, session_id} or throws with the
-  // server's error code and message.
-  async function postOffer(desc) {
+  // Whether the microphone runs the browser's echo canceller, as the track
+  // reports it (MediaTrackSettings.echoCancellation), or undefined when the
+  // browser does not say: the server's echo guard then assumes less of it.
+  function echoCancellation(stream) {
+    const track = stream.getAudioTracks()[0];
+    const value = track && track.getSettings ? track.getSettings().echoCancellation : undefined;
+    return typeof value === "boolean" ? value : undefined;
+  }
+
+  // POST the offer (with what the microphone's echo canceller is, if
+  // known); returns {type, sdp, session_id} or throws with the server's
+  // error code and message.
+  async function postOffer(desc, echo) {
     let resp;
     const headers = { "Content-Type": "application/json" };
     const token = await clientToken();
@@ -362,7 +372,7 @@
       resp = await fetch("/v1/webrtc/offer", {
         method: "POST",
         headers,
-        body: JSON.stringify({ type: desc.type, sdp: desc.sdp }),
+        body: JSON.stringify({ type: desc.type, sdp: desc.sdp, echo_cancellation: echo }),
       });
     } catch (err) {
       throw new Error(`Cannot reach the server: ${err.message || err}`);
