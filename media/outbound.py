@@ -21,6 +21,7 @@ from av.audio.frame import AudioFrame
 from clock import Clock
 from media.declick import Declicker
 from media.frames import FRAME_MS, PLAYOUT_RATE, pcm_to_frame, samples_per_frame
+from media.pacing import PacingMonitor
 from media.playout import PlayoutBuffer, PlayoutFrame
 from media.timeline import PACING_MAX_LAG_S
 
@@ -69,6 +70,10 @@ class PacedAudioTrack(MediaStreamTrack):
         clock: pacing time source.
         on_sent: optional hook called with (frame or None for silence, clock
             seconds) right before each frame is handed to the sender.
+
+    Attributes:
+        monitor: where each tick's lateness goes (the process's
+            :class:`media.pacing.PacingMonitor`), or None.
     """
 
     kind = "audio"
@@ -79,6 +84,7 @@ class PacedAudioTrack(MediaStreamTrack):
         self.passes = passes
         self.clock = clock
         self.on_sent = on_sent
+        self.monitor: PacingMonitor | None = None
         self.audit = DeliveryAudit()
         self._samples = samples_per_frame(PLAYOUT_RATE)
         self._declick = Declicker(PLAYOUT_RATE)
@@ -95,6 +101,7 @@ class PacedAudioTrack(MediaStreamTrack):
         if self.readyState != "live":
             raise MediaStreamError
         now = self.clock.monotonic()
+        due = now
         if self._start is None:
             self._start = now
         else:
@@ -109,6 +116,8 @@ class PacedAudioTrack(MediaStreamTrack):
         if self.readyState != "live":
             raise MediaStreamError
         at = self.clock.monotonic()
+        if self.monitor is not None:
+            self.monitor.observe(at - due, at)
         frame = self._next_deliverable()
         if frame is None:
             self.audit.silence_frames += 1

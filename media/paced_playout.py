@@ -23,6 +23,7 @@ from __future__ import annotations
 from clock import Clock
 from media.frames import FRAME_MS, PLAYOUT_RATE
 from media.outbound import Passes
+from media.pacing import PacingMonitor
 from media.playout import PlayoutBuffer, PlayoutFrame
 from media.timeline import PACING_MAX_LAG_S
 
@@ -56,6 +57,8 @@ class PacedPlayout(PlayoutBuffer):
         self.send_ahead_s = send_ahead_ms / 1000
         self.far_end_until = 0.0
         self.fenced_frames = 0
+        #: where each tick's lateness goes (the process's PacingMonitor), or None
+        self.monitor: PacingMonitor | None = None
 
     async def run(self) -> None:
         """Pace the queue out, one tick every 20 ms of the clock, until
@@ -63,7 +66,7 @@ class PacedPlayout(PlayoutBuffer):
         start: float | None = None
         tick = 0
         while True:
-            now = self.clock.monotonic()
+            now = due = self.clock.monotonic()
             if start is None:
                 start = now
             else:
@@ -73,7 +76,10 @@ class PacedPlayout(PlayoutBuffer):
                     start, tick = now, 0  # the loop stalled: restart rather than burst
                 else:
                     await self.clock.sleep(due - now)
-            self.pump(self.clock.monotonic())
+            at = self.clock.monotonic()
+            if self.monitor is not None:
+                self.monitor.observe(at - due, at)
+            self.pump(at)
 
     def pump(self, now: float) -> int:
         """One tick at clock seconds ``now``: emit frames until the far end

@@ -25,6 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from clock import Clock, SystemClock
+from media.pacing import PacingMonitor
 from turn.log_content import set_log_content
 from turn.manager import TurnManager
 from turn.models import StopReason, StopReasonKind
@@ -51,7 +52,7 @@ from web.drain import DRAIN, close_streams
 from web.errors import ApiError
 from web.limits import Limits
 from web.settings import Settings
-from web.state import AUTH, CLOCK, LEASES, LIMITS, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE, STREAMS, TEXT_TURNS, WORKERS
+from web.state import AUTH, CLOCK, LEASES, LIMITS, MANAGER, PACING, PEERS, PROVIDERS, SETTINGS, STORE, STREAMS, TEXT_TURNS, WORKERS
 from web.telephony import routes as telephony_routes
 
 if TYPE_CHECKING:
@@ -281,6 +282,7 @@ def create_app(
         flag_staleness_s=settings.stop_flag_staleness_ms / 1000,
     )
     app[PEERS] = {}
+    app[PACING] = PacingMonitor()
     app[LIMITS] = Limits(settings.limits, app[CLOCK])
     app[STREAMS] = set()
     app[PROVIDERS] = provs = providers or EmbeddedProviders(settings, app[CLOCK])

@@ -64,7 +64,9 @@ From every cancel scope (``manager.scope_observers``):
   when a stop's grace ran out, cancelled again (``ignored_cancel``).
 
 Read at each scrape: ``turnkeeper_voice_sessions{transport}``,
-``turnkeeper_text_turns_running``, ``turnkeeper_draining`` (0/1),
+``turnkeeper_text_turns_running``, ``turnkeeper_send_lateness_seconds`` (a
+histogram: how late each 20 ms tick of every session's paced outbound
+audio ran, :mod:`media.pacing`; past 20-40 ms callers hear gaps), ``turnkeeper_draining`` (0/1),
 ``turnkeeper_draining_seconds``, and from the ledger (one store read):
 ``turnkeeper_ledger_open_rows`` (pending, effect_unknown, retrying; calls
 in flight included), ``turnkeeper_reconciliation_backlog`` (effect_unknown
@@ -73,8 +75,9 @@ settle, counted up to ``BACKLOG_SCAN``) and
 ``turnkeeper_reconciliation_oldest_seconds`` (the age of the oldest of
 them, s; 0 when none); the ledger is read at most every ``LEDGER_EVERY_S``.
 
-Nothing here is counted per 20 ms audio frame: a voice session costs the
-metrics a few dictionary updates per turn. No label carries a tenant, session or turn
+Nothing here is counted per 20 ms audio frame but the send lateness (a
+bisect and two increments in the pacer's own monitor, exported at the
+scrape): a voice session costs the metrics a few dictionary updates per turn. No label carries a tenant, session or turn
 id (bounded cardinality, and nothing about who talks), so the endpoint needs
 no credentials, like ``/healthz``.
 """
@@ -88,16 +91,17 @@ from datetime import datetime, timedelta
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from media.pacing import LATENESS_BUCKETS_S, PacingMonitor
 from turn.intents import IntentKind, IntentStatus
 from turn.manager import TurnManager
 from turn.models import ChildOutcome, EventRecord, StopReason, StopReport, TurnStatus
 from turn.scope_observer import ChildRun
 from web.drain import DRAIN
-from web.state import MANAGER, PEERS, TEXT_TURNS
+from web.state import MANAGER, PACING, PEERS, TEXT_TURNS
 
 log = logging.getLogger(__name__)
 
@@ -359,7 +363,7 @@ class _AppState(Collector):
     def __init__(self, app: web.Application) -> None:
         self.app = app
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
         sessions = GaugeMetricFamily("turnkeeper_voice_sessions", "Voice sessions open here", labels=["transport"])
         counts = dict.fromkeys(TRANSPORTS.values(), 0)
         for peer in self.app[PEERS].values():
@@ -370,6 +374,7 @@ class _AppState(Collector):
         yield sessions
         yield GaugeMetricFamily("turnkeeper_text_turns_running", "Text turns running here",
                                 value=self.app[TEXT_TURNS].running_count())
+        yield send_lateness(self.app[PACING])
         drain = self.app[DRAIN]
         yield GaugeMetricFamily("turnkeeper_draining", "1 while this instance drains", value=int(drain.draining))
         yield GaugeMetricFamily("turnkeeper_draining_seconds", "How long it has drained, s", value=drain.elapsed_s())
@@ -381,6 +386,20 @@ class _AppState(Collector):
             yield GaugeMetricFamily("turnkeeper_reconciliation_backlog",
                                     "effect_unknown and retrying rows and open compensations", value=backlog)
             yield GaugeMetricFamily("turnkeeper_reconciliation_oldest_seconds", "Age of the oldest of them, s", value=oldest)
+
+
+def send_lateness(monitor: PacingMonitor) -> HistogramMetricFamily:
+    """``turnkeeper_send_lateness_seconds``: how late (s) each 20 ms tick of
+    every session's paced outbound audio ran after it was due, all
+    transports (:mod:`media.pacing`)."""
+    cumulative, buckets = 0, []
+    for bound, count in zip((*LATENESS_BUCKETS_S, float("inf")), monitor.counts, strict=True):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+    family = HistogramMetricFamily("turnkeeper_send_lateness_seconds",
+                                   "Lateness of the paced outbound audio ticks of every session, s")
+    family.add_metric([], buckets, sum_value=monitor.total_s)
+    return family
 
 
 #: this app's metrics

@@ -26,7 +26,7 @@ from web.admission import admit
 from web.errors import ApiError, openapi_error
 from web.offer_validation import OfferRejected, validate_offer
 from web.peer import PeerSession
-from web.state import AUTH, CLOCK, LIMITS, MANAGER, PEERS, PROVIDERS, SETTINGS
+from web.state import AUTH, CLOCK, LIMITS, MANAGER, PACING, PEERS, PROVIDERS, SETTINGS
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,7 @@ async def offer(request: web.Request) -> web.Response:
         user_id=grant.options.user_id if grant else None,
         echo_cancellation=req.echo_cancellation,
     )
+    peer.transport.outbound.monitor = app[PACING]
     peers[peer.id] = peer
     try:
         # the session exists from its answer on: its events can be followed, a drain can tell it

@@ -14,6 +14,7 @@ from aiohttp import web
 
 if TYPE_CHECKING:
     from clock import Clock
+    from media.pacing import PacingMonitor
     from turn.events import SessionEventLog
     from turn.generation import GenerationFence
     from turn.manager import TurnManager
@@ -68,10 +69,12 @@ AUTH: web.AppKey[Auth] = web.AppKey("auth")
 LEASES: web.AppKey[asyncio.Task[None]] = web.AppKey("lease_keeper")
 #: the running SSE handlers' tasks (cancelled at shutdown)
 STREAMS: web.AppKey[set[asyncio.Task[Any]]] = web.AppKey("event_streams")
+#: the lateness of every session's paced outbound ticks (media.pacing)
+PACING: web.AppKey[PacingMonitor] = web.AppKey("pacing")
 #: background tasks started at startup: reconciliation, the lease sweeper, the providers' workers
 WORKERS: web.AppKey[list[asyncio.Task[None]]] = web.AppKey("workers")
 
 __all__ = [
     "ClientSession", "SETTINGS", "LIMITS",
-    "CLOCK", "STORE", "MANAGER", "PEERS", "PROVIDERS", "TEXT_TURNS", "AUTH", "LEASES", "STREAMS", "WORKERS",
+    "CLOCK", "STORE", "MANAGER", "PEERS", "PROVIDERS", "TEXT_TURNS", "AUTH", "LEASES", "STREAMS", "WORKERS", "PACING",
 ]

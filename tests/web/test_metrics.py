@@ -24,7 +24,7 @@ from web.app import create_app
 from web.drain import DRAIN, drain_app
 from web.metrics import METRICS, Metrics
 from web.settings import Settings
-from web.state import MANAGER
+from web.state import MANAGER, PACING
 
 TOKEN = "tok-metrics-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -167,3 +167,22 @@ async def test_the_reconciliation_backlog_is_read_from_the_ledger(server: tuple[
     assert after[("turnkeeper_ledger_open_rows", ())] == 2
     assert after[("turnkeeper_reconciliation_backlog", ())] == 1
     assert 90 <= after[("turnkeeper_reconciliation_oldest_seconds", ())] < 150
+
+
+async def test_the_send_lateness_of_every_session_is_a_histogram(server: tuple[web.Application, str]) -> None:
+    """``turnkeeper_send_lateness_seconds``: the app's pacing monitor as
+    a Prometheus histogram (cumulative buckets, count and sum)."""
+    app, url = server
+    async with aiohttp.ClientSession() as http:
+        before = await scrape(http, url)
+        assert before[("turnkeeper_send_lateness_seconds_count", ())] == 0
+        for late in (0.0, 0.003, 0.012, 0.05):
+            app[PACING].observe(late, 1.0)
+        after = await scrape(http, url)
+    bucket = "turnkeeper_send_lateness_seconds_bucket"
+    assert after[(bucket, (("le", "0.001"),))] == 1
+    assert after[(bucket, (("le", "0.004"),))] == 2
+    assert after[(bucket, (("le", "0.015"),))] == 3
+    assert after[(bucket, (("le", "0.04"),))] == 3
+    assert after[(bucket, (("le", "+Inf"),))] == 4 == after[("turnkeeper_send_lateness_seconds_count", ())]
+    assert after[("turnkeeper_send_lateness_seconds_sum", ())] == pytest.approx(0.065)

@@ -13,6 +13,7 @@ from aiortc import RTCPeerConnection
 from conftest import start_app
 
 from web.app import PEERS, create_app
+from web.state import PACING
 from web.settings import Settings
 
 
@@ -184,5 +185,6 @@ async def test_the_offer_s_echo_canceller_sets_what_the_echo_guard_assumes(
         assert got_status == 200, body
         peer = app[PEERS][body["session_id"]]
         assert peer.bargein.echo_assumed_loss_db == assumed_db
+        assert peer.transport.outbound.monitor is app[PACING]  # its send lateness is exported
     finally:
         await pc.close()

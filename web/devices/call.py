@@ -45,6 +45,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from clock import Clock
 from media.opus import OpusError
+from media.pacing import PacingMonitor
 from turn.events import EventFollower, event_json
 from turn.generation import GenerationFence
 from turn.manager import TurnManager
@@ -139,6 +140,8 @@ class DeviceCall:
         d = settings.devices
         self.downlink = AudioParams(sample_rate=d.downlink_sample_rate, frame_duration=d.downlink_frame_ms)
         self.transport: DeviceTransport | None = None
+        #: where its pacer's lateness goes (the app's PacingMonitor), or None
+        self.pacing: PacingMonitor | None = None
         self.agent: AgentSession | None = None
         self.errors: list[str] = []
         self.close_code: int | None = None
@@ -246,6 +249,7 @@ class DeviceCall:
             version=hello.version, downlink=self.downlink, send_ahead_ms=d.send_ahead_ms, vad=self.settings.vad,
             bargein=self.settings.bargein, stall_ms=self.settings.inbound_stall_ms,
         )
+        t.output.monitor = self.pacing
         t.send_json(server_hello(self.id, self.downlink), "hello")
         self._tasks.append(asyncio.get_running_loop().create_task(t.write(), name=f"device-writer-{self.id}"))
         self.agent = AgentSession(

@@ -39,7 +39,7 @@ from web.devices.call import DeviceCall
 from web.devices.framing import VERSIONS
 from web.devices.messages import MAX_TEXT_BYTES
 from web.errors import ApiError, openapi_error
-from web.state import AUTH, CLOCK, LIMITS, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE
+from web.state import AUTH, CLOCK, LIMITS, MANAGER, PACING, PEERS, PROVIDERS, SETTINGS, STORE
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,7 @@ async def device_socket(request: web.Request) -> web.StreamResponse:
         device_id=device_id, tenant=tenant, header_version=version, on_closed=forget, client=client,
         mac=mac, limits=limits, grant=grant,
     )
+    call.pacing = app[PACING]
     peers[call.id] = call
     app[DEVICE_CONNECTIONS][key] = call
     await call.run()

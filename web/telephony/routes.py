@@ -26,7 +26,7 @@ from aiohttp import web
 from web.admission import admit, admit_tenant
 from web.credentials import credential_bytes
 from web.errors import ApiError
-from web.state import CLOCK, LIMITS, MANAGER, PEERS, PROVIDERS, SETTINGS, STORE
+from web.state import CLOCK, LIMITS, MANAGER, PACING, PEERS, PROVIDERS, SETTINGS, STORE
 from web.telephony.call import PhoneCall
 from web.telephony.dialect import Dialect
 from web.telephony.signature import TenantSigner, request_url, twilio_signature_valid
@@ -226,6 +226,7 @@ async def _stream(request: web.Request, dialect: Dialect) -> web.StreamResponse:
         dialect=dialect, signer=signer, on_closed=forget, client=client, limits=app[LIMITS],
         admit_tenant=lambda tenant: admit_tenant(app, call, tenant),
     )
+    call.transport.output.monitor = app[PACING]
     peers[call.id] = call
     # the call's session id, for operators' tooling (``turnkeeper call --phone``
     # follows its events with the tenant's token); providers ignore it
