@@ -13,8 +13,8 @@ from aiortc import RTCPeerConnection
 from conftest import start_app
 
 from web.app import PEERS, create_app
-from web.state import PACING
 from web.settings import Settings
+from web.state import PACING
 
 
 @pytest.fixture
