@@ -51,6 +51,11 @@ class BackchannelConfig(BaseModel):
     Attributes:
         enabled: on by default; off, confirmed speech commits at once.
         max_ms: longest backchannel, ms from speech onset to its end.
+            1000: a drawn-out "mm-hmm" or "okay" runs 0.7-0.9 s (espeak-ng
+            at 120-140 wpm; at 700 they cancelled the reply). Longer speech
+            is not held back by it: more syllables than ``max_syllables``
+            commit at its end without waiting for the recogniser, and a
+            word that is no backchannel commits as soon as it is heard.
         unrecognised_max_ms: an utterance in which the recogniser heard no
             word at all is a backchannel only up to this long (ms): longer,
             it is speech the recogniser failed on, and it barges in.
@@ -84,7 +89,7 @@ class BackchannelConfig(BaseModel):
     """
 
     enabled: bool = True
-    max_ms: int = Field(700, ge=100, le=3000)
+    max_ms: int = Field(1000, ge=100, le=3000)
     unrecognised_max_ms: int = Field(550, ge=0, le=3000)
     max_syllables: int = Field(3, ge=1, le=20)
     rejoin_ms: int = Field(600, ge=0, le=10_000)

@@ -209,6 +209,21 @@ async def test_a_backchannel_cancels_nothing_and_is_not_the_next_turn(
     assert [plain(m.content) for m in (await h.session.history()) if m.role == "user"] == ["tell me a story", plain(weather.transcript)]
 
 
+@pytest.mark.parametrize("text, wpm", [("mm-hmm", 140), ("mm-hmm", 120), ("okay", 120)])
+async def test_a_drawn_out_backchannel_is_still_one(
+    h: Harness, say: Callable[..., Path], store: SqliteStore, text: str, wpm: int
+) -> None:
+    """A slow "mm-hmm" (0.7 s of speech at 140 wpm, 0.85 s at 120) is a
+    backchannel like a quick one: it cancelled the reply and became a turn
+    while ``max_ms`` was 700 (a newcomer's try, issue 32)."""
+    await story_playing(h, say)
+    h.mic.say(pcm48(say(text, wpm=wpm)))
+    await h.wait_for(lambda: "backchannel" in types(h) or "barge_in" in types(h), timeout=10)
+    assert "barge_in" not in types(h), [e for e in h.events if e["type"] in ("backchannel", "barge_in", "vad")]
+    [turn] = await store.list_session("sess-1")
+    assert turn.status is TurnStatus.RUNNING
+
+
 async def test_the_reply_goes_on_from_the_start_of_the_word_it_paused_in(h: Harness, say: Callable[..., Path]) -> None:
     """After a backchannel the reply plays on from the start of the word the
     pause fell in (DESIGN.md): what the track sends steps back by the
