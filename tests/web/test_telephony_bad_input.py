@@ -365,3 +365,28 @@ async def test_mark_echoes_do_not_keep_a_call_without_audio_alive(tmp_path: Path
             await provider.aclose()
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    "body, content_type",
+    [
+        (b"%%%\xff", "application/x-www-form-urlencoded"),  # not UTF-8
+        (b"CallSid=CA1", "application/x-www-form-urlencoded; charset=bogus-xx"),  # an unknown charset
+        (b"CallSid=CA1", "multipart/form-data"),  # no boundary
+        (b"--b\r\nnot a part", "multipart/form-data; boundary=b"),  # a malformed multipart body
+        (b'{"CallSid": "CA1"}', "application/json"),
+    ],
+)
+async def test_a_voice_webhook_that_is_not_a_form_is_a_400(
+    server: tuple[web.Application, str], body: bytes, content_type: str
+) -> None:
+    """Twilio's voice webhook posts a UTF-8 form; anything else gets a 400
+    ``bad_form`` (it was a 500 with a traceback), and the server serves on."""
+    _, url = server
+    http_url = url.replace("ws://", "http://").removesuffix("/v1/telephony/twilio")
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{http_url}/v1/telephony/twilio/voice", data=body, headers={"Content-Type": content_type}) as r:
+            assert r.status == 400, await r.text()
+            assert (await r.json())["error"]["code"] == "bad_form"
+        async with http.post(f"{http_url}/v1/telephony/twilio/voice", data={"CallSid": "CA-after"}) as r:
+            assert r.status == 200 and "<Stream" in await r.text()

@@ -153,9 +153,16 @@ async def twilio_voice(request: web.Request) -> web.Response:
     ``CallSid``.
 
     Raises:
-        ApiError: 403 bad signature; 400 no ``CallSid``.
+        ApiError: 403 bad signature; 400 ``bad_form`` (not a form Twilio
+            sends: another content type, bytes that are not UTF-8, an
+            unknown charset), ``bad_request`` (no ``CallSid``).
     """
-    form = await request.post()
+    if request.content_type != "application/x-www-form-urlencoded":
+        raise ApiError(400, "bad_form", f"Twilio's voice webhook is application/x-www-form-urlencoded, not {request.content_type}")
+    try:
+        form = await request.post()
+    except (ValueError, LookupError) as exc:  # UnicodeDecodeError is a ValueError; LookupError: an unknown charset
+        raise ApiError(400, "bad_form", f"the webhook's body is not a form: {exc}") from exc
     params = {k: v for k, v in form.items() if isinstance(v, str)}
     _check_twilio(request, params)
     call_sid = params.get("CallSid", "")
