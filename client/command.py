@@ -19,7 +19,7 @@ from client.phone_call import PhoneCallClient
 from client.results import BargeInMeasure, CallError, CallResult, Utterance
 from media.frames import PLAYOUT_RATE, load_pcm
 from web.app import create_app
-from web.settings import Settings
+from web.settings import CALL_DEVICE_TOKEN_ENV, CALL_TOKEN_ENV, Settings
 
 
 async def run_call(args: argparse.Namespace, settings: Settings) -> int:
@@ -64,8 +64,8 @@ async def run_call(args: argparse.Namespace, settings: Settings) -> int:
     runner: web.AppRunner | None = None
     tmp = tempfile.TemporaryDirectory(prefix="turnkeeper-call-")
     phone = getattr(args, "phone", None)
-    token = getattr(args, "token", None) or os.environ.get("TURNKEEPER_TOKEN")
-    device_token = getattr(args, "device_token", None) or os.environ.get("TURNKEEPER_DEVICE_TOKEN")
+    token = getattr(args, "token", None) or os.environ.get(CALL_TOKEN_ENV)
+    device_token = getattr(args, "device_token", None) or os.environ.get(CALL_DEVICE_TOKEN_ENV)
     try:
         if args.local:
             store = args.store or f"sqlite:///{tmp.name}/turnkeeper.db"
@@ -95,7 +95,7 @@ async def run_call(args: argparse.Namespace, settings: Settings) -> int:
         elif phone:
             client = PhoneCallClient(url, phone, token=token)
         else:
-            client = CallClient(url, token=token)
+            client = CallClient(url, token=token, echo_cancellation=getattr(args, "echo_cancellation", True))
         result = await client.run(opening, barge_ins, out_wav=out, timeout_s=args.timeout)
     finally:
         if runner is not None:

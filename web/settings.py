@@ -406,14 +406,21 @@ def load_settings(config: str | Path | None = None, **overrides: Any) -> Setting
         _CONFIG_FILE.reset(token)
 
 
+#: ``TURNKEEPER_*`` variables that are no setting: the credentials
+#: ``turnkeeper call`` reads (the defaults of ``--token`` and ``--device-token``)
+CALL_TOKEN_ENV = "TURNKEEPER_TOKEN"
+CALL_DEVICE_TOKEN_ENV = "TURNKEEPER_DEVICE_TOKEN"
+
+
 def check_environment(environ: Mapping[str, str]) -> None:
     """Refuse ``TURNKEEPER_*`` variables that name no setting, so a typo does
-    not silently leave a default in place.
+    not silently leave a default in place (``TURNKEEPER_CONFIG`` and the
+    client's ``CALL_TOKEN_ENV`` and ``CALL_DEVICE_TOKEN_ENV`` are known).
 
     Raises:
         ValueError: naming the unknown variables and the known ones.
     """
-    known = {"TURNKEEPER_CONFIG"}
+    known = {"TURNKEEPER_CONFIG", CALL_TOKEN_ENV, CALL_DEVICE_TOKEN_ENV}
 
     def add(prefix: str, model: Any) -> None:
         # every level of nested settings (session.endpoint.silence_ms, ...)

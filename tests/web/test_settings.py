@@ -103,6 +103,10 @@ def test_nested_barge_in_settings_from_the_environment(monkeypatch: pytest.Monke
     with pytest.raises(ValueError, match="TURNKEEPER_SESSION__ENDPOINT__SILENCE_MS"):
         load_settings()
     monkeypatch.delenv("TURNKEEPER_SESSION__ENDPOINT__SILENCE")
+    # the client's credentials (turnkeeper call's --token and --device-token defaults) are no typo
+    monkeypatch.setenv("TURNKEEPER_TOKEN", "tk_x")
+    monkeypatch.setenv("TURNKEEPER_DEVICE_TOKEN", "dev_x")
+    assert load_settings().session.endpoint.silence_ms == 700
     monkeypatch.setenv("TURNKEEPER_BARGEIN__SILERO_THRESHOLD", "2")
     with pytest.raises(ValueError):
         load_settings()
