@@ -74,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--realtime", action="store_true", help="with --device: the microphone stays open; barge in by voice")
     call.add_argument("--abort-at", type=float, help="with --device: press abort this many seconds after the agent starts talking")
     call.add_argument("--device-token", help="with --device WS_URL: the device's token (default $TURNKEEPER_DEVICE_TOKEN)")
+    call.add_argument(
+        "--echo-cancellation", action=argparse.BooleanOptionalAction, default=True,
+        help="WebRTC: the offer declares the microphone's echo canceller on, as the browser page does (default; the "
+             "client plays nothing into its microphone); --no-echo-cancellation declares it off",
+    )
     call.add_argument("--protocol-version", type=int, choices=[1, 2, 3], default=1,
                       help="with --device: the binary protocol version (default 1)")
 
