@@ -23,7 +23,9 @@ for that load:
   packets arriving 40 ms or more after the one before (the client's jitter
   buffer ran dry), and silences 40 ms or longer inserted into the story (its
   reception against the reference, tests/listening.py), for the callers
-  that did not interrupt;
+  that did not interrupt; and the stalls of the bench process's own event
+  loop (30 ms or more), which time packets late at the client whoever is
+  to blame;
 - audible stop p95 of the interruptions whose first sample went out in the
   window (first speech sample sent to the last packet with agent sound,
   client/call.py);
@@ -129,6 +131,29 @@ async def lateness_counts(http: aiohttp.ClientSession, url: str) -> list[int]:
     return counts
 
 
+class LoopLag:
+    """The bench process's own event loop: when it stalls, the callers'
+    packets are timed late however the server sent them. Records every
+    wake-up of a 5 ms sleep that came ``STALL_MS`` or more late."""
+
+    STALL_MS = 30.0
+
+    def __init__(self) -> None:
+        self.stalls: list[tuple[float, float]] = []  # (monotonic s, ms late)
+
+    async def run(self) -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.005)
+            late_ms = (time.monotonic() - t - 0.005) * 1000
+            if late_ms >= self.STALL_MS:
+                self.stalls.append((time.monotonic(), round(late_ms, 1)))
+
+    def within(self, t0: float, t1: float) -> list[float]:
+        """The stalls (ms late) that ended within [t0, t1]."""
+        return [ms for at, ms in self.stalls if t0 <= at <= t1]
+
+
 def heard_sound(caller: Caller) -> bool:
     """The caller's call in progress has received agent sound."""
     client = caller.current
@@ -187,6 +212,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     stop = asyncio.Event()
     profile: dict[str, Any] | None = None
     env = {"TURNKEEPER_MAX_SESSIONS": str(max(32, args.max_sessions + 4))}
+    lag = LoopLag()
+    lag_task = asyncio.create_task(lag.run())
     async with server("tk-capacity-", env) as (url, proc), aiohttp.ClientSession() as http:
         progress("reference call (the story alone on the server)...")
         # the whole story, or its first --reference-s (a silent cue then, and a hang-up)
@@ -237,7 +264,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         "ticks": sum(ticks),
                         "p50_ms": None if p50 is None else round(p50 * 1000, 1),
                         "p99_ms": None if p99 is None or p99 == float("inf") else round(p99 * 1000, 1),
+                        "late_20ms": sum(ticks[LATENESS_BUCKETS_S.index(0.020) + 1:]),
                         "late_40ms": sum(ticks[LATENESS_BUCKETS_S.index(0.040) + 1:]),
+                        # the bound of the latest bucket any tick fell in (None: past the last bound)
+                        "max_bucket_ms": next((None if b == float("inf") else round(1000 * b, 1) for b, c in
+                                               zip(reversed([*LATENESS_BUCKETS_S, float("inf")]), reversed(ticks), strict=True) if c),
+                                              0.0),
                     },
                     "break_p99_ms": args.break_p99_ms,
                     "rss_mb": round(rss_mb, 1),
@@ -259,6 +291,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 if c.task is not None:
                     c.task.cancel()
             await asyncio.gather(*(c.task for c in callers if c.task is not None), return_exceptions=True)
+    lag_task.cancel()
+    await asyncio.gather(lag_task, return_exceptions=True)
+    for step in steps:
+        step["clients_loop_stalls_ms"] = lag.within(*step["window"])
     judge_steps(steps, callers, reference)
     clean = [s for s in steps if not s["audio_broke"]]
     return {
@@ -270,6 +306,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "steps": steps,
         "profile": profile,
         "calls": sum(len(c.results) + len(c.cut_short) for c in callers),
+        "clients_loop_stalls": len(lag.stalls),
         "errors": [e for c in callers for e in c.errors],
     }
 
@@ -278,7 +315,7 @@ def print_table(out: dict[str, Any]) -> None:
     print(f"{out['transport']}: capacity {out['capacity']} speaking sessions (window {out['window_s']} s, "
           f"every {out['barge_every']}th caller interrupts; {out['calls']} calls, {len(out['errors'])} errors)")
     head = (f"{'n':>3}{'server %':>10}{'each %':>8}{'clients %':>11}{'late p50':>10}{'late p99':>10}{'>=40ms':>8}"
-            f"{'rx gaps':>9}{'inserted':>10}{'stop p95':>10}{'RSS MiB':>9}")
+            f"{'rx gaps':>9}{'inserted':>10}{'stop p95':>10}{'RSS MiB':>9}{'bench stalls':>14}")
     print(head)
     for s in out["steps"]:
         lat, gaps, stop = s["send_lateness"], s["received_gaps"], s["audible_stop_ms"]
@@ -286,6 +323,7 @@ def print_table(out: dict[str, Any]) -> None:
         print(f"{s['sessions']:>3}{100 * s['server_cpu_core']:>10.1f}{s['server_cpu_per_session_pct']:>8.1f}"
               f"{100 * s['clients_cpu_core']:>11.1f}{cell(lat['p50_ms']):>10}{cell(lat['p99_ms']):>10}{lat['late_40ms']:>8}"
               f"{gaps['arrival']:>9}{gaps['inserted']:>10}{cell(stop['p95']):>10}{s['rss_mb']:>9.0f}"
+              f"{len(s['clients_loop_stalls_ms']):>14}"
               + ("  audio broke" if s["audio_broke"] else ""))
     if out["profile"]:
         p = out["profile"]
