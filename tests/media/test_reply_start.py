@@ -83,11 +83,12 @@ def test_a_speakerphone_does_not_interrupt_the_start_of_a_later_reply() -> None:
     assert run.detector.echo_return_loss_db <= 6.0 + 3
 
 
-def first_reply(user16: bytes, lead_s: float, echo: tuple[int, float] | None) -> C.Clip:
+def first_reply(user16: bytes, lead_s: float, echo: tuple[int, float] | None, text: str | None = None) -> C.Clip:
     """A session's first reply (from 0.5 s, after silence); the user speaks
     ``lead_s`` after it starts, at the agent's level. ``echo``: None for a
-    headset, else (delay ms, loss dB) of a speakerphone."""
-    reply = C.espeak(C.AGENT_PHRASES[0] + " " + C.AGENT_PHRASES[1], "en-us", 175, PLAYOUT_RATE)
+    headset, else (delay ms, loss dB) of a speakerphone. ``text``: what the
+    agent says (default: two of the corpus's agent phrases)."""
+    reply = C.espeak(text or C.AGENT_PHRASES[0] + " " + C.AGENT_PHRASES[1], "en-us", 175, PLAYOUT_RATE)
     ref48 = bytes(PLAYOUT_RATE) + reply[: int(2.5 * PLAYOUT_RATE) * 2]  # 0.5 s of silence first
     ref48 = ref48[: len(ref48) // 1920 * 1920]
     mic = np.zeros(len(ref48) // 6)  # 16 kHz samples over the reference (48 kHz s16)
@@ -131,18 +132,7 @@ def story_first_reply(user16: bytes, lead_s: float, echo: tuple[int, float] | No
     """:func:`first_reply` with the reply the server's embedded model
     tells first (``voice.llm.STORY_REPLY``, "Once upon a time..."), whose
     first syllable has the envelope of a user's "what"."""
-    reply = C.espeak(STORY_REPLY[:120], "en-us", 175, PLAYOUT_RATE)
-    ref48 = bytes(PLAYOUT_RATE) + reply[: int(2.5 * PLAYOUT_RATE) * 2]  # 0.5 s of silence first
-    ref48 = ref48[: len(ref48) // 1920 * 1920]
-    mic = np.zeros(len(ref48) // 6)
-    if echo is not None:
-        mic += C.to_array(C.echo_path(ref48, *echo))[: len(mic)]
-    onset_s = 0.5 + lead_s
-    if user16:
-        u = C.to_array(user16)
-        k = int(onset_s * VAD_RATE)
-        mic[k : k + len(u)] += u[: len(mic) - k]
-    return C.Clip("story-first-reply", "speech", C.to_pcm(mic), (onset_s, onset_s + len(user16) / 2 / VAD_RATE), ref48)
+    return first_reply(user16, lead_s, echo, text=STORY_REPLY[:120])
 
 
 #: a client that declared its microphone's echo canceller
