@@ -105,8 +105,12 @@ async def test_a_backend_token_call_gets_its_own_tenant_plan_and_no_instructions
     opening = Utterance(pcm=load_pcm(say("what is the weather like today"), PLAYOUT_RATE), label="weather")
     result = await CallClient(url, token=TOKEN_B).run(opening, timeout_s=60)
     assert not result.timed_out
-    [turn] = await app[STORE].list_session(result.session_id)
+    # one turn, or two where a loaded machine ended the utterance inside it
+    # (the split is the end-of-turn's business; here: whose turns they are)
+    turns = await app[STORE].list_session(result.session_id)
     default = Settings().plan_for("globex")
-    assert turn.tenant_id == "globex" and turn.max_steps == default.max_steps
-    assert turn.budget.tokens == default.budget_tokens
+    assert 1 <= len(turns) <= 2
+    for turn in turns:
+        assert turn.tenant_id == "globex" and turn.max_steps == default.max_steps
+        assert turn.budget.tokens == default.budget_tokens
     assert all(m.role != "system" for m in providers.sent[0])

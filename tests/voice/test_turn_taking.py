@@ -154,8 +154,8 @@ def test_while_the_agent_speaks_speech_commits_once_longer_than_a_backchannel() 
     tt = machine()
     rows = timeline((1010, "started", 970), (1210, "confirmed", 970), frames(1010, 2000, gated=True))
     got = play(tt, rows, SPEAKING)
-    # 60 ms before speech_started + 32 frames > 700 ms: the 32nd frame commits
-    assert norm(got) == norm([(1010, Pause(1)), (1630, Commit(1.63, "vad", 0.97, 620.0))])
+    # 60 ms before speech_started + 47 frames > max_ms (1000 ms): the 47th frame commits
+    assert norm(got) == norm([(1010, Pause(1)), (1930, Commit(1.93, "vad", 0.97, 920.0))])
 
 
 @pytest.mark.parametrize("max_ms", [300, 1000])
@@ -331,7 +331,7 @@ def test_going_on_after_a_pause_joins_the_first_word_and_cancels_its_classificat
         (1010, Pause(1)),
         (1350, ClassifyBackchannel(1)),
         (1590, CancelClassification(1)),
-        (1630, Commit(1.63, "vad", 0.97, 620.0)),  # 60 ms + 32 frames, the pause included
+        (1930, Commit(1.93, "vad", 0.97, 920.0)),  # 60 ms + 47 frames > max_ms, the pause included
     ])
 
 
