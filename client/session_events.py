@@ -43,6 +43,8 @@ class SessionEvents:
         self._event_times: list[tuple[float, dict[str, Any]]] = []
         self._event_cond = asyncio.Condition()
         self._wall_offset = time.time() - time.monotonic()  # server "at" (Unix s) -> our clock
+        #: the event stream has answered 404 since this clock time (None: it has not, or no longer)
+        self._events_missing_since: float | None = None
 
     @property
     def following(self) -> bool:
@@ -60,8 +62,13 @@ class SessionEvents:
                 async with http.get(url, headers=headers, params={"after_seq": str(after)} if after else None,
                                     timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as resp:
                     if resp.status == 404:
+                        # not there yet (a phone stream's session starts at its
+                        # ``start``), or not this token's tenant's
+                        if self._events_missing_since is None:
+                            self._events_missing_since = time.monotonic()
                         await asyncio.sleep(0.05)
                         continue
+                    self._events_missing_since = None
                     if resp.status != 200:
                         log.warning("events of %s: HTTP %s", self.session_id, resp.status)
                         return
@@ -128,7 +135,8 @@ class SessionEvents:
 
     async def _expect_a_turn(self) -> None:
         """Raises CallError when no turn starts within ``NO_SPEECH_S``
-        (nothing to wait for without the events)."""
+        (nothing to wait for without the events): the event stream still
+        answering 404 then (a token of another tenant), else no speech."""
         if not self.following:
             return
         try:
@@ -136,6 +144,11 @@ class SessionEvents:
                 async with self._event_cond:
                     await self._event_cond.wait_for(lambda: bool(self._turns))
         except TimeoutError:
+            if self._events_missing_since is not None:
+                raise CallError(
+                    f"cannot read the events of session {self.session_id}: HTTP 404 for "
+                    f"{time.monotonic() - self._events_missing_since:.0f} s (is the token one of the call's tenant?)"
+                ) from None
             raise CallError(f"the server heard no speech in the opening audio ({NO_SPEECH_S:.0f} s after it ended)") from None
 
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import plain, requires_espeak, start_app
 
 from client.phone_call import FENCE_CLEAR_SLACK_S, PhoneCallClient
-from client.results import Utterance
+from client.results import CallError, Utterance
 from media.frames import PLAYOUT_RATE, load_pcm
 from web.app import create_app
 from web.settings import Settings
@@ -142,3 +142,19 @@ async def test_a_key_pressed_while_the_agent_speaks_clears_it_at_the_ear(phone_s
     # a key commits at once: the old audio stops within the send-ahead and a tick or two (sanity bound)
     assert m.stop_ms is not None and m.stop_ms < 300, m.as_dict()
     assert m.old_audio_after_clear_ms == 0
+
+
+async def test_a_token_of_another_tenant_is_named_not_taken_for_silence(tmp_path: Path, say: Callable[..., Path]) -> None:
+    """The call belongs to ``default`` (no ``tenant_by_number``); the
+    client holds acme's token, whose event stream of that session is a 404
+    for as long as it asks. The error says so; it said "the server heard no
+    speech in the opening audio" (a newcomer's try, issue 32)."""
+    app = create_app(Settings(store=f"sqlite:///{tmp_path}/t.db", api_tokens=f"default:{TOKEN},acme:tok-acme-0123456789"))
+    runner, url = await start_app(app)
+    try:
+        with pytest.raises(CallError, match=r"HTTP 404 .*tenant"):
+            await PhoneCallClient(url, "twilio", token="tok-acme-0123456789").run(
+                utt(say("what is the weather like today")), timeout_s=45
+            )
+    finally:
+        await runner.cleanup()
