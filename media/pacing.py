@@ -14,7 +14,7 @@ admission and capacity are judged by (issue 33: p99 <= 10 ms).
 sessions: cumulative bucket counts for Prometheus, and a sliding window of
 the last seconds for a current p99.
 
-Units: lateness in seconds (ms in the p99 helpers), clock seconds.
+Units: lateness and quantiles in seconds; times clock seconds.
 """
 
 from __future__ import annotations
