@@ -5,7 +5,7 @@ over one aiortc peer's audio track, its paced outbound track and its
 - inbound: the remote track read by :class:`media.inbound.InboundAudio`
   (16 kHz mono 20 ms frames through the barge-in detector);
 - output: a :class:`media.playout.PlayoutBuffer` drained by a
-  :class:`media.outbound.PacedAudioTrack` through the delivery gate; the
+  :class:`media.outbound.OpusPacedTrack` (it codes its own Opus) through the delivery gate; the
   played position is what left that gate;
 - controls: the client's ``ptt.start`` / ``ptt.end`` data-channel messages
   (``ping`` is answered here, anything else refused with an ``error``; a
@@ -32,7 +32,7 @@ from aiortc import RTCDataChannel
 from clock import Clock
 from media.inbound import InboundAudio
 from media.inbound_frame import InboundFrame
-from media.outbound import PacedAudioTrack, Passes, SentHook
+from media.outbound import OpusPacedTrack, Passes, SentHook
 from media.playout import PlayoutBuffer
 from turn.client_messages import CLIENT_MODEL_OF, Ping, validate_client_message
 from turn.conformance import CONFORMANCE
@@ -159,7 +159,7 @@ class WebRtcTransport:
         self._limited = False  # the last message was dropped over a limit
         self.name = name
         self.output = PlayoutBuffer()
-        self.outbound = PacedAudioTrack(self.output, passes, clock, on_sent=on_sent)
+        self.outbound = OpusPacedTrack(self.output, passes, clock, on_sent=on_sent)
         self.events = EventChannel()
         self.events.on_message = self._on_client_message
         self.inbound: InboundAudio | None = None

@@ -54,7 +54,7 @@ class Tracker:
             keep("PeerSession", peer)
             keep("RTCPeerConnection", peer.pc)
             keep("WebRtcTransport", peer.transport)
-            keep("PacedAudioTrack", peer.transport.outbound)
+            keep("OpusPacedTrack", peer.transport.outbound)
             keep("PlayoutBuffer", peer.transport.output)
             keep("AgentSession", peer.agent)
             keep("SessionEventLog", peer.log)

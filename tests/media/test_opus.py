@@ -71,3 +71,59 @@ def test_reset_starts_a_new_stream() -> None:
     assert enc.encode(tone(48_000, 0.04)) == []  # two of three frames pending
     enc.reset()
     assert enc.flush() == []  # the partial frame was forgotten
+
+
+def test_modes_and_complexities_opus_does_not_have_are_refused() -> None:
+    with pytest.raises(OpusError, match="'music' mode"):
+        OpusEncoder(48_000, 20, in_rate=48_000, application="music")
+    with pytest.raises(OpusError, match="0-10, not 11"):
+        OpusEncoder(48_000, 20, in_rate=48_000, complexity=11)
+
+
+def webrtc_encoder() -> OpusEncoder:
+    from media.outbound import OPUS_APPLICATION, OPUS_BITRATE, OPUS_COMPLEXITY
+
+    return OpusEncoder(48_000, 20, in_rate=48_000, bitrate=OPUS_BITRATE, application=OPUS_APPLICATION,
+                       complexity=OPUS_COMPLEXITY)
+
+
+def test_a_run_of_silence_is_coded_once_and_decodes_the_same() -> None:
+    """Speech-like audio, 2 s of digital silence, audio again, 20 ms frames
+    at 48 kHz: once two silent frames gave the same packet, the rest of the
+    run reuses it without the encoder; decoded, the run is silent and the
+    audio after it is what an encoder that coded every frame gives."""
+    step = frame_bytes(48_000)
+    audio = tone(48_000, 0.6, hz=300)
+    frames = [audio[i : i + step] for i in range(0, len(audio), step)]
+    stream = frames + [bytes(step)] * 100 + frames
+    reusing, coding = webrtc_encoder(), webrtc_encoder()
+    coded = [p for f in stream for p in reusing.encode(f)]
+    plain = []
+    for f in stream:
+        plain += coding.encode(f)
+        coding._silence_packet = None  # this one codes every frame
+    assert len(coded) == len(plain) == len(stream)
+    assert reusing.reused_silence >= 80 and coding.reused_silence == 0
+    assert len(set(coded[50:130])) == 1 and len(coded[50]) <= 8  # the one silence packet
+    dec_a, dec_b = OpusDecoder(48_000), OpusDecoder(48_000)
+    a = [dec_a.decode(p) for p in coded]
+    b = [dec_b.decode(p) for p in plain]
+    assert all(rms_dbfs(f) < -70 for f in a[50:130])  # silence stays silence
+    assert all(abs(rms_dbfs(f) - rms_dbfs(audio)) < 1 for f in a[132:])  # the audio after it comes back whole
+    x, y = (np.frombuffer(b"".join(v[130:]), dtype="<i2").astype(float) for v in (a, b))
+    assert np.sqrt(np.mean((x - y) ** 2) / np.mean(y**2)) < 0.05  # within -26 dB of coding every frame
+
+
+def test_audio_between_silences_is_coded_not_reused() -> None:
+    """A frame that is not digital silence ends the run: coded afresh, and
+    the run after it starts over (two equal packets again)."""
+    step = frame_bytes(48_000)
+    enc = webrtc_encoder()
+    for _ in range(10):
+        enc.encode(bytes(step))
+    reused = enc.reused_silence
+    blip = tone(48_000, 0.02, hz=1000)
+    packet = enc.encode(blip)[0]
+    assert enc.reused_silence == reused and len(packet) > 8
+    enc.encode(bytes(step))
+    assert enc.reused_silence == reused  # the first silent frame after audio is coded

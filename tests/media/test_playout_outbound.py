@@ -150,3 +150,35 @@ async def test_stopped_track_raises(clock: VirtualClock) -> None:
     track.stop()
     with pytest.raises(MediaStreamError):
         await track.recv()
+
+
+async def test_the_webrtc_track_hands_the_sender_opus_packets_it_coded(clock: VirtualClock) -> None:
+    """OpusPacedTrack: the same pacing and gate, each tick one Opus packet
+    on RTP's 48 kHz clock, which aiortc's sender packs as it is (no
+    resampling, no thread); the frames queued come back at their level when
+    decoded, and an empty buffer is silence."""
+    from aiortc.codecs.opus import OpusEncoder as AiortcOpus
+    from av.packet import Packet
+
+    from media.frames import rms_dbfs
+    from media.opus import OpusDecoder
+    from media.outbound import OPUS_TIME_BASE, OpusPacedTrack
+
+    fence = GenerationFence(clock)
+    gen = fence.advance()
+    buf = PlayoutBuffer()
+    track = OpusPacedTrack(buf, fence.passes, clock)
+    t = np.arange(FB // 2) / PLAYOUT_RATE
+    loud = (8000 * np.sin(2 * np.pi * 300 * t)).astype("<i2").tobytes()  # 300 Hz: a whole number of periods
+    for _ in range(10):
+        buf.push(PlayoutFrame(loud, gen))
+    packets = [await recv_at(track, clock) for _ in range(15)]
+    assert all(isinstance(p, Packet) and p.time_base == OPUS_TIME_BASE for p in packets)
+    assert [p.pts for p in packets] == [i * 960 for i in range(15)]
+    sender = AiortcOpus()
+    assert [sender.pack(p)[1] for p in packets[:3]] == [0, 960, 1920]  # the RTP timestamps
+    dec = OpusDecoder(PLAYOUT_RATE)
+    levels = [rms_dbfs(dec.decode(bytes(p))) for p in packets]
+    assert all(abs(level - rms_dbfs(loud)) < 1.5 for level in levels[1:9])
+    assert all(level < -60 for level in levels[11:])  # silent from the frame after the cut
+    assert track.audit.per_generation[gen].frames == 10 and track.audit.silence_frames == 5
