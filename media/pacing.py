@@ -78,12 +78,17 @@ class PacingMonitor:
         """
         if not 0.0 <= q <= 1.0:
             raise ValueError(f"q must be within 0..1, got {q}")
+        return quantile_of_buckets(self.recent_counts(now), q)
+
+    def recent_counts(self, now: float) -> list[int]:
+        """Ticks per bucket (as :attr:`counts`) of the last ``window_s``
+        before clock seconds ``now``."""
         oldest = int(now // SLOT_S) - (self._slots.maxlen or 1) + 1
         merged = [0] * len(self.counts)
         for slot, counts in self._slots:
             if slot >= oldest:
                 merged = [a + b for a, b in zip(merged, counts, strict=True)]
-        return quantile_of_buckets(merged, q)
+        return merged
 
 
 def quantile_of_buckets(counts: list[int], q: float) -> float | None:

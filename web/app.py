@@ -47,12 +47,28 @@ from voice.tools import Toolbox
 from voice.tts import EspeakSynthesiser, EspeakTTS
 from web import access_log, api, client_tokens, drain, instances, metrics, openapi, signaling, tracing
 from web.auth import Auth
+from web.capacity import Capacity
 from web.devices import routes as device_routes
 from web.drain import DRAIN, close_streams
 from web.errors import ApiError
 from web.limits import Limits
 from web.settings import Settings
-from web.state import AUTH, CLOCK, LEASES, LIMITS, MANAGER, PACING, PEERS, PROVIDERS, SETTINGS, STORE, STREAMS, TEXT_TURNS, WORKERS
+from web.state import (
+    AUTH,
+    CAPACITY,
+    CLOCK,
+    LEASES,
+    LIMITS,
+    MANAGER,
+    PACING,
+    PEERS,
+    PROVIDERS,
+    SETTINGS,
+    STORE,
+    STREAMS,
+    TEXT_TURNS,
+    WORKERS,
+)
 from web.telephony import routes as telephony_routes
 
 if TYPE_CHECKING:
@@ -282,7 +298,8 @@ def create_app(
         flag_staleness_s=settings.stop_flag_staleness_ms / 1000,
     )
     app[PEERS] = {}
-    app[PACING] = PacingMonitor()
+    app[PACING] = PacingMonitor(window_s=settings.capacity.window_s)
+    app[CAPACITY] = Capacity(settings.capacity, app[PACING], app[CLOCK], lambda: len(app[PEERS]))
     app[LIMITS] = Limits(settings.limits, app[CLOCK])
     app[STREAMS] = set()
     app[PROVIDERS] = provs = providers or EmbeddedProviders(settings, app[CLOCK])
@@ -382,6 +399,7 @@ async def _background_work(app: web.Application) -> AsyncIterator[None]:
             loop.create_task(manager.reconciliation_worker().run(), name="reconciliation"),
             loop.create_task(manager.sweep_abandoned(), name="lease-sweeper"),
             loop.create_task(_resume_released(app), name="resume-released"),
+            loop.create_task(app[CAPACITY].run(), name="capacity"),
         ]
         app[WORKERS] += [
             loop.create_task(work, name=name)

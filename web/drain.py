@@ -42,6 +42,7 @@ from clock import Clock
 from turn.event_catalogue import SessionDraining
 from turn.models import StopReasonKind
 from voice.text_turns import TextTurns
+from web.admission import FULL_RETRY_AFTER_S, require_room
 from web.auth import require_admin
 from web.devices.routes import DEVICE_WS_PATH, XIAOZHI_WS_PATH
 from web.errors import ApiError, openapi_error
@@ -236,12 +237,20 @@ def add_routes(app: web.Application, drain: Drain) -> None:
 
 async def readyz(request: web.Request) -> web.Response:
     """Readiness: 200 ``{"status": "ready"}`` while serving, 503
-    ``{"status": "draining", "draining_s"}`` from the drain's start (a load
-    balancer stops routing here; liveness, ``/healthz``, stays 200)."""
+    ``{"status": "draining", "draining_s"}`` from the drain's start, and
+    503 ``{"status": "full", "reason"}`` while a new call would be refused
+    (``too_many_sessions`` or ``at_capacity``, :func:`web.admission.require_room`):
+    a load balancer stops routing here, live calls go on (liveness,
+    ``/healthz``, stays 200)."""
     drain = request.app[DRAIN]
     if drain.draining:
         return web.json_response({"status": "draining", "reason": drain.reason, "draining_s": round(drain.elapsed_s(), 1)},
                                  status=503, headers={"Retry-After": "1"})
+    try:
+        require_room(request.app, count=False)
+    except ApiError as full:
+        return web.json_response({"status": "full", "reason": full.code, "message": full.message}, status=503,
+                                 headers={"Retry-After": str(FULL_RETRY_AFTER_S)})
     return web.json_response({"status": "ready"})
 
 

@@ -66,7 +66,10 @@ From every cancel scope (``manager.scope_observers``):
 Read at each scrape: ``turnkeeper_voice_sessions{transport}``,
 ``turnkeeper_text_turns_running``, ``turnkeeper_send_lateness_seconds`` (a
 histogram: how late each 20 ms tick of every session's paced outbound
-audio ran, :mod:`media.pacing`; past 20-40 ms callers hear gaps), ``turnkeeper_draining`` (0/1),
+audio ran, :mod:`media.pacing`; past 20-40 ms callers hear gaps), the load
+and capacity (:func:`capacity_families`: ``turnkeeper_capacity_sessions``,
+``turnkeeper_process_cpu_ratio``, ``turnkeeper_full``,
+``turnkeeper_capacity_refusals_total{reason}``), ``turnkeeper_draining`` (0/1),
 ``turnkeeper_draining_seconds``, and from the ledger (one store read):
 ``turnkeeper_ledger_open_rows`` (pending, effect_unknown, retrying; calls
 in flight included), ``turnkeeper_reconciliation_backlog`` (effect_unknown
@@ -91,7 +94,7 @@ from datetime import datetime, timedelta
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
@@ -100,8 +103,9 @@ from turn.intents import IntentKind, IntentStatus
 from turn.manager import TurnManager
 from turn.models import ChildOutcome, EventRecord, StopReason, StopReport, TurnStatus
 from turn.scope_observer import ChildRun
+from web.capacity import Capacity
 from web.drain import DRAIN
-from web.state import MANAGER, PACING, PEERS, TEXT_TURNS
+from web.state import CAPACITY, MANAGER, PACING, PEERS, SETTINGS, TEXT_TURNS
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +367,7 @@ class _AppState(Collector):
     def __init__(self, app: web.Application) -> None:
         self.app = app
 
-    def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily | CounterMetricFamily]:
         sessions = GaugeMetricFamily("turnkeeper_voice_sessions", "Voice sessions open here", labels=["transport"])
         counts = dict.fromkeys(TRANSPORTS.values(), 0)
         for peer in self.app[PEERS].values():
@@ -375,6 +379,7 @@ class _AppState(Collector):
         yield GaugeMetricFamily("turnkeeper_text_turns_running", "Text turns running here",
                                 value=self.app[TEXT_TURNS].running_count())
         yield send_lateness(self.app[PACING])
+        yield from capacity_families(self.app[CAPACITY], self.app[SETTINGS].max_sessions)
         drain = self.app[DRAIN]
         yield GaugeMetricFamily("turnkeeper_draining", "1 while this instance drains", value=int(drain.draining))
         yield GaugeMetricFamily("turnkeeper_draining_seconds", "How long it has drained, s", value=drain.elapsed_s())
@@ -400,6 +405,31 @@ def send_lateness(monitor: PacingMonitor) -> HistogramMetricFamily:
                                    "Lateness of the paced outbound audio ticks of every session, s")
     family.add_metric([], buckets, sum_value=monitor.total_s)
     return family
+
+
+def capacity_families(capacity: Capacity, max_sessions: int) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The load and capacity (:mod:`web.capacity`):
+    ``turnkeeper_capacity_sessions`` (the sessions the CPU budget holds at
+    the measured cost a session, at most ``max_sessions``; ``max_sessions``
+    until measured), ``turnkeeper_process_cpu_ratio`` (the server
+    process's CPU over the window, share of one core),
+    ``turnkeeper_full`` (1 while a new call would be refused) and
+    ``turnkeeper_capacity_refusals_total`` by reason (``send_lateness``,
+    ``cpu``)."""
+    load = capacity.load()
+    estimate = max_sessions if load.estimate is None else min(load.estimate, max_sessions)
+    yield GaugeMetricFamily("turnkeeper_capacity_sessions", "Sessions this server carries at the measured cost",
+                            value=estimate)
+    if load.cpu is not None:
+        yield GaugeMetricFamily("turnkeeper_process_cpu_ratio", "The server process's CPU, share of one core",
+                                value=load.cpu)
+    full = load.live >= max_sessions or capacity.full() is not None
+    yield GaugeMetricFamily("turnkeeper_full", "1 while a new call would be refused", value=int(full))
+    refusals = CounterMetricFamily("turnkeeper_capacity_refusals", "Calls refused because the server was full",
+                                   labels=["reason"])
+    for reason, n in capacity.refusals.items():
+        refusals.add_metric([reason], n)
+    yield refusals
 
 
 #: this app's metrics

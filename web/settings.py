@@ -33,6 +33,7 @@ from voice.llm import LlmConfig
 from voice.recognisers import SttConfig
 from voice.session_config import SessionConfig
 from voice.synthesisers import TtsConfig
+from web.capacity import CapacitySettings
 from web.limits import LimitSettings
 
 _CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("turnkeeper_config", default=None)
@@ -198,7 +199,9 @@ class Settings(BaseSettings):
             the working directory) is the embedded default.
         max_offer_bytes: largest accepted request body, bytes (SDP offers are
             a few KiB).
-        max_sessions: concurrent sessions (WebRTC peers and phone calls); more get 503.
+        max_sessions: concurrent sessions (WebRTC peers, phone calls,
+            devices), a hard cap; more get 503 ``too_many_sessions``
+            (the server may count as full earlier: ``capacity``).
         max_pending_sessions: sessions answered but not yet connected, at
             most (offers that never connect cannot fill ``max_sessions``).
         max_pending_per_client: of those, from one client address.
@@ -255,6 +258,8 @@ class Settings(BaseSettings):
         traces: OpenTelemetry export (:class:`TraceSettings`).
         limits: rate limits and quotas per tenant and per client address
             (:class:`web.limits.LimitSettings`).
+        capacity: when the server counts as full and refuses new calls
+            (:class:`web.capacity.CapacitySettings`).
         admin_token: bearer token of the admin endpoints (``/v1/admin/*``);
             empty: they answer loopback clients only (a preStop hook runs
             in the pod).
@@ -329,6 +334,7 @@ class Settings(BaseSettings):
     traces: TraceSettings = TraceSettings()
     auth: AuthSettings = AuthSettings()
     limits: LimitSettings = LimitSettings()
+    capacity: CapacitySettings = CapacitySettings()
     admin_token: str = Field("", repr=False, max_length=256)
     advertise_url: str = Field("", max_length=512, pattern=r"^(https?://\S+)?$")
 

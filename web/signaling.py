@@ -180,8 +180,9 @@ OPENAPI_PATHS: dict[str, Any] = {
             "413": openapi_error("body larger than max_offer_bytes (body_too_large)"),
             "429": openapi_error("rate_limited: the tenant's or the address's session starts a minute or concurrent "
                                  "sessions; too_many_pending: your sessions still connecting", retry_after=True),
-            "503": openapi_error("too_many_sessions, too_many_pending, shutting_down (draining) or "
-                                 "store_unavailable", retry_after=True)}}},
+            "503": openapi_error("too_many_sessions (max_sessions), at_capacity (the server is full: web/capacity.py), "
+                                 "too_many_pending, shutting_down (draining) or store_unavailable",
+                                 retry_after=True)}}},
 }
 
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from voice.text_turns import TextTurns
     from web.app import EmbeddedProviders
     from web.auth import Auth
+    from web.capacity import Capacity
     from web.limits import Limits
     from web.settings import Settings
 
@@ -71,10 +72,13 @@ LEASES: web.AppKey[asyncio.Task[None]] = web.AppKey("lease_keeper")
 STREAMS: web.AppKey[set[asyncio.Task[Any]]] = web.AppKey("event_streams")
 #: the lateness of every session's paced outbound ticks (media.pacing)
 PACING: web.AppKey[PacingMonitor] = web.AppKey("pacing")
+#: whether one more call fits (web.capacity)
+CAPACITY: web.AppKey[Capacity] = web.AppKey("capacity")
 #: background tasks started at startup: reconciliation, the lease sweeper, the providers' workers
 WORKERS: web.AppKey[list[asyncio.Task[None]]] = web.AppKey("workers")
 
 __all__ = [
     "ClientSession", "SETTINGS", "LIMITS",
     "CLOCK", "STORE", "MANAGER", "PEERS", "PROVIDERS", "TEXT_TURNS", "AUTH", "LEASES", "STREAMS", "WORKERS", "PACING",
+    "CAPACITY",
 ]

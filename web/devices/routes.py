@@ -34,10 +34,11 @@ from typing import Any
 from aiohttp import WSCloseCode, web
 
 from turn.models import StopReasonKind
+from web.admission import FULL_RETRY_AFTER_S, refuse_socket, require_room
 from web.credentials import token_hash
 from web.devices.call import DeviceCall
 from web.devices.framing import VERSIONS
-from web.devices.messages import MAX_TEXT_BYTES
+from web.devices.messages import MAX_TEXT_BYTES, alert
 from web.errors import ApiError, openapi_error
 from web.state import AUTH, CLOCK, LIMITS, MANAGER, PACING, PEERS, PROVIDERS, SETTINGS, STORE
 
@@ -84,7 +85,8 @@ OPENAPI_PATHS: dict[str, Any] = {
              "description": "the board's MAC: one connection per (tenant, Device-Id), the newer wins"},
             {"name": "Client-Id", "in": "header", "schema": {"type": "string"}}],
         "responses": {
-            "101": {"description": "switching protocols"},
+            "101": {"description": "switching protocols (a full server then sends an alert, status busy, and "
+                                   "closes 1013 with too_many_sessions or at_capacity)"},
             "400": openapi_error("a Protocol-Version other than 1, 2, 3 (bad_protocol_version), or not a WebSocket "
                                  "handshake"),
             "401": openapi_error("no bearer token, or an unknown or revoked one (or an unknown, used or expired "
@@ -92,7 +94,8 @@ OPENAPI_PATHS: dict[str, Any] = {
             "403": openapi_error("a client token not for devices (transport_not_allowed)"),
             "429": openapi_error("rate_limited: the tenant's or the address's session starts a minute or concurrent "
                                  "sessions", retry_after=True),
-            "503": openapi_error("too_many_sessions, shutting_down (draining) or store_unavailable",
+            "503": openapi_error("too_many_sessions (the client token's session runs already), shutting_down "
+                                 "(draining) or store_unavailable",
                                  retry_after=True)}}},
 }
 
@@ -171,10 +174,17 @@ async def device_socket(request: web.Request) -> web.StreamResponse:
     client = request.remote or "?"
     limits = app[LIMITS]
     try:
-        if len(peers) - (older is not None) >= settings.max_sessions or (grant is not None and grant.session_id in peers):
-            raise ApiError(503, "too_many_sessions", f"{settings.max_sessions} sessions are running; try later",
-                           headers={"Retry-After": "5"})
-        # the connection it replaces does not count; nothing is made yet
+        # the connection it replaces does not count (nor adds load); nothing is made yet
+        require_room(app, replacing=int(older is not None))
+    except ApiError as exc:
+        await app[AUTH].refused(caller)  # nothing started: a client token may be used again
+        log.warning("refused device %s (%s): %s", device_id, mac, exc.code)
+        # the device shows the alert; its socket closes 1013
+        return await refuse_socket(request, exc, alert("", exc.message[:200], status="busy", emotion="sad"))
+    try:
+        if grant is not None and grant.session_id in peers:
+            raise ApiError(503, "too_many_sessions", "this client token's session is running already; try later",
+                           headers={"Retry-After": str(FULL_RETRY_AFTER_S)})
         limits.check_sessions((p for p in peers.values() if p is not older), tenant, client)
         limits.require("session_start", tenant=tenant, client=client)
     except ApiError:

@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from web.admission import admit, admit_tenant
+from web.admission import FULL_CODES, admit, admit_tenant, refuse_socket
 from web.credentials import credential_bytes
 from web.errors import ApiError
 from web.state import CLOCK, LIMITS, MANAGER, PACING, PEERS, PROVIDERS, SETTINGS, STORE
@@ -74,14 +74,16 @@ OPENAPI_PATHS: dict[str, Any] = {
         "summary": "WebSocket: Twilio Media Streams (bidirectional)", "security": [],
         "responses": {"101": _UPGRADED, "400": _NOT_UPGRADE, "403": _err("bad or missing X-Twilio-Signature"),
                       "429": _err("rate_limited: the address's session starts or sessions"),
-                      "503": _err("too many sessions")}}},
+                      "503": _err("shutting_down (draining); a full server (too_many_sessions, at_capacity) "
+                                  "upgrades and closes 1013 with the reason")}}},
     TELNYX_STREAM_PATH: {"get": {
         "summary": "WebSocket: Telnyx media streaming (bidirectional RTP, PCMU)", "security": [],
         "parameters": [{"name": "token", "in": "query", "schema": {"type": "string"},
                         "description": "telephony.telnyx_stream_token, when set"}],
         "responses": {"101": _UPGRADED, "400": _NOT_UPGRADE, "403": _err("bad or missing ?token= (bad_token)"),
                       "429": _err("rate_limited: the address's session starts or sessions"),
-                      "503": _err("too many sessions")}}},
+                      "503": _err("shutting_down (draining); a full server (too_many_sessions, at_capacity) "
+                                  "upgrades and closes 1013 with the reason")}}},
 }
 
 
@@ -178,10 +180,11 @@ async def twilio_voice(request: web.Request) -> web.Response:
 
 
 async def twilio_stream(request: web.Request) -> web.StreamResponse:
-    """The Twilio Media Streams WebSocket.
+    """The Twilio Media Streams WebSocket (a full server accepts it and
+    closes it 1013 with the reason: :func:`web.admission.refuse_socket`).
 
     Raises:
-        ApiError: 403 bad signature; 503 too many sessions; 429 the
+        ApiError: 403 bad signature; 429 the
             address's session starts a minute or sessions (``rate_limited``).
     """
     _check_twilio(request, {}, stream=True)
@@ -197,7 +200,7 @@ async def telnyx_stream(request: web.Request) -> web.StreamResponse:
     ``telephony.twilio_auth_token`` either), and refused otherwise.
 
     Raises:
-        ApiError: 403 ``bad_token``; 503 too many sessions; 429 the
+        ApiError: 403 ``bad_token``; 429 the
             address's session starts a minute or sessions (``rate_limited``).
     """
     t = request.app[SETTINGS].telephony
@@ -217,7 +220,13 @@ async def _stream(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     settings = app[SETTINGS]
     peers = app[PEERS]
     client = request.remote or "?"
-    admit(app, client)  # early: a full server answers before the store is asked
+    try:
+        admit(app, client)  # early: a full server answers before the store is asked
+    except ApiError as exc:
+        if exc.code not in FULL_CODES:
+            raise
+        log.warning("refused a %s stream from %s: %s", dialect.name, client, exc.code)
+        return await refuse_socket(request, exc)  # the provider logs the close and its reason
     signer = await tenant_signer(app)
     ws = web.WebSocketResponse(max_msg_size=settings.telephony.max_message_bytes, heartbeat=None)
 
@@ -227,7 +236,13 @@ async def _stream(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     # checked again and the call registered with no await between: concurrent
     # upgrades cannot all pass (web.admission); the address's start counted
     # here, the tenant's once ``start`` names it
-    admit(app, client, start=True)
+    try:
+        admit(app, client, start=True)
+    except ApiError as exc:
+        if exc.code not in FULL_CODES:
+            raise
+        log.warning("refused a %s stream from %s: %s", dialect.name, client, exc.code)
+        return await refuse_socket(request, exc)
     call = PhoneCall(
         settings=settings, manager=app[MANAGER], providers=app[PROVIDERS].for_session(), clock=app[CLOCK], ws=ws,
         dialect=dialect, signer=signer, on_closed=forget, client=client, limits=app[LIMITS],
