@@ -34,6 +34,7 @@ FULL_RETRY_AFTER_S = 5
 FULL_REASONS = {
     "send_lateness": "its calls' audio is already being sent late",
     "cpu": "one more call would take more CPU than it has",
+    "starting": "a call is starting already: one at a time",
 }
 #: the codes of a full server's refusals
 FULL_CODES = ("too_many_sessions", "at_capacity")
@@ -93,7 +94,8 @@ def admit(app: web.Application, client: str, tenant: str | None = None, *, start
     """
     settings = app[SETTINGS]
     peers = app[PEERS]
-    require_room(app)
+    if len(peers) >= settings.max_sessions:
+        require_room(app)  # raises too_many_sessions
     pending = [p for p in peers.values() if not p.connected]
     if sum(1 for p in pending if p.client == client) >= settings.max_pending_per_client:
         raise ApiError(429, "too_many_pending", "too many sessions from you are still connecting; connect or wait",
@@ -103,8 +105,10 @@ def admit(app: web.Application, client: str, tenant: str | None = None, *, start
                        headers={"Retry-After": "2"})
     limits = app[LIMITS]
     limits.check_sessions(peers.values(), tenant, client)
+    require_room(app)  # the load last: a client's own flood is told as such
     if start:
         limits.require("session_start", tenant=tenant, client=client)
+        app[CAPACITY].started()
 
 
 def admit_tenant(app: web.Application, session: ClientSession, tenant: str) -> None:

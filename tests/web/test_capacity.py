@@ -13,6 +13,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -43,11 +44,15 @@ def ticks(pacing: PacingMonitor, clock: VirtualClock, n: int, late_s: float) -> 
 
 async def test_full_once_the_ticks_run_late_and_not_before_enough_are_seen() -> None:
     clock = VirtualClock()
-    cap, pacing = capacity(clock, [3], [0.0])
+    live = [3]
+    cap, pacing = capacity(clock, live, [0.0], min_ticks=250)
     ticks(pacing, clock, 100, 0.05)
     assert cap.full() is None and cap.load().lateness_p99_ms is None  # 100 ticks: too few to judge
     ticks(pacing, clock, 400, 0.001)
     assert cap.full() == "send_lateness" and cap.load().lateness_p99_ms == 60.0  # 20% of 500 ticks late
+    live[0] = 1
+    assert cap.full() is None  # one call alone never fills a server
+    live[0] = 3
     await clock.advance(11)  # the late ticks leave the window
     ticks(pacing, clock, 495, 0.003)
     ticks(pacing, clock, 5, 0.05)  # 1%: the p99 is still in time
@@ -69,8 +74,33 @@ async def test_full_when_one_more_call_would_pass_the_cpu_budget() -> None:
     live[0] = 6
     assert cap.full() is None
     live[0] = 7
-    assert cap.refuse() == "cpu" and cap.refusals == {"send_lateness": 0, "cpu": 1}
+    assert cap.refuse() == "cpu" and cap.refusals == {"send_lateness": 0, "cpu": 1, "starting": 0}
     assert Capacity(CapacitySettings(cpu_budget=0), PacingMonitor(), clock, lambda: 7, lambda: cpu[0]).full() is None
+
+
+async def test_calls_are_let_in_one_at_a_time_once_half_the_capacity_is_live() -> None:
+    """Calls cost 0.1 of a core each: a budget of 0.7 holds 7. From half of
+    that live, a call within start_gap_s of the last start is refused
+    ("starting"), and let in after the gap; below it a burst is let in."""
+    clock = VirtualClock()
+    live, cpu = [2], [0.0]
+    cap, _ = capacity(clock, live, cpu, cpu_budget=0.7, start_gap_s=2)
+    assert cap.full() is None and cap.load().estimate is None
+    for _ in range(11):
+        cap.sample()
+        await clock.advance(1)
+        cpu[0] += 0.2
+    cap.started()
+    assert cap.load().estimate == 7 and cap.full() is None  # 2 of 7: a burst is fine
+    live[0] = 4
+    assert cap.refuse() == "starting" and cap.refusals["starting"] == 1
+    await clock.advance(2.1)
+    assert cap.full() is None
+    cap.started()
+    gapless, _ = capacity(clock, live, cpu, cpu_budget=0.7, start_gap_s=0)
+    gapless._samples = cap._samples
+    gapless.started()
+    assert gapless.full() is None  # 0: no spacing
 
 
 async def test_no_estimate_until_a_call_has_been_live_a_whole_window() -> None:
@@ -91,7 +121,7 @@ async def test_no_estimate_until_a_call_has_been_live_a_whole_window() -> None:
 @pytest.fixture
 async def server(tmp_path: Path) -> AsyncIterator[tuple[web.Application, str]]:
     settings = Settings(store=f"sqlite:///{tmp_path}/t.db", api_tokens="tenant_a:secret-a",
-                        capacity=CapacitySettings(window_s=2, min_ticks=100))
+                        capacity=CapacitySettings(window_s=2, min_ticks=100, cpu_budget=0))
     app = create_app(settings)
     runner, url = await start_app(app)
     yield app, url
@@ -99,7 +129,10 @@ async def server(tmp_path: Path) -> AsyncIterator[tuple[web.Application, str]]:
 
 
 def overload(app: web.Application) -> None:
-    """What a loop that can no longer pace records: 200 ticks 60 ms late."""
+    """Two calls live (stand-ins: the rule needs two), and what a loop that
+    can no longer pace records: 200 ticks 60 ms late."""
+    for name in ("live-1", "live-2"):
+        app[PEERS][name] = SimpleNamespace(id=name, client="10.0.0.9", tenant="tenant_b", connected=True)  # type: ignore[assignment]
     pacing, clock = app[PACING], app[CAPACITY].clock
     for _ in range(200):
         pacing.observe(0.06, clock.monotonic())
@@ -146,7 +179,7 @@ async def test_a_full_server_refuses_every_transport_says_so_and_recovers(
         assert alert["type"] == "alert" and alert["status"] == "busy" and "capacity" in alert["message"]
         msg = await ws.receive(timeout=5)
         assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == 1013
-        assert app[PEERS] == {}  # nothing was made for the refused calls
+        assert set(app[PEERS]) == {"live-1", "live-2"}  # nothing was made for the refused calls
         async with http.get(f"{url}/metrics") as r:
             text = await r.text()
         assert "turnkeeper_full 1.0" in text
@@ -155,14 +188,15 @@ async def test_a_full_server_refuses_every_transport_says_so_and_recovers(
         await asyncio.sleep(2.2)
         async with http.get(f"{url}/readyz") as r:
             assert r.status == 200
+        async with http.get(f"{url}/metrics") as r:
+            assert "turnkeeper_full 0.0" in await r.text()
+        app[PEERS].clear()  # the stand-ins go before a real call comes
         pc, sdp = await offer()
         try:
             async with http.post(f"{url}/v1/webrtc/offer", json={"type": "offer", "sdp": sdp}, headers=API) as r:
                 assert r.status == 200
         finally:
             await pc.close()
-        async with http.get(f"{url}/metrics") as r:
-            assert "turnkeeper_full 0.0" in await r.text()
 
 
 async def test_max_sessions_refuses_a_phone_stream_with_a_close_not_an_http_error(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ from web.devices.call import DeviceCall
 from web.devices.framing import VERSIONS
 from web.devices.messages import MAX_TEXT_BYTES, alert
 from web.errors import ApiError, openapi_error
-from web.state import AUTH, CLOCK, LIMITS, MANAGER, PACING, PEERS, PROVIDERS, SETTINGS, STORE
+from web.state import AUTH, CAPACITY, CLOCK, LIMITS, MANAGER, PACING, PEERS, PROVIDERS, SETTINGS, STORE
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +190,8 @@ async def device_socket(request: web.Request) -> web.StreamResponse:
     except ApiError:
         await app[AUTH].refused(caller)  # nothing started: a client token may be used again
         raise
+    if older is None:
+        app[CAPACITY].started()
     ws = web.WebSocketResponse(max_msg_size=max(settings.devices.max_frame_bytes, MAX_TEXT_BYTES) + 1024, heartbeat=None)
     await ws.prepare(request)
     if older is not None:
