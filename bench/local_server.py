@@ -53,7 +53,8 @@ async def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float =
 async def server(
     prefix: str = "tk-bench-", env: dict[str, str] | None = None, log_path: Path | None = None
 ) -> AsyncIterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Start the server (``env``: more environment, e.g. settings); yield
+    """Start the server (``env``: more environment, e.g. settings; its
+    own embedded store unless ``env`` names one); yield
     (base URL, process); terminate it on exit (killed if it has not exited
     10 s later). ``log_path``: write its stdout and log (stderr) to this
     file instead of discarding stdout and passing stderr through.
@@ -67,10 +68,10 @@ async def server(
         url = f"http://127.0.0.1:{port}"
         env = {
             **os.environ,
-            **(env or {}),
-            "PYTHONPATH": str(ROOT),
             "TURNKEEPER_STORE": f"sqlite:///{d}/bench.db",
             "TURNKEEPER_LOG_LEVEL": "WARNING",
+            **(env or {}),  # e.g. a Redis store for a fleet
+            "PYTHONPATH": str(ROOT),
         }
         out = log_path.open("ab") if log_path is not None else None
         try:  # a file, not a pipe: a chatty server never blocks on it

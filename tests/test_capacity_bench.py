@@ -66,3 +66,27 @@ def test_a_short_capacity_run_reports_every_figure() -> None:
         assert set(step["received_gaps"]) == {"arrival", "arrival_max_ms", "inserted", "inserted_max_ms"}
     assert out["steps"][1]["interrupting"] == 1
     assert out["errors"] == []
+
+
+@requires_espeak
+def test_a_short_overload_run_on_two_instances_reports_every_figure() -> None:
+    """Two instances on one Redis with their admission on, two callers
+    (capacity taken as 1, pushed 2x): each call goes to a ready instance;
+    the admitted, the refusals by reason per instance and the degraded
+    calls are reported."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "capacity.py"), "--capacity", "1", "--overload", "2", "--instances", "2",
+         "--window", "2", "--settle", "1", "--overload-windows", "1", "--reference-s", "8", "--barge-every", "0",
+         "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    over = out["overload"]
+    assert over["instances"] == 2 and over["callers"] == 2 and over["admitted"] == 2
+    assert set(over["refusals_by_reason"]) == {"instance 1", "instance 2"}
+    assert all(set(r) == {"send_lateness", "cpu", "starting"} for r in over["refusals_by_reason"].values())
+    [step] = over["steps"]
+    assert step["sessions"] == 2 and sum(step["sessions_per_instance"]) == 2
+    assert step["send_lateness"]["ticks"] > 100 and over["degraded_calls"] in (0, 1, 2)
+    assert out["steps"] == [] and out["errors"] == []  # no ramp: the capacity was given
