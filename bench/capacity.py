@@ -542,6 +542,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def table_row(s: dict[str, Any]) -> str:
+    """One step as a row of the table."""
+    lat, gaps, stop = s["send_lateness"], s["received_gaps"], s["audible_stop_ms"]
+    cell = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    return (f"{s['sessions']:>3}{100 * s['server_cpu_core']:>10.1f}{s['server_cpu_per_session_pct']:>8.1f}"
+            f"{100 * s['clients_cpu_core']:>11.1f}{cell(lat['p50_ms']):>10}{cell(lat['p99_ms']):>10}{lat['late_40ms']:>8}"
+            f"{gaps['arrival']:>9}{gaps['inserted']:>10}{cell(stop['p95']):>10}{s['rss_mb']:>9.0f}"
+            f"{len(s['clients_loop_stalls_ms']):>14}" + ("  audio broke" if s["audio_broke"] else ""))
+
+
 def print_table(out: dict[str, Any]) -> None:
     print(f"{out['transport']}: capacity {out['capacity']} speaking sessions (window {out['window_s']} s, "
           f"every {out['barge_every']}th caller interrupts; {out['calls']} calls, {len(out['errors'])} errors)")
@@ -549,13 +559,7 @@ def print_table(out: dict[str, Any]) -> None:
             f"{'rx gaps':>9}{'inserted':>10}{'stop p95':>10}{'RSS MiB':>9}{'bench stalls':>14}")
     print(head)
     for s in out["steps"]:
-        lat, gaps, stop = s["send_lateness"], s["received_gaps"], s["audible_stop_ms"]
-        cell = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-        print(f"{s['sessions']:>3}{100 * s['server_cpu_core']:>10.1f}{s['server_cpu_per_session_pct']:>8.1f}"
-              f"{100 * s['clients_cpu_core']:>11.1f}{cell(lat['p50_ms']):>10}{cell(lat['p99_ms']):>10}{lat['late_40ms']:>8}"
-              f"{gaps['arrival']:>9}{gaps['inserted']:>10}{cell(stop['p95']):>10}{s['rss_mb']:>9.0f}"
-              f"{len(s['clients_loop_stalls_ms']):>14}"
-              + ("  audio broke" if s["audio_broke"] else ""))
+        print(table_row(s))
     if out["profile"]:
         p = out["profile"]
         print(f"where the server's CPU goes at {p['sessions']} sessions ({p['samples']} samples, "
@@ -572,12 +576,7 @@ def print_table(out: dict[str, Any]) -> None:
               "degraded")
         print(head)
         for s in over["steps"]:
-            lat, gaps, stop = s["send_lateness"], s["received_gaps"], s["audible_stop_ms"]
-            cell = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-            print(f"{s['sessions']:>3}{100 * s['server_cpu_core']:>10.1f}{s['server_cpu_per_session_pct']:>8.1f}"
-                  f"{100 * s['clients_cpu_core']:>11.1f}{cell(lat['p50_ms']):>10}{cell(lat['p99_ms']):>10}{lat['late_40ms']:>8}"
-                  f"{gaps['arrival']:>9}{gaps['inserted']:>10}{cell(stop['p95']):>10}{s['rss_mb']:>9.0f}"
-                  f"{len(s['clients_loop_stalls_ms']):>14}" + ("  audio broke" if s["audio_broke"] else ""))
+            print(table_row(s))
     for e in out["errors"][:5]:
         print(f"  error: {e}")
 
