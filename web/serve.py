@@ -59,7 +59,7 @@ async def serve(settings: Settings) -> int:
     # set up, before the first caller can connect: what lives now is walked
     # by no collection from here on
     settled = garbage_collector.settle()
-    log.info("froze %d objects after startup (%.0f ms): full collections stay short", settled.frozen, settled.ms)
+    log.debug("froze %d objects after startup (%.0f ms): full collections stay short", settled.frozen, settled.ms)
     site = web.TCPSite(runner, settings.host, settings.port)
     try:
         await site.start()
