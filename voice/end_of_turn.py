@@ -40,8 +40,8 @@ The run is sized for a real-time server on two cores: one intra-op and one
 inter-op thread, sequential execution; an inference takes about 40-60 ms
 (features about 5 ms of it). onnxruntime's ``InferenceSession.run`` is
 thread-safe, so one session per model file serves the whole process
-(:func:`_session`, cached); :meth:`SmartTurn.judge` blocks: call it on
-:func:`judge_threads`, whose threads run below the event loop's priority.
+(:func:`_session`, cached); :meth:`SmartTurn.judge` blocks: call it in a
+thread (``asyncio.to_thread``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ import importlib.util
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -61,7 +60,6 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from voice.model_file import sha256_of
-from voice.niceness import background_threads
 
 if TYPE_CHECKING:
     from faster_whisper.feature_extractor import FeatureExtractor
@@ -116,21 +114,6 @@ def words_complete(text: str) -> bool:
     asks both: the turn is complete when the audio and the words say so."""
     tokens = re.findall(r"[a-z0-9']+", text.lower())  # a number ("count to 20") is a content word
     return len(tokens) <= 1 or tokens[-1] not in FUNCTION_WORDS
-
-
-#: the threads judges run on (made at first use; see :func:`judge_threads`)
-_JUDGE_THREADS: ThreadPoolExecutor | None = None
-
-
-def judge_threads() -> ThreadPoolExecutor:
-    """The process's threads for :meth:`SmartTurn.judge` (two: onnxruntime
-    runs without the GIL): their priority is below the event loop's
-    (:mod:`voice.niceness`), so a judged turn under load never holds back
-    the paced audio of the calls already talking."""
-    global _JUDGE_THREADS
-    if _JUDGE_THREADS is None:
-        _JUDGE_THREADS = background_threads("end-of-turn", 2)
-    return _JUDGE_THREADS
 
 
 class EndOfTurnModelError(RuntimeError):

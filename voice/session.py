@@ -62,7 +62,7 @@ from voice.backchannel import BackchannelConfig, judge
 from voice.barge_in import BargeInRecord, barge_in, continues, interrupted_turn
 from voice.controls import SessionControls
 from voice.dtmf import DigitStream
-from voice.end_of_turn import judge_threads, words_complete
+from voice.end_of_turn import words_complete
 from voice.endpointing import EndpointConfig
 from voice.heard import Hearing
 from voice.history import earlier_messages, earlier_turns_wait_s, history_after
@@ -608,7 +608,7 @@ class AgentSession(SessionControls):
         words: bool | None = None
         if judge is not None and pcm:
             try:
-                verdict = await asyncio.get_running_loop().run_in_executor(judge_threads(), judge.judge, pcm, 16_000)
+                verdict = await asyncio.to_thread(judge.judge, pcm, 16_000)
             except Exception:
                 log.exception("the end-of-turn judge failed: the fixed silence decides")
             else:

@@ -17,7 +17,6 @@ from pydantic import BaseModel, Field
 
 from media.frames import PLAYOUT_RATE, PcmResampler
 from media.trim import SilenceTrimmer
-from voice import niceness
 from voice.providers import PcmSink
 from voice.synthesis import BaseSynthesisStream, SynthesisError, cancel_and_wait
 
@@ -121,7 +120,6 @@ class EspeakTTS:
         except FileNotFoundError as exc:
             raise TtsError(f"{cfg.executable} not found; install espeak-ng") from exc
         self.running.add(proc)
-        niceness.lower(proc.pid)  # below the paced audio of every live call
         try:
             assert proc.stdin and proc.stdout and proc.stderr
             proc.stdin.write(text.encode() + b"\n")

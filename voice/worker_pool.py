@@ -26,7 +26,6 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from voice.niceness import background_initializer
 from voice.recognition import SttError
 
 log = logging.getLogger(__name__)
@@ -46,9 +45,8 @@ class Worker:
         self.executor = ProcessPoolExecutor(
             max_workers=1,
             mp_context=multiprocessing.get_context("spawn"),  # never fork an asyncio process
-            # the model's process runs below the event loop's priority (voice.niceness)
-            initializer=background_initializer,
-            initargs=(initializer, *initargs),
+            initializer=initializer,
+            initargs=initargs,
         )
         #: why it can no longer be used (it died, or its model did not load)
         self.broken: BaseException | None = None
