@@ -117,13 +117,16 @@ def process_tree(pid: int) -> list[int]:
 
 def tree_usage(pid: int) -> tuple[float, float]:
     """CPU seconds used so far (user + system) and resident MB now, summed
-    over ``pid``'s process tree (a process gone meanwhile counts 0)."""
+    over ``pid``'s process tree: each process's own and that of its
+    children it has reaped (proc(5) cutime, cstime: an espeak-ng run that
+    ended in the window counts; a process gone unreaped meanwhile counts 0)."""
     ticks, rss_kb = 0, 0
     for p in process_tree(pid):
         try:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+            # utime, stime, cutime, cstime (fields 14-17 of proc(5))
+            ticks += int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
             with open(f"/proc/{p}/status") as f:
                 rss_kb += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
         except (OSError, StopIteration):
