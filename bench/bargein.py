@@ -110,7 +110,7 @@ MOMENTS = (("first 300 ms", 0.0, 0.3), ("0.3-1 s", 0.3, 1.0), ("after 1 s", 1.0,
 
 
 def make_client(url: str, transport: str, device_token: str | None = None, declare_aec: bool = True,
-                **kw: object) -> CallClient | PhoneCallClient | DeviceCallClient:
+                device_id: str = "02:00:00:00:00:01", **kw: object) -> CallClient | PhoneCallClient | DeviceCallClient:
     """The headless client of ``transport``: WebRTC, the phone simulator, or
     the device simulator in realtime mode.
 
@@ -118,13 +118,15 @@ def make_client(url: str, transport: str, device_token: str | None = None, decla
     browser page does (``declare_aec``): on, unless it plays the agent back
     into its microphone (``echo_gain_db``: a speakerphone with the
     canceller off, the page's raw mode). ``declare_aec=False``: nothing
-    declared (the figures before the declaration existed)."""
+    declared (the figures before the declaration existed). ``device_id``:
+    the device's MAC (its ``Device-Id``), one per device calling at once."""
     if transport == "webrtc":
         if declare_aec:
             kw.setdefault("echo_cancellation", kw.get("echo_gain_db") is None)
         return CallClient(url, **kw)  # type: ignore[arg-type]
     if transport == "device":
-        return DeviceCallClient(device_url(url), mode="realtime", device_token=device_token, token=BENCH_TOKEN)
+        return DeviceCallClient(device_url(url), mode="realtime", device_token=device_token, token=BENCH_TOKEN,
+                                device_id=device_id)
     return PhoneCallClient(url, transport, token=BENCH_TOKEN)
 
 

@@ -49,7 +49,14 @@ an inserted silence of 40 ms or more. ``--profile-at N`` also samples the server
 py-spy during the window at N callers and reports where its CPU goes, by
 stage (bench/stage_profile.py).
 
-WebRTC only for now; the phone and device transports are an option to come.
+``--transport`` picks how the callers reach the server: ``webrtc`` (the
+default), ``twilio`` or ``telnyx`` (the phone simulator: a provider's media
+stream, G.711 at 8 kHz) or ``device`` (the xiaozhi-esp32 simulator in
+realtime mode, Opus at 16 kHz, a device token of its own per caller). What a
+phone or device caller received is what its simulated phone or speaker
+*played*, 20 ms at a time with silence where nothing did, so its gaps are
+the inserted silences against the reference (an arrival gap is a WebRTC
+measure: its packets' arrival times).
 Progress goes to stderr; ``--json`` prints one JSON object on stdout.
 Time: about ``--window`` + 8 s per step after a 60 s reference call.
 """
@@ -77,11 +84,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import corpus as C  # noqa: E402  (the tests' espeak-ng helpers)
 import listening as L  # noqa: E402  (the inserted-gap measure)
-from bargein import make_client, stats, up  # noqa: E402
+from bargein import BENCH_TOKEN, make_client, stats, up  # noqa: E402
 from local_server import server, tree_usage  # noqa: E402
 from stage_profile import profile_window  # noqa: E402
 from store import redis_server  # noqa: E402
 
+from client.command import issue_device_token  # noqa: E402
 from client.results import CallError, CallResult, Utterance  # noqa: E402
 from media.pacing import LATENESS_BUCKETS_S, quantile_of_buckets  # noqa: E402
 
@@ -98,6 +106,9 @@ RETRY_AFTER_S = 5.0
 #: settings that turn the server's admission by load off (the ramp finds where the audio breaks)
 NO_ADMISSION = {"TURNKEEPER_CAPACITY__LATENESS_P99_MS": "0", "TURNKEEPER_CAPACITY__CPU_BUDGET": "0",
                 "TURNKEEPER_CAPACITY__START_GAP_S": "0"}
+TRANSPORTS = ("webrtc", "twilio", "telnyx", "device")
+#: the servers' API token for the default tenant: phone and device callers read their events with it
+TOKENS = {"TURNKEEPER_API_TOKENS": f"default:{BENCH_TOKEN}"}
 
 
 @dataclass
@@ -106,6 +117,7 @@ class Caller:
 
     n: int
     interrupts: bool
+    device_tokens: dict[str, str] = field(default_factory=dict)  # a device caller's token per instance URL
     results: list[CallResult] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     refused: int = 0  # calls a full server refused (at_capacity, too_many_sessions)
@@ -151,7 +163,9 @@ async def call_once(caller: Caller, url: str, transport: str, story: bytes, inte
                     retry_later: bool) -> bool:
     """One call to ``url``; False if that instance refused it as full
     (then, with ``retry_later``, after the refusal's Retry-After)."""
-    client = make_client(url, transport)
+    if transport == "device" and url not in caller.device_tokens:
+        caller.device_tokens[url] = await issue_device_token(url, BENCH_TOKEN)
+    client = make_client(url, transport, caller.device_tokens.get(url), device_id=device_mac(caller.n))
     caller.current, caller.current_url = client, url
     script = [Utterance(interrupt, at_s=round(rng.uniform(2.0, 6.0), 2), label="interrupt", kind="speech")] \
         if caller.interrupts else []
@@ -170,6 +184,18 @@ async def call_once(caller: Caller, url: str, transport: str, story: bytes, inte
     finally:
         caller.current = None
     return True
+
+
+def device_mac(n: int) -> str:
+    """Caller ``n``'s device MAC (its ``Device-Id``): one per device."""
+    return f"02:00:00:00:{n // 256 % 256:02x}:{n % 256:02x}"
+
+
+def reception(caller: Caller) -> list[L.Frame]:
+    """What the caller's call in progress has received so far (empty
+    between calls)."""
+    client = caller.current
+    return [] if client is None else client.reception()
 
 
 async def lateness_counts(http: aiohttp.ClientSession, url: str) -> list[int]:
@@ -225,8 +251,7 @@ class LoopLag:
 
 def heard_sound(caller: Caller) -> bool:
     """The caller's call in progress has received agent sound."""
-    client = caller.current
-    return client is not None and any(lv > L.SILENCE_DBFS for _, lv, _ in getattr(client, "_received", []))
+    return any(lv > L.SILENCE_DBFS for _, lv, _ in reception(caller))
 
 
 def arrival_gaps(frames: list[L.Frame], t0: float, t1: float) -> list[float]:
@@ -236,11 +261,12 @@ def arrival_gaps(frames: list[L.Frame], t0: float, t1: float) -> list[float]:
     return [round((b - a) * 1000, 1) for a, b in zip(times, times[1:], strict=False) if (b - a) * 1000 >= GAP_MS]
 
 
-def judge_steps(steps: list[dict[str, Any]], callers: list[Caller], reference: list[L.Frame]) -> None:
+def judge_steps(steps: list[dict[str, Any]], callers: list[Caller], reference: list[L.Frame], transport: str) -> None:
     """Fill each step's received gaps and audible stops from the calls'
     receptions, cut to its window: the calls that ended and the one each
     caller was in when the run stopped (its reception so far; its
-    interruptions unmeasured)."""
+    interruptions unmeasured). Arrival gaps only for ``webrtc`` (a phone's
+    or device's reception is what it played, one entry per 20 ms)."""
     for step in steps:
         t0, t1 = step["window"]
         arrival: list[float] = []
@@ -252,7 +278,8 @@ def judge_steps(steps: list[dict[str, Any]], callers: list[Caller], reference: l
             for frames, barge_ins in receptions:
                 if not frames or frames[-1][0] < t0 or frames[0][0] > t1:
                     continue
-                arrival += arrival_gaps(frames, t0, t1)
+                if transport == "webrtc":
+                    arrival += arrival_gaps(frames, t0, t1)
                 if not caller.interrupts:
                     heard = L.listen(frames, reference, since=t0, until=t1)
                     inserted += [round(g.inserted_ms, 1) for g in heard.gaps
@@ -354,18 +381,20 @@ async def end_callers(callers: list[Caller], stop: asyncio.Event) -> None:
     stop.set()
     for c in callers:
         if c.current is not None:
-            c.cut_short.append(list(getattr(c.current, "_received", [])))
+            c.cut_short.append(reception(c))
         if c.task is not None:
             c.task.cancel()
     await asyncio.gather(*(c.task for c in callers if c.task is not None), return_exceptions=True)
 
 
-async def reference_reception(url: str, story: bytes, reference_s: float | None) -> list[L.Frame]:
+async def reference_reception(url: str, transport: str, story: bytes, reference_s: float | None) -> list[L.Frame]:
     """The story alone on the server, as a caller receives it (the whole
     story, or its first ``reference_s``: a silent cue then, and a hang-up)."""
     cue = [] if reference_s is None else [Utterance(bytes(1920), at_s=reference_s, label="end", kind="none")]
-    ref = await make_client(url, "webrtc").run(Utterance(story, label="story"), cue, timeout_s=CALL_TIMEOUT_S, settle_s=0.2,
-                                               hangup_after_s=None if reference_s is None else 0.2)
+    token = await issue_device_token(url, BENCH_TOKEN) if transport == "device" else None
+    client = make_client(url, transport, token, device_id=device_mac(0))
+    ref = await client.run(Utterance(story, label="story"), cue, timeout_s=CALL_TIMEOUT_S, settle_s=0.2,
+                           hangup_after_s=None if reference_s is None else 0.2)
     reference = list(ref.received)
     if not any(lv > L.SILENCE_DBFS for _, lv, _ in reference):
         raise RuntimeError("the reference call heard no reply")
@@ -380,16 +409,17 @@ async def ramp(args: argparse.Namespace, story: bytes, interrupt: bytes, rng: ra
     callers: list[Caller] = []
     stop = asyncio.Event()
     profile: dict[str, Any] | None = None
-    env = {"TURNKEEPER_MAX_SESSIONS": str(max(32, args.max_sessions + 4)), **NO_ADMISSION}
+    env = {"TURNKEEPER_MAX_SESSIONS": str(max(32, args.max_sessions + 4)), **NO_ADMISSION, **TOKENS}
     async with server("tk-capacity-", env) as (url, proc), aiohttp.ClientSession() as http:
         progress("reference call (the story alone on the server)...")
-        reference = await reference_reception(url, story, args.reference_s)
+        reference = await reference_reception(url, args.transport, story, args.reference_s)
         broke_in_a_row = 0
         try:
             for n in range(1, args.max_sessions + 1):
                 caller = Caller(n, interrupts=args.barge_every > 0 and n % args.barge_every == 0)
                 callers.append(caller)
-                caller.task = asyncio.create_task(caller_loop(caller, url, "webrtc", story, interrupt, random.Random(rng.random()), stop))
+                caller.task = asyncio.create_task(caller_loop(caller, url, args.transport, story, interrupt,
+                                                              random.Random(rng.random()), stop))
                 await wait_heard_or_refused(caller)
                 await asyncio.sleep(args.settle)
                 step, prof = await measure_window(http, url, proc.pid, n, args.window, profile=args.profile_at == n,
@@ -406,7 +436,7 @@ async def ramp(args: argparse.Namespace, story: bytes, interrupt: bytes, rng: ra
                     break
         finally:
             await end_callers(callers, stop)
-    judge_steps(steps, callers, reference)
+    judge_steps(steps, callers, reference, args.transport)
     for step in steps:
         step["clients_loop_stalls_ms"] = lag.within(*step["window"])
     clean = [s for s in steps if not s["audio_broke"]]
@@ -434,7 +464,7 @@ async def overload(args: argparse.Namespace, capacity: int, story: bytes, interr
     callers: list[Caller] = []
     stop = asyncio.Event()
     steps: list[dict[str, Any]] = []
-    env = {"TURNKEEPER_MAX_SESSIONS": str(max(32, target + 4))}
+    env = {"TURNKEEPER_MAX_SESSIONS": str(max(32, target + 4)), **TOKENS}
     async with contextlib.AsyncExitStack() as stack:
         if args.instances > 1:
             redis_url = stack.enter_context(redis_server())
@@ -443,13 +473,13 @@ async def overload(args: argparse.Namespace, capacity: int, story: bytes, interr
         urls, pids = [u for u, _ in fleet], [p.pid for _, p in fleet]
         http = await stack.enter_async_context(aiohttp.ClientSession())
         progress(f"overload: {target} callers on {len(urls)} server(s) with admission on (capacity {capacity} each)...")
-        reference = await reference_reception(urls[0], story, args.reference_s)
+        reference = await reference_reception(urls[0], args.transport, story, args.reference_s)
         reasons: dict[str, dict[str, int]] = {}
         try:
             for n in range(1, target + 1):
                 caller = Caller(n, interrupts=args.barge_every > 0 and n % args.barge_every == 0)
                 callers.append(caller)
-                caller.task = asyncio.create_task(caller_loop(caller, urls, "webrtc", story, interrupt,
+                caller.task = asyncio.create_task(caller_loop(caller, urls, args.transport, story, interrupt,
                                                               random.Random(rng.random()), stop, http))
                 await wait_heard_or_refused(caller)
                 where = f" on instance {urls.index(caller.current_url) + 1}" if len(urls) > 1 and heard_sound(caller) else ""
@@ -469,7 +499,7 @@ async def overload(args: argparse.Namespace, capacity: int, story: bytes, interr
                 reasons[f"instance {i + 1}"] = await refusals_by_reason(http, url)
         finally:
             await end_callers(callers, stop)
-    judge_steps(steps, callers, reference)
+    judge_steps(steps, callers, reference, args.transport)
     degraded = 0
     admitted = 0
     for caller in callers:
@@ -483,7 +513,7 @@ async def overload(args: argparse.Namespace, capacity: int, story: bytes, interr
         for step in steps:
             t0, t1 = step["window"]
             for frames in in_windows:
-                if arrival_gaps(frames, t0, t1):
+                if args.transport == "webrtc" and arrival_gaps(frames, t0, t1):
                     bad = True
                 elif not caller.interrupts:
                     heard = L.listen(frames, reference, since=t0, until=t1)
@@ -528,7 +558,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         lag_task.cancel()
         await asyncio.gather(lag_task, return_exceptions=True)
     return {
-        "transport": "webrtc",
+        "transport": args.transport,
         "seed": args.seed,
         "window_s": args.window,
         "barge_every": args.barge_every,
@@ -583,6 +613,9 @@ def print_table(out: dict[str, Any]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--transport", choices=TRANSPORTS, default="webrtc",
+                   help="how the callers reach the server (default webrtc; twilio and telnyx: the phone simulator; "
+                        "device: the xiaozhi-esp32 simulator)")
     p.add_argument("--max-sessions", type=int, default=16, help="callers at most (default 16)")
     p.add_argument("--window", type=float, default=8.0, help="measured seconds per step (default 8)")
     p.add_argument("--settle", type=float, default=2.0, help="seconds after the new caller's agent talks before measuring (default 2)")

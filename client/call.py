@@ -360,6 +360,13 @@ class CallClient:
             arrival_unknown=self._arrival_unknown,
         )
 
+    def reception(self) -> list[tuple[float, float, float]]:
+        """What this call has received so far, one entry per 20 ms frame of
+        agent audio: (RTP arrival, client monotonic s; level, dBFS RMS; where
+        its sound ends, ms into the frame, 0 if silent). A copy: safe to
+        read while the call goes on (``CallResult.received`` at its end)."""
+        return list(self._received)
+
     def _first_sound_after(self, t: float) -> float | None:
         """Arrival of the first received frame with agent sound after ``t``
         (client seconds), None if none came."""

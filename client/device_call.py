@@ -189,6 +189,16 @@ class DeviceCallClient(SessionEvents):
             },
         )
 
+    def reception(self) -> list[tuple[float, float, float]]:
+        """What the simulated device's speaker has played so far, one entry
+        per 20 ms from the connection to the end of the last audio it
+        played: (its start, client monotonic s; level, dBFS RMS; where its
+        sound ends, ms into the frame, 0 if silent); empty before the
+        connection (``CallResult.received`` at the call's end)."""
+        if self.sim is None:
+            return []
+        return [(f.at, f.dbfs, f.sound_end_ms) for f in self.sim.heard_frames()]
+
     @staticmethod
     def _device_turns(sim: DeviceSimulator) -> list[TurnView]:
         """Turns as the device was told them (no event log): each ``stt``

@@ -201,6 +201,16 @@ class PhoneCallClient(SessionEvents):
             protocol_errors=list(sim.log.errors),
         )
 
+    def reception(self) -> list[tuple[float, float, float]]:
+        """What the simulated caller has heard so far, one entry per 20 ms
+        the phone played (silence where nothing did): (when it began
+        playing, client monotonic s; level, dBFS RMS; where its sound ends,
+        ms into the frame, 0 if silent); empty before the stream is up
+        (``CallResult.received`` at the call's end)."""
+        if self.sim is None:
+            return []
+        return [(f.at, f.dbfs, f.sound_end_ms) for f in list(self.sim.log.heard)]
+
     # -- the script ------------------------------------------------------------------------
 
     def _say(self, sim: PhoneSimulator, index: int, pcm48: bytes, speech_end_s: float | None = None) -> None:

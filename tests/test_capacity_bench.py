@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import requires_espeak
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +67,27 @@ def test_a_short_capacity_run_reports_every_figure() -> None:
         assert set(step["received_gaps"]) == {"arrival", "arrival_max_ms", "inserted", "inserted_max_ms"}
     assert out["steps"][1]["interrupting"] == 1
     assert out["errors"] == []
+
+
+@requires_espeak
+@pytest.mark.parametrize("transport", ["twilio", "device"])
+def test_a_short_capacity_run_over_the_phone_and_device_transports(transport: str) -> None:
+    """One phone or device caller: the server's CPU and its paced ticks
+    are measured the same way, and what the simulated phone or speaker
+    played is judged for inserted silences (no arrival gaps: it played
+    every 20 ms)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "capacity.py"), "--transport", transport, "--max-sessions", "1",
+         "--window", "2", "--settle", "1", "--reference-s", "8", "--barge-every", "0", "--json"],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["transport"] == transport and out["errors"] == []
+    [step] = out["steps"]
+    assert 0.01 < step["server_cpu_core"] < 2.0, step
+    assert step["send_lateness"]["ticks"] >= 40 * (step["window"][1] - step["window"][0]) - 50
+    assert step["received_gaps"]["arrival"] == 0 and step["received_gaps"]["arrival_max_ms"] is None
 
 
 @requires_espeak
