@@ -182,6 +182,12 @@ class EchoReference:
     """Ring of what the server recently played (the outbound signal), as
     10 ms log band energies.
 
+    The band energies are computed only when a comparison needs them
+    (:meth:`similarity`): :meth:`played` keeps the frames sent since the
+    last one, as many as the ring's span, and the first comparison after
+    turns them into features in one batch. While nobody talks over the
+    agent (no voiced inbound frame), a tick costs only its energy.
+
     Args:
         max_delay_ms: longest round trip searched (ms).
         clock_rate: rate (Hz) the inbound side is analysed at; only 16000 is
@@ -213,6 +219,13 @@ class EchoReference:
         # late: its timeline jumps over the hole at once (a burst cannot
         # lag that far)
         self._steady = SteadyClock(max_drift_s=PACING_MAX_LAG_S)
+        #: frames played since the features were last brought up to date
+        #: (:meth:`_featurise`), oldest first: (48 kHz samples or None for
+        #: silence, hops skipped just before it). Bounded by the ring: once
+        #: it holds more frames than the ring has hops for, the oldest
+        #: would be pushed out anyway and only its samples' tail is kept.
+        self._pending: deque[tuple[np.ndarray | None, int]] = deque()
+        self._pending_max = self._cap // (FRAME_MS // ECHO_HOP_MS) + 2
         #: mean square (full scale 1) of each played 20 ms frame, newest last,
         #: over every delay plus the ERL window
         self._fed_at: float | None = None  # clock seconds of the last played() call
@@ -238,31 +251,55 @@ class EchoReference:
         at = self._steady.tick(at)
         self._fed_at = clock_at
         ms = 0.0
-        if pcm48 is None:
-            x = self._zeros48
-        else:
+        x = None
+        if pcm48 is not None:
             x = np.frombuffer(pcm48, dtype="<i2").astype(np.float64) / 32768.0
             ms = float(np.mean(x * x))
             if ms > 0 and 10 * math.log10(ms) > ECHO_AUDIBLE_DBFS:
                 self._last_audible = at
-        buf = np.concatenate([self._tail, x])
-        hop = _FEAT48.hop
-        n = (len(buf) - _FEAT48.win) // hop + 1
-        wins = np.lib.stride_tricks.sliding_window_view(buf, _FEAT48.win)[::hop][:n]
-        feats = _FEAT48(wins) if pcm48 is not None or np.any(self._tail) else np.tile(self._silent, (n, 1))
-        self._tail = buf[-(_FEAT48.win - hop) :]
+        n = FRAME_MS // ECHO_HOP_MS  # hops a frame adds (after the first, the tail carries the window's overlap)
         key = round(at * 1000 / ECHO_HOP_MS) + n
+        gap = 0
         if self._end_key is not None:
-            gap = key - n - self._end_key  # hops of ticks the track skipped (a stall): nothing was played
+            gap = max(0, key - n - self._end_key)  # hops of ticks the track skipped (a stall): nothing was played
             if gap > 0:
                 self._energy.extend([0.0] * min(gap * ECHO_HOP_MS // FRAME_MS, self._energy.maxlen or 0))
-            if 0 < gap < self._cap:
-                self._push(np.tile(self._silent, (gap, 1)))
-            elif gap >= self._cap:
-                self._feats[:] = self._silent
-        self._push(feats)
+        if len(self._pending) >= self._pending_max:
+            # the ring's every hop comes from newer frames: of the oldest
+            # only the overlap it leaves the next window matters
+            old, _ = self._pending.popleft()
+            self._tail = self._zeros48[: len(self._tail)] if old is None else old[-len(self._tail) :]
+        self._pending.append((x, gap))
         self._energy.append(ms)
         self._end_key = key
+
+    def _featurise(self) -> None:
+        """Bring the feature ring up to :attr:`_end_key`: the pending frames'
+        band energies in one batch, with silence for the hops skipped
+        between them (a gap of the ring's span or more clears it)."""
+        if not self._pending:
+            return
+        frames = list(self._pending)
+        self._pending.clear()
+        buf = np.concatenate([self._tail, *(self._zeros48 if x is None else x for x, _ in frames)])
+        hop, win = _FEAT48.hop, _FEAT48.win
+        n = (len(buf) - win) // hop + 1
+        if any(x is not None for x, _ in frames) or np.any(self._tail):
+            feats = _FEAT48(np.lib.stride_tricks.sliding_window_view(buf, win)[::hop][:n])
+        else:
+            feats = np.tile(self._silent, (n, 1))
+        self._tail = buf[-(win - hop) :]
+        per = n // len(frames)
+        parts: list[np.ndarray] = []
+        for i, (_, gap) in enumerate(frames):
+            if gap >= self._cap:
+                parts.clear()
+                self._feats[:] = self._silent
+            elif gap > 0:
+                parts.append(np.tile(self._silent, (gap, 1)))
+            parts.append(feats[i * per : (i + 1) * per])
+        seq = np.concatenate(parts)
+        self._push(seq[-self._cap :])
 
     def _push(self, feats: np.ndarray) -> None:
         k = len(feats)
@@ -446,6 +483,7 @@ class EchoReference:
         ``offset`` (None: with the one the window shows)."""
         if self._end_key is None:
             return EchoMatch(0.0, None, None)
+        self._featurise()
         inb = self._inbound(recent16, w)
         if inb is None:
             return EchoMatch(0.0, None, None)

@@ -370,6 +370,41 @@ def test_wrong_frame_size_raises() -> None:
         EchoReference(max_delay_ms=0)
 
 
+def test_the_reference_computed_when_compared_matches_one_computed_every_tick() -> None:
+    """The reference's band energies are computed only when a comparison
+    needs them; the comparisons come out exactly as if every tick had been
+    analysed as it was played: across silences, a stall of the outbound
+    track (short, and longer than the ring), and more ticks unasked than
+    the ring holds."""
+    rng = np.random.default_rng(7)
+    speech = C.espeak("one two three four five six seven", "en-us", 160)
+    speech48 = np.frombuffer(C.resample(speech, VAD_RATE, PLAYOUT_RATE), dtype="<i2")
+    lazy, eager = EchoReference(), EchoReference()
+    at, k, compared = 100.0, 0, 0
+    for i in range(400):
+        if i in (120, 300):
+            at += 0.3 if i == 120 else 2.0  # a stall: 15 ticks, then longer than the ring
+        if 60 <= i % 100 < 70:
+            frame = None  # silence sent
+        else:
+            chunk = speech48[(k * 960) % (len(speech48) - 960):][:960]
+            frame = (chunk * (0.5 + rng.random())).astype("<i2").tobytes()
+            k += 1
+        lazy.played(frame, at)
+        eager.played(frame, at)
+        mic16 = C.resample(b"".join(
+            (speech48[(max(0, k - 12 + j) * 960) % (len(speech48) - 960):][:960] // 4).astype("<i2").tobytes()
+            for j in range(10)), PLAYOUT_RATE, VAD_RATE)
+        got_eager = eager.similarity(mic16, at + 0.12)
+        if i % 57 == 0 or i in (121, 135, 301, 399):  # the lazy one is asked now and then
+            got_lazy = lazy.similarity(mic16, at + 0.12)
+            assert got_lazy.similarity == got_eager.similarity and got_lazy.delay_ms == got_eager.delay_ms, i
+            assert np.array_equal(lazy._feats, eager._feats), i  # the ring itself, hop for hop
+            compared += got_eager.similarity > 0
+        at += 0.02
+    assert compared >= 3  # some comparisons found the played speech
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
