@@ -107,8 +107,13 @@ RETRY_AFTER_S = 5.0
 NO_ADMISSION = {"TURNKEEPER_CAPACITY__LATENESS_P99_MS": "0", "TURNKEEPER_CAPACITY__CPU_BUDGET": "0",
                 "TURNKEEPER_CAPACITY__START_GAP_S": "0"}
 TRANSPORTS = ("webrtc", "twilio", "telnyx", "device")
-#: the servers' API token for the default tenant: phone and device callers read their events with it
-TOKENS = {"TURNKEEPER_API_TOKENS": f"default:{BENCH_TOKEN}"}
+
+
+def tokens(transport: str) -> dict[str, str]:
+    """The servers' API token for the default tenant, for phone and device
+    callers (they read their events, and a device gets its token, with it);
+    none for WebRTC, whose page connects without credentials then."""
+    return {} if transport == "webrtc" else {"TURNKEEPER_API_TOKENS": f"default:{BENCH_TOKEN}"}
 
 
 @dataclass
@@ -409,7 +414,7 @@ async def ramp(args: argparse.Namespace, story: bytes, interrupt: bytes, rng: ra
     callers: list[Caller] = []
     stop = asyncio.Event()
     profile: dict[str, Any] | None = None
-    env = {"TURNKEEPER_MAX_SESSIONS": str(max(32, args.max_sessions + 4)), **NO_ADMISSION, **TOKENS}
+    env = {"TURNKEEPER_MAX_SESSIONS": str(max(32, args.max_sessions + 4)), **NO_ADMISSION, **tokens(args.transport)}
     async with server("tk-capacity-", env) as (url, proc), aiohttp.ClientSession() as http:
         progress("reference call (the story alone on the server)...")
         reference = await reference_reception(url, args.transport, story, args.reference_s)
@@ -464,7 +469,7 @@ async def overload(args: argparse.Namespace, capacity: int, story: bytes, interr
     callers: list[Caller] = []
     stop = asyncio.Event()
     steps: list[dict[str, Any]] = []
-    env = {"TURNKEEPER_MAX_SESSIONS": str(max(32, target + 4)), **TOKENS}
+    env = {"TURNKEEPER_MAX_SESSIONS": str(max(32, target + 4)), **tokens(args.transport)}
     async with contextlib.AsyncExitStack() as stack:
         if args.instances > 1:
             redis_url = stack.enter_context(redis_server())
